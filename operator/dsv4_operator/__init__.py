@@ -1,0 +1,1 @@
+"""The DeepSeekV4Deployment operator (kopf). Never imports torch or the engine."""

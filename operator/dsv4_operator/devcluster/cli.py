@@ -1,0 +1,57 @@
+"""``dsv4 dev-cluster``: a local control plane with fake Ascend nodes, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from dsv4_operator.devcluster.binaries import ensure_binaries
+from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster
+from dsv4_operator.devcluster.nodes import FakeNodeSpec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=2, help="fake Ascend nodes to register (default 2)")
+    p.add_argument("--npus-per-node", type=int, default=8, help="NPUs each fake node advertises")
+    p.add_argument(
+        "--npu-resource", default="huawei.com/Ascend910", help="extended resource name of the NPUs"
+    )
+    p.add_argument(
+        "--work-dir", type=Path, default=None, help="state, certs and logs (default: temp)"
+    )
+    p.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="etcd and kube-apiserver only: no controllers, scheduler or nodes",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes < 0:
+        raise SystemExit("dsv4 dev-cluster: error: --nodes must be >= 0")
+    if args.npus_per_node < 0:
+        raise SystemExit("dsv4 dev-cluster: error: --npus-per-node must be >= 0")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="dsv4-dev-cluster-"))
+    spec = FakeNodeSpec(npu_resource=args.npu_resource, npus=args.npus_per_node)
+    config = ClusterConfig(bin_dir=ensure_binaries(), work_dir=work, node_spec=spec)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with LocalCluster(config) as cluster:
+        if not args.control_plane_only:
+            cluster.start_workloads(args.nodes)
+        print(f"API server: {cluster.server}")
+        print(f"export KUBECONFIG={cluster.kubeconfig}")
+        print(f"logs: {cluster.log_dir}")
+        print("Ctrl-C stops the cluster.", flush=True)
+        try:
+            while not stop.wait(1.0):
+                dead = [p.name for p in cluster.processes if not p.running()]
+                if dead:
+                    print(f"components exited: {', '.join(dead)}\n{cluster.logs()}")
+                    return 1
+        except KeyboardInterrupt:
+            pass
+    return 0

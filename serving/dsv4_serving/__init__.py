@@ -1,0 +1,1 @@
+"""The serving stack: engine, gateway and the ``dsv4`` command line."""

@@ -1,0 +1,45 @@
+"""The ``dsv4`` command. Each subcommand's module is imported only when it runs, so
+``dsv4 operator`` never loads torch and ``dsv4 --help`` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+# name -> (module with add_arguments(parser) and run(args) -> int, help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "dev-cluster": (
+        "dsv4_operator.devcluster.cli",
+        "run a local Kubernetes control plane (real binaries) with fake Ascend nodes",
+    ),
+}
+
+
+def _version() -> str:
+    try:
+        return version("dsv4")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dsv4 {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # argument definitions are cheap imports; heavy work happens inside run()
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4_serving.cli import SUBCOMMANDS, build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_subcommand_has_a_parser_and_help() -> None:
+    parser = build_parser()
+    for name in SUBCOMMANDS:
+        args = parser.parse_args([name])
+        assert args.command == name
+
+
+def test_console_script_lists_subcommands() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dsv4_serving.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+def test_unknown_flag_is_named_in_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["dev-cluster", "--nodez", "3"])
+    assert exc.value.code == 2
+    assert "--nodez" in capsys.readouterr().err
+
+
+def test_negative_node_count_is_rejected() -> None:
+    with pytest.raises(SystemExit, match="--nodes must be >= 0"):
+        main(["dev-cluster", "--nodes", "-1"])
+
+
+def test_repo_root_does_not_shadow_stdlib_operator() -> None:
+    # `python -m ...` from the repo root puts it on sys.path; operator/ must not become a package.
+    assert not (REPO / "operator" / "__init__.py").exists()
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import operator, sys; print(operator.__file__); operator.add(1, 2)",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert str(REPO / "operator") not in res.stdout

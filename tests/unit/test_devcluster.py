@@ -1,0 +1,141 @@
+"""Pure parts of the local control plane: PKI, node manifests, process handling, config checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from dsv4_operator.devcluster.certs import LocalPKI
+from dsv4_operator.devcluster.cluster import ClusterConfig, ClusterError, _kubeconfig
+from dsv4_operator.devcluster.nodes import KWOK_ANNOTATION, FakeNodeSpec, fake_node
+from dsv4_operator.devcluster.process import ManagedProcess, free_port
+
+
+def test_serving_cert_chains_to_ca_with_sans(tmp_path: Path) -> None:
+    pki = LocalPKI(tmp_path)
+    pair = pki.issue(
+        "apiserver", "kube-apiserver", server_hosts=["127.0.0.1", "kubernetes"], client=False
+    )
+    ca = x509.load_pem_x509_certificate(pki.ca.cert.read_bytes())
+    cert = x509.load_pem_x509_certificate(pair.cert.read_bytes())
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert sans.get_values_for_type(x509.DNSName) == ["kubernetes"]
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usages) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert oct(pair.key.stat().st_mode & 0o777) == "0o600"
+
+
+def test_client_cert_carries_group_as_organization(tmp_path: Path) -> None:
+    pair = LocalPKI(tmp_path).issue("admin", "dsv4-admin", org="system:masters")
+    cert = x509.load_pem_x509_certificate(pair.cert.read_bytes())
+    assert (
+        cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value == "system:masters"
+    )
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "dsv4-admin"
+
+
+def test_fake_node_advertises_npus_and_is_managed_by_kwok() -> None:
+    node = fake_node(
+        "n0", FakeNodeSpec(npu_resource="huawei.com/Ascend310P", npus=4, labels={"zone": "a"})
+    )
+    assert node["status"]["capacity"]["huawei.com/Ascend310P"] == "4"
+    assert node["status"]["allocatable"] == node["status"]["capacity"]
+    assert node["metadata"]["annotations"][KWOK_ANNOTATION] == "fake"
+    assert node["metadata"]["labels"]["zone"] == "a"
+    assert node["metadata"]["labels"]["kubernetes.io/hostname"] == "n0"
+
+
+def test_kubeconfig_points_at_server_and_client_cert(tmp_path: Path) -> None:
+    pki = LocalPKI(tmp_path)
+    admin = pki.issue("admin", "a", org="system:masters")
+    kc = json.loads(_kubeconfig("https://127.0.0.1:6443", pki.ca.cert, admin, "admin"))
+    assert kc["clusters"][0]["cluster"]["server"] == "https://127.0.0.1:6443"
+    assert kc["users"][0]["user"]["client-key"] == str(admin.key)
+    assert kc["current-context"] == kc["contexts"][0]["name"]
+
+
+def test_missing_binaries_are_named(tmp_path: Path) -> None:
+    (tmp_path / "etcd").touch()
+    with pytest.raises(ClusterError, match="kube-apiserver, kubectl"):
+        ClusterConfig(bin_dir=tmp_path, work_dir=tmp_path / "w")
+
+
+def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
+    # A shell that ignores SIGTERM and has a child: stop() must leave neither behind.
+    pid_file = tmp_path / "child.pid"
+    script = f"trap '' TERM; sleep 300 & echo $! > {pid_file}; wait"
+    proc = ManagedProcess("stubborn", ["bash", "-c", script], tmp_path / "log")
+    proc.start()
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.stop(timeout_s=1.0)
+    assert not proc.running()
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+def test_log_tail_and_exit_code(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        "echo", ["bash", "-c", "for i in 1 2 3; do echo line$i; done; exit 3"], tmp_path / "l.log"
+    )
+    proc.start()
+    deadline = time.monotonic() + 10
+    while proc.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.exit_code() == 3
+    assert proc.tail(2) == "line2\nline3"
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_free_port_differs_between_calls() -> None:
+    assert len({free_port() for _ in range(5)}) > 1
+
+
+def test_child_dies_with_parent(tmp_path: Path) -> None:
+    # The parent python starts a managed `sleep` and is then SIGKILLed: no orphan may remain.
+    code = (
+        "import sys, time; sys.path[:0] = sys.argv[1:2];"
+        "from pathlib import Path;"
+        "from dsv4_operator.devcluster.process import ManagedProcess;"
+        f"p = ManagedProcess('s', ['sleep', '300'], Path({str(tmp_path / 's.log')!r})); p.start();"
+        "print(p.pid, flush=True); time.sleep(300)"
+    )
+    import dsv4_operator
+
+    pkg_root = str(Path(dsv4_operator.__file__).parents[1])
+    parent = subprocess.Popen(["python3", "-c", code, pkg_root], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        # a zombie awaiting reaping by init also counts as gone
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    pytest.fail("managed child outlived its killed parent")
