@@ -31,6 +31,7 @@ from dsv4_operator.devcluster.process import ManagedProcess, free_port
 REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kubectl")
 WORKLOAD_BINARIES = ("kube-controller-manager", "kube-scheduler", "kwok")
 SERVICE_CIDR = "10.96.0.0/16"
+KWOK_STAGES = Path(__file__).with_name("kwok-stages.yaml")
 
 
 class ClusterError(RuntimeError):
@@ -354,6 +355,7 @@ class LocalCluster:
             "kwok",
             [
                 self._bin("kwok"),
+                f"--config={KWOK_STAGES}",
                 f"--kubeconfig={kc}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}={KWOK_ANNOTATION_VALUE}",
