@@ -1,0 +1,10 @@
+"""The DeepSeekV4Deployment API: CRD schema (the single source of truth) and typed spec."""
+
+GROUP = "serving.dsv4.io"
+VERSION = "v1alpha1"
+KIND = "DeepSeekV4Deployment"
+PLURAL = "deepseekv4deployments"
+SINGULAR = "deepseekv4deployment"
+SHORT_NAME = "dsv4"
+API_VERSION = f"{GROUP}/{VERSION}"
+DEFAULT_NPU_RESOURCE = "huawei.com/Ascend910"

@@ -1,0 +1,494 @@
+"""The DeepSeekV4Deployment CRD, built in code: the one source of truth for manifests/ and the chart.
+
+Structural schema with defaults (so the operator sees a complete spec), CEL rules for checks that
+span fields (messages written for the person who made the mistake), a status subresource and
+printer columns. ``scripts/gen-manifests`` writes it out; a test fails if the copies drift.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv4_operator.api import (
+    DEFAULT_NPU_RESOURCE,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAME,
+    SINGULAR,
+    VERSION,
+)
+from dsv4_operator.api.schema import (
+    Schema,
+    boolean,
+    integer,
+    number,
+    obj,
+    opaque,
+    resources,
+    string,
+    string_list,
+    string_map,
+)
+
+DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
+MAX_NAME = 40  # children append "-prefill-NN-ranktable"; pod names must stay DNS labels (63)
+
+_NAME_RULE = (
+    f"self.metadata.name.size() <= {MAX_NAME} && "
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    f"metadata.name must be a DNS label of at most {MAX_NAME} characters starting with a letter "
+    "(it prefixes the names of the Services and pods the operator creates)",
+)
+
+
+def _model() -> Schema:
+    return obj(
+        {
+            "path": string(
+                "Checkpoint directory on every node (mounted read-only from the host).",
+                pattern="^/",
+                max_length=1024,
+            ),
+            "pvc": obj(
+                {
+                    "claimName": string(
+                        "PersistentVolumeClaim holding the checkpoint.",
+                        min_length=1,
+                        max_length=253,
+                    ),
+                    "subPath": string("Directory inside the volume.", default="", max_length=1024),
+                },
+                required=["claimName"],
+                description="Checkpoint on a PersistentVolumeClaim (ReadOnlyMany or ReadWriteMany).",
+            ),
+            "preset": string(
+                "A model built into the engine image (e.g. dsv4-tiny, for CPU smoke tests).",
+                pattern="^[a-z0-9][-a-z0-9.]*$",
+                max_length=63,
+            ),
+            "architecture": string(
+                "config.json 'architectures' entry; selects the engine's model class.",
+                default="DeepseekV4ForCausalLM",
+                enum=["DeepseekV4ForCausalLM", "DeepseekV3ForCausalLM"],
+            ),
+            "dtype": string(
+                "Compute dtype.",
+                default="bfloat16",
+                enum=["auto", "bfloat16", "float16", "float32"],
+            ),
+            "quantization": string(
+                "Weight format of the checkpoint; quantized formats are dequantized or run natively.",
+                default="none",
+                enum=["none", "fp8", "fp4", "w8a8"],
+            ),
+            "servedName": string(
+                "Model name clients send in requests.", min_length=1, max_length=253
+            ),
+            "maxModelLen": integer("Context length limit (tokens).", default=65536, minimum=16),
+        },
+        required=["servedName"],
+        rules=[
+            (
+                "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.preset) ? 1 : 0) == 1",
+                "model: set exactly one of path, pvc or preset",
+            )
+        ],
+        description="What to serve and where the weights are.",
+    )
+
+
+def _parallelism() -> Schema:
+    return obj(
+        {
+            "tp": integer(
+                "Tensor-parallel size (attention heads split across ranks).",
+                default=8,
+                minimum=1,
+                maximum=256,
+            ),
+            "dp": integer(
+                "Data-parallel ranks per instance (DPLB balances across them).",
+                default=1,
+                minimum=1,
+                maximum=256,
+            ),
+            "ep": integer("Expert-parallel size; default tp*dp.", minimum=1, maximum=1024),
+        },
+        rules=[
+            (
+                "!has(self.ep) || (self.tp * self.dp) % self.ep == 0",
+                "parallelism.ep must divide tp * dp",
+            )
+        ],
+        default={},
+    )
+
+
+def _role(role: str) -> Schema:
+    return obj(
+        {
+            "instances": integer(
+                f"Number of {role} instances (each one engine, possibly over several nodes).",
+                default=1,
+                minimum=0,
+                maximum=512,
+            ),
+            "nodesPerInstance": integer(
+                "Nodes (pods) one instance spans.", default=1, minimum=1, maximum=64
+            ),
+            "npusPerNode": integer(
+                "NPUs each pod requests; 0 runs on CPU (development only).",
+                default=8,
+                minimum=0,
+                maximum=16,
+            ),
+            "parallelism": _parallelism(),
+            "mtpTokens": integer(
+                "MTP speculative tokens per step (0 disables).", default=1, minimum=0, maximum=3
+            ),
+            "engineArgs": string_list("Extra engine command-line arguments, appended last."),
+            "env": string_map("Extra environment variables for the engine container."),
+            "resources": resources(
+                "CPU/memory for the engine container; NPUs are added by the operator."
+            ),
+            "shmSize": {
+                **string(
+                    "Size of the in-memory /dev/shm shared with the KV sidecar.",
+                    default="16Gi",
+                    max_length=32,
+                )
+            },
+            "startupTimeoutSeconds": integer(
+                "How long weight loading may take before the startup probe fails the pod.",
+                default=1800,
+                minimum=30,
+            ),
+            "terminationGracePeriodSeconds": integer(
+                "Time to drain in-flight requests on shutdown.",
+                default=120,
+                minimum=0,
+                maximum=3600,
+            ),
+        },
+        rules=[
+            (
+                "self.npusPerNode == 0 ? self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance"
+                " : self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance * self.npusPerNode",
+                f"{role}: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode "
+                "(one rank per NPU; with npusPerNode 0, one rank per pod)",
+            )
+        ],
+        default={},
+        description=f"The {role} role.",
+    )
+
+
+def _kv_transfer() -> Schema:
+    return obj(
+        {
+            "transport": string(
+                "How KV moves from prefill to decode: hccl (Ascend), rdma (Mooncake), tcp.",
+                default="hccl",
+                enum=["hccl", "tcp", "rdma"],
+            ),
+            "port": integer("KV sidecar port.", default=14579, minimum=1024, maximum=65535),
+            "leaseSeconds": integer(
+                "How long prefill keeps KV blocks for a decode that has not pulled them.",
+                default=30,
+                minimum=1,
+                maximum=3600,
+            ),
+            "sidecarImage": string("KV sidecar image; default the engine image.", max_length=512),
+            "sidecarResources": resources("CPU/memory for the KV sidecar container."),
+        },
+        default={},
+    )
+
+
+def _gateway() -> Schema:
+    return obj(
+        {
+            "replicas": integer("Gateway replicas.", default=1, minimum=0, maximum=64),
+            "image": string("Gateway image; default the engine image.", max_length=512),
+            "routingPolicy": string(
+                "How the gateway picks instances.",
+                default="dplb",
+                enum=["dplb", "least_load", "round_robin"],
+            ),
+            "serviceType": string(
+                "Type of the gateway Service.",
+                default="ClusterIP",
+                enum=["ClusterIP", "NodePort", "LoadBalancer"],
+            ),
+            "port": integer("Gateway Service port.", default=8000, minimum=1, maximum=65535),
+            "apiKeySecret": obj(
+                {
+                    "name": string("Secret name.", min_length=1, max_length=253),
+                    "key": string(
+                        "Key in the Secret.", default="api-key", min_length=1, max_length=253
+                    ),
+                },
+                required=["name"],
+                description="Require this API key from clients (Authorization: Bearer).",
+            ),
+            "resources": resources("CPU/memory for the gateway container."),
+        },
+        default={},
+    )
+
+
+def _bounds(role: str) -> Schema:
+    return obj(
+        {
+            "min": integer(f"Fewest {role} instances.", default=1, minimum=0, maximum=512),
+            "max": integer(f"Most {role} instances.", default=4, minimum=0, maximum=512),
+        },
+        rules=[("self.min <= self.max", f"autoscaling.{role}: min must be <= max")],
+        default={},
+    )
+
+
+def _autoscaling() -> Schema:
+    return obj(
+        {
+            "enabled": boolean("Scale prefill on TTFT and decode on TPOT.", default=False),
+            "ttftSeconds": number("TTFT objective (p90, seconds).", default=2.0, minimum=0.001),
+            "tpotSeconds": number("TPOT objective (p90, seconds).", default=0.05, minimum=0.0001),
+            "prefill": _bounds("prefill"),
+            "decode": _bounds("decode"),
+        },
+        default={},
+    )
+
+
+def _scheduling() -> Schema:
+    return obj(
+        {
+            "npuResourceName": string(
+                "Extended resource of the NPU device plugin.",
+                default=DEFAULT_NPU_RESOURCE,
+                pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+                max_length=253,
+            ),
+            "workload": string(
+                "Workload kind for multi-node instances.",
+                default="StatefulSet",
+                enum=["StatefulSet", "LeaderWorkerSet"],
+            ),
+            "nodeSelector": string_map("Node labels engine pods require."),
+            "tolerations": opaque("Tolerations for engine pods.", array=True),
+            "affinity": opaque("Affinity for engine pods."),
+            "topologySpreadConstraints": opaque("Topology spread for engine pods.", array=True),
+            "priorityClassName": string("Priority class of engine pods.", max_length=253),
+        },
+        default={},
+    )
+
+
+def _features() -> Schema:
+    return obj(
+        {
+            "eplb": obj(
+                {
+                    "enabled": boolean("Expert-parallel load balancing.", default=False),
+                    "redundantExperts": integer(
+                        "Extra expert replicas per rank.", default=0, minimum=0, maximum=64
+                    ),
+                    "intervalSteps": integer(
+                        "Steps between expert re-placements.", default=600, minimum=1
+                    ),
+                },
+                default={},
+            ),
+            "mlapo": boolean("Fused MLA preprocessing kernels (on Ascend).", default=True),
+            "c8": string(
+                "8-bit KV block mode for sparse attention; auto follows the model.",
+                default="auto",
+                enum=["auto", "on", "off"],
+            ),
+            "hccnConf": obj(
+                {
+                    "enabled": boolean(
+                        "Mount the host's hccn.conf (NPU network config).", default=True
+                    ),
+                    "hostPath": string(
+                        "Where hccn.conf is on the node.", default="/etc/hccn.conf", pattern="^/"
+                    ),
+                },
+                default={},
+            ),
+            "privileged": boolean("Run engine containers privileged (opt-in).", default=False),
+        },
+        default={},
+    )
+
+
+def spec_schema() -> Schema:
+    return obj(
+        {
+            "model": _model(),
+            "engine": obj(
+                {
+                    "image": string(
+                        "Engine image.", default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512
+                    ),
+                    "imagePullPolicy": string(
+                        "Pull policy.",
+                        default="IfNotPresent",
+                        enum=["Always", "IfNotPresent", "Never"],
+                    ),
+                    "imagePullSecrets": string_list("Secrets for pulling images.", max_items=16),
+                },
+                default={},
+            ),
+            "prefill": _role("prefill"),
+            "decode": _role("decode"),
+            "kvTransfer": _kv_transfer(),
+            "gateway": _gateway(),
+            "autoscaling": _autoscaling(),
+            "scheduling": _scheduling(),
+            "features": _features(),
+        },
+        required=["model"],
+        rules=[
+            (
+                "self.prefill.parallelism.tp >= self.decode.parallelism.tp && "
+                "self.prefill.parallelism.tp % self.decode.parallelism.tp == 0",
+                "prefill.parallelism.tp must be >= decode.parallelism.tp and a multiple of it",
+            ),
+            (
+                "self.kvTransfer.transport != 'hccl' || "
+                "(self.prefill.npusPerNode > 0 && self.decode.npusPerNode > 0)",
+                "kvTransfer.transport hccl needs NPUs on both roles (npusPerNode > 0); use tcp on CPU",
+            ),
+        ],
+    )
+
+
+def _role_status() -> Schema:
+    return obj(
+        {
+            "desired": integer("Instances wanted."),
+            "ready": integer("Instances whose every pod is ready."),
+            "summary": string("ready/desired, for kubectl get."),
+        }
+    )
+
+
+def status_schema() -> Schema:
+    condition = obj(
+        {
+            "type": string("Ready, Progressing or Degraded."),
+            "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": string("CamelCase reason."),
+            "message": string("Human-readable detail."),
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64"},
+        },
+        required=["type", "status"],
+    )
+    return obj(
+        {
+            "observedGeneration": {"type": "integer", "format": "int64"},
+            "phase": string("Pending, Progressing, Ready or Degraded."),
+            "prefill": _role_status(),
+            "decode": _role_status(),
+            "gateway": obj(
+                {
+                    "endpoint": string("In-cluster URL of the gateway."),
+                    "ready": integer("Ready gateway replicas."),
+                }
+            ),
+            "metrics": obj(
+                {
+                    "ttft": string("Observed p90 time to first token."),
+                    "tpot": string("Observed p90 time per output token."),
+                }
+            ),
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+        },
+        description="Observed state, written by the operator.",
+    )
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "Prefill",
+            "type": "string",
+            "jsonPath": ".status.prefill.summary",
+            "description": "ready/desired prefill instances",
+        },
+        {
+            "name": "Decode",
+            "type": "string",
+            "jsonPath": ".status.decode.summary",
+            "description": "ready/desired decode instances",
+        },
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {
+            "name": "TTFT",
+            "type": "string",
+            "jsonPath": ".status.metrics.ttft",
+            "description": "p90 time to first token",
+        },
+        {
+            "name": "TPOT",
+            "type": "string",
+            "jsonPath": ".status.metrics.tpot",
+            "description": "p90 time per output token",
+        },
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object, as applied to a cluster."""
+    root = obj(
+        {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        required=["spec"],
+        rules=[_NAME_RULE],
+        description="A DeepSeek V4 (or V3) deployment with disaggregated prefill and decode on Ascend NPUs.",
+    )
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/component": "crd"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": [SHORT_NAME],
+                "categories": ["all", "dsv4"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": printer_columns(),
+                }
+            ],
+        },
+    }

@@ -1,0 +1,143 @@
+"""desired_children: the whole set of objects one DeepSeekV4Deployment should own."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role, RoleSpec
+from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.gateway import gateway_objects
+from dsv4_operator.reconcile.network import (
+    disruption_budgets,
+    gateway_service,
+    network_policies,
+    role_service,
+)
+from dsv4_operator.reconcile.ranktable import PodPlacement, rank_table
+from dsv4_operator.reconcile.workloads import engine_workloads
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the handlers observed in the cluster; everything else is derived from the spec."""
+
+    kv_token: str
+    """The KV sidecars' shared secret: the existing Secret's, or a fresh one on first reconcile."""
+    placements: dict[tuple[Role, int], list[PodPlacement]] = field(default_factory=dict)
+    """Engine pods per (role, instance), for the HCCL rank tables."""
+    lws_available: bool = False
+    """Whether the LeaderWorkerSet CRD is installed."""
+
+
+class ReconcileError(ValueError):
+    """The spec asks for something this cluster cannot provide; the message says what."""
+
+
+def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
+    """Deployment-wide settings every engine reads (the roles' own flags are on the command line)."""
+    m = spec.model
+    return {
+        "deployment": spec.name,
+        "model": {
+            "architecture": m.architecture,
+            "dtype": m.dtype,
+            "quantization": m.quantization,
+            "servedName": m.served_name,
+            "maxModelLen": m.max_model_len,
+        },
+        "kvTransfer": {k: spec.kv[k] for k in ("transport", "port", "leaseSeconds")},
+        "roles": {
+            r: {
+                "tp": spec.role(r).parallelism.tp,
+                "dp": spec.role(r).parallelism.dp,
+                "ep": spec.role(r).parallelism.ep,
+                "nodesPerInstance": spec.role(r).nodes_per_instance,
+                "npusPerNode": spec.role(r).npus_per_node,
+            }
+            for r in ROLES
+        },
+        "features": spec.features,
+    }
+
+
+def _configmap(
+    spec: DeploymentSpec, name: str, labels: dict[str, str], data: dict[str, str]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": names.metadata(spec, name, labels),
+        "data": data,
+    }
+
+
+def _ranktables(
+    spec: DeploymentSpec, role: RoleSpec, facts: Facts, use_lws: bool
+) -> list[dict[str, Any]]:
+    if not role.on_npu:
+        return []
+    tables = {
+        i: rank_table(
+            facts.placements.get((role.role, i), []), role.nodes_per_instance, role.npus_per_node
+        )
+        for i in range(role.instances)
+    }
+    if use_lws:
+        data = {f"hccl-{i}.json": json.dumps(t, indent=2) for i, t in tables.items()}
+        return [
+            _configmap(
+                spec,
+                names.ranktables_name(spec, role.role),
+                names.role_labels(spec, role.role),
+                data,
+            )
+        ]
+    return [
+        _configmap(
+            spec,
+            names.ranktable_name(spec, role.role, i),
+            names.instance_labels(spec, role.role, i),
+            {"hccl.json": json.dumps(t, indent=2)},
+        )
+        for i, t in tables.items()
+    ]
+
+
+def desired_children(spec: DeploymentSpec, facts: Facts) -> list[dict[str, Any]]:
+    """Every child object, fully specified, in an order that is safe to apply front to back."""
+    use_lws = spec.scheduling["workload"] == "LeaderWorkerSet"
+    if use_lws and not facts.lws_available:
+        raise ReconcileError(
+            "scheduling.workload is LeaderWorkerSet but the LeaderWorkerSet CRD "
+            "(leaderworkersets.leaderworkerset.x-k8s.io) is not installed; install LWS or use StatefulSet"
+        )
+    objs: list[dict[str, Any]] = [
+        _configmap(
+            spec,
+            names.engine_config_name(spec),
+            names.base_labels(spec, "engine"),
+            {"engine.json": json.dumps(engine_config(spec), indent=2, sort_keys=True)},
+        ),
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": names.metadata(
+                spec, names.kv_secret_name(spec), names.base_labels(spec, "kv-transfer")
+            ),
+            "type": "Opaque",
+            "data": {"token": base64.b64encode(facts.kv_token.encode()).decode()},
+        },
+    ]
+    for r in ROLES:
+        role = spec.role(r)
+        objs.append(role_service(spec, r))
+        objs += _ranktables(spec, role, facts, use_lws)
+        objs += engine_workloads(spec, role, use_lws)
+    objs += gateway_objects(spec)
+    objs.append(gateway_service(spec))
+    objs += disruption_budgets(spec)
+    objs += network_policies(spec)
+    return objs

@@ -1,0 +1,105 @@
+"""The gateway: Deployment, Service account and the RBAC to watch engine EndpointSlices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv4_operator.api.spec import DeploymentSpec
+from dsv4_operator.reconcile import names
+
+
+def gateway_command(spec: DeploymentSpec) -> list[str]:
+    return [
+        "dsv4",
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(names.GATEWAY_PORT),
+        "--policy",
+        str(spec.gateway["routingPolicy"]),
+        "--served-model-name",
+        spec.model.served_name,
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        spec.namespace,
+        "--selector",
+        f"{names.DEPLOYMENT_LABEL}={spec.name}",
+    ]
+
+
+def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    labels = names.gateway_labels(spec)
+    name = names.gateway_name(spec)
+    env: list[dict[str, Any]] = []
+    secret = spec.gateway.get("apiKeySecret")
+    if secret:
+        env.append(
+            {
+                "name": "DSV4_GATEWAY_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
+            }
+        )
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": names.metadata(spec, name, labels),
+        "spec": {
+            "replicas": int(spec.gateway["replicas"]),
+            "selector": {"matchLabels": names.selector_for(labels)},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": name,
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                    "containers": [
+                        {
+                            "name": "gateway",
+                            "image": spec.gateway_image,
+                            "imagePullPolicy": spec.image_pull_policy,
+                            "command": gateway_command(spec),
+                            "env": env,
+                            "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
+                            "resources": spec.gateway.get("resources")
+                            or {"requests": {"cpu": "1", "memory": "1Gi"}},
+                            "readinessProbe": probe,
+                            "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+                            "securityContext": {
+                                "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]},
+                                "readOnlyRootFilesystem": True,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": names.metadata(spec, name, labels),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": names.metadata(spec, name, labels),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": names.metadata(spec, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
+    }
+    return [account, role, binding, deployment]
