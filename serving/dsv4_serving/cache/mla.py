@@ -1,0 +1,45 @@
+"""DeepSeek V3's MLA latent cache: one paged row per token and layer.
+
+``latent[block, j]`` holds ``[kv_a_norm(c_kv) (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim)]``
+of token ``b * block_size + j``; the per-head keys and values are re-expanded from it through
+``kv_b_proj`` at attention time. No per-sequence state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_serving.models.config import DeepseekV3Config
+
+
+@dataclass(slots=True)
+class MLAKVCache:
+    block_size: int
+    latent: list[torch.Tensor]  # per layer (model layers, then MTP layers)
+
+    @classmethod
+    def allocate(
+        cls,
+        config: DeepseekV3Config,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> MLAKVCache:
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        n = config.num_hidden_layers + config.num_nextn_predict_layers
+        return cls(
+            block_size,
+            [
+                torch.zeros((num_blocks, block_size, width), device=device, dtype=dtype)
+                for _ in range(n)
+            ],
+        )
+
+    @staticmethod
+    def bytes_per_block(config: DeepseekV3Config, block_size: int, itemsize: int) -> int:
+        n = config.num_hidden_layers + config.num_nextn_predict_layers
+        return n * block_size * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize

@@ -1,0 +1,108 @@
+"""DeepSeek V4's hybrid KV cache: what the model reads and writes, per layer.
+
+Per sequence (``state_slot`` rows, fixed size, overwritten in place):
+  - ``window[slot, p % W]``: the shared K=V row (head_dim) of token ``p``, for the last
+    ``W = sliding_window`` tokens.
+  - ``comp_state[slot, p % S]`` (compressed layers): the compressor's raw projections
+    ``[kv | gate]`` of token ``p`` for the last ``S`` tokens, ``S = ratio`` for HCA and
+    ``2 * ratio`` for CSA (its entries overlap the previous window); with it the unfinished
+    block continues exactly where the last step stopped.
+  - ``index_state`` (CSA): the same for the lightning indexer's compressor.
+Paged by the sequence's block table (grow with the sequence):
+  - ``comp[block, j]``: compressed entry ``b * (block_size // ratio) + j`` (head_dim).
+  - ``index[block, j]`` (CSA): the indexer's compressed key of that entry (index_head_dim).
+
+A sequence's state rows are valid only for positions below its ``context_len``; the model
+never reads beyond, so a slot needs no clearing when the engine hands it to a new sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_serving.models.config import DeepseekV4Config
+
+
+@dataclass(slots=True)
+class V4LayerCache:
+    ratio: int  # 0 = window only
+    window: torch.Tensor
+    comp: torch.Tensor | None = None
+    comp_state: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    index_state: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for t in (self.window, self.comp, self.comp_state, self.index, self.index_state)
+            if t is not None
+        ]
+
+
+@dataclass(slots=True)
+class V4KVCache:
+    block_size: int
+    layers: list[V4LayerCache]  # the model's layers, then its MTP layers
+
+    @classmethod
+    def allocate(
+        cls,
+        config: DeepseekV4Config,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> V4KVCache:
+        for r in (config.csa_ratio, config.hca_ratio):
+            if block_size % r:
+                raise ValueError(f"block_size {block_size} is not a multiple of ratio {r}")
+        d, di, w = config.head_dim, config.index_head_dim, config.sliding_window
+        layers = []
+        for layer in range(config.num_hidden_layers + config.num_nextn_predict_layers):
+            r = config.layer_ratio(layer)
+            lc = V4LayerCache(r, torch.zeros((num_slots, w, d), device=device, dtype=dtype))
+            if r:
+                coff = 2 if r == config.csa_ratio else 1
+                lc.comp = torch.zeros((num_blocks, block_size // r, d), device=device, dtype=dtype)
+                lc.comp_state = torch.zeros(
+                    (num_slots, coff * r, 2 * coff * d), device=device, dtype=dtype
+                )
+                if r == config.csa_ratio:
+                    lc.index = torch.zeros(
+                        (num_blocks, block_size // r, di), device=device, dtype=dtype
+                    )
+                    lc.index_state = torch.zeros(
+                        (num_slots, 2 * r, 4 * di), device=device, dtype=dtype
+                    )
+            layers.append(lc)
+        return cls(block_size, layers)
+
+    @staticmethod
+    def bytes_per_block(config: DeepseekV4Config, block_size: int, itemsize: int) -> int:
+        """Paged bytes one block costs across all layers (for sizing the block pool)."""
+        total = 0
+        for layer in range(config.num_hidden_layers + config.num_nextn_predict_layers):
+            r = config.layer_ratio(layer)
+            if r:
+                total += (block_size // r) * config.head_dim
+                if r == config.csa_ratio:
+                    total += (block_size // r) * config.index_head_dim
+        return total * itemsize
+
+    @staticmethod
+    def bytes_per_slot(config: DeepseekV4Config, itemsize: int) -> int:
+        """Fixed per-sequence bytes across all layers (window ring + compressor states)."""
+        total = 0
+        for layer in range(config.num_hidden_layers + config.num_nextn_predict_layers):
+            r = config.layer_ratio(layer)
+            total += config.sliding_window * config.head_dim
+            if r:
+                coff = 2 if r == config.csa_ratio else 1
+                total += coff * r * 2 * coff * config.head_dim
+                if r == config.csa_ratio:
+                    total += 2 * r * 4 * config.index_head_dim
+        return total * itemsize

@@ -1,0 +1,158 @@
+"""Mixture-of-experts FFNs over a flat batch of tokens.
+
+Routed experts are stored stacked (``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]) so one gather
+serves a batch; the loader maps per-expert checkpoint tensors into the stack.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``; with ``limit`` > 0 the gate is clamped above at ``limit`` and
+    the up projection to ``[-limit, limit]`` (V4's clamped SwiGLU)."""
+
+    def __init__(self, dim: int, inter: int, limit: float = 0.0) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit > 0:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, dim: int, inter: int, limit: float = 0.0) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
+        self.limit = limit
+        self.num_experts = num_experts
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, D], ``idx``/``weights`` [T, k] -> [T, D]."""
+        out = torch.zeros_like(x)
+        flat_idx = idx.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
+        token_of = order // idx.shape[1]
+        w_flat = weights.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            rows = token_of[start : start + c]
+            xs = x[rows]
+            gate, up = xs @ self.w1[e].t(), xs @ self.w3[e].t()
+            if self.limit > 0:
+                gate = gate.clamp(max=self.limit)
+                up = up.clamp(min=-self.limit, max=self.limit)
+            y = (F.silu(gate) * up) @ self.w2[e].t()
+            out.index_add_(0, rows, (y * w_flat[start : start + c, None]).to(out.dtype))
+            start += c
+        return out
+
+
+class V4Gate(nn.Module):
+    """V4 router: ``sqrtsoftplus`` scores; the bias only steers selection; hash layers select
+    by a frozen token -> experts table instead."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, vocab: int, hashed: bool,
+                 scoring: str, route_scale: float) -> None:  # fmt: skip
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.top_k = top_k
+        self.hashed = hashed
+        self.scoring = scoring
+        self.route_scale = route_scale
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(vocab, top_k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(num_experts))
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scoring == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.scoring == "sigmoid":
+            return logits.sigmoid()
+        if self.scoring == "softmax":
+            return logits.softmax(dim=-1)
+        raise ValueError(f"unknown scoring_func {self.scoring!r}")
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.scores(F.linear(x, self.weight))
+        if self.hashed:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = torch.topk(s + self.bias, self.top_k, dim=-1, sorted=False).indices
+        w = s.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, w * self.route_scale
+
+
+class V4MoE(nn.Module):
+    def __init__(self, dim: int, inter: int, num_experts: int, top_k: int, vocab: int,
+                 hashed: bool, scoring: str, route_scale: float, limit: float,
+                 n_shared: int) -> None:  # fmt: skip
+        super().__init__()
+        self.gate = V4Gate(dim, num_experts, top_k, vocab, hashed, scoring, route_scale)
+        self.experts = Experts(num_experts, dim, inter, limit)
+        self.shared_experts = SwiGLU(dim, inter * n_shared, limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x, input_ids)
+        return self.experts(x, idx, w) + self.shared_experts(x)
+
+
+class V3Gate(nn.Module):
+    """V3 router: sigmoid scores, bias-steered selection limited to the top ``topk_group``
+    of ``n_group`` expert groups (a group scores as the sum of its two best experts)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk: bool, route_scale: float) -> None:  # fmt: skip
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk, self.route_scale = norm_topk, route_scale
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = s + self.bias.float()
+        t, e = choice.shape
+        groups = choice.view(t, self.n_group, e // self.n_group)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False).indices
+        gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~gmask.repeat_interleave(e // self.n_group, dim=1), -torch.inf)
+        idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        w = s.gather(1, idx)
+        if self.norm_topk:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, (w * self.route_scale).to(x.dtype)
+
+
+class V3MoE(nn.Module):
+    def __init__(self, dim: int, inter: int, num_experts: int, top_k: int, n_group: int,
+                 topk_group: int, norm_topk: bool, route_scale: float,
+                 n_shared: int) -> None:  # fmt: skip
+        super().__init__()
+        self.gate = V3Gate(dim, num_experts, top_k, n_group, topk_group, norm_topk, route_scale)
+        self.experts = Experts(num_experts, dim, inter)
+        self.shared_experts = SwiGLU(dim, inter * n_shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x)
+        return self.experts(x, idx, w) + self.shared_experts(x)

@@ -1,0 +1,284 @@
+"""DeepSeek V4 attention over a flat batch, reading and writing the hybrid cache.
+
+One shared K=V head (``head_dim``) per token, with RoPE on its trailing ``qk_rope_head_dim``
+channels; every layer attends to a ``sliding_window`` of recent tokens plus, on compressed
+layers, to compressed entries: HCA (ratio ``m'``) pools each block of ``m'`` tokens into one
+entry, CSA (ratio ``m``) pools overlapping ``2m``-token spans and a lightning indexer keeps the
+``index_topk`` best entries per query. Entry ``w`` becomes visible to a query at position ``t``
+once its block is complete: ``w < (t + 1) // ratio``. Per-head sinks join the softmax
+denominator; the output's rope channels are rotated back by the query's angle, then a grouped
+low-rank projection mixes the heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4_serving.cache.metadata import AttentionMetadata
+from dsv4_serving.cache.paged import gather_entries, scatter_entries
+from dsv4_serving.cache.v4 import V4LayerCache
+from dsv4_serving.layers.norm import RMSNorm, rms_norm
+from dsv4_serving.layers.rope import Rotary, rotate_tail_interleaved
+from dsv4_serving.models.config import DeepseekV4Config
+
+
+class Compressor(nn.Module):
+    """Gated pooling of ``ratio`` tokens (two overlapping series when ``overlap``)."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        coff = 2 if overlap else 1
+        self.wkv = nn.Linear(dim, coff * head_dim, bias=False)
+        self.wgate = nn.Linear(dim, coff * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim))
+        self.norm = RMSNorm(head_dim, eps)
+        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+
+    @property
+    def state_len(self) -> int:
+        return (2 if self.overlap else 1) * self.ratio
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw per-token state ``[kv | gate]``, what the cache keeps for unfinished blocks."""
+        return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
+
+    def pool(
+        self, proj: torch.Tensor, base: int, first_w: int, n_win: int, rotary: Rotary
+    ) -> torch.Tensor:
+        """Entries ``first_w .. first_w + n_win - 1`` from ``proj`` rows at positions
+        ``base ..`` -> ``[n_win, head_dim]``, normed and rotated at their block start."""
+        r, d = self.ratio, self.head_dim
+        width = proj.shape[-1] // 2
+        kv, gate = proj[:, :width], proj[:, width:]
+        wins = torch.arange(first_w, first_w + n_win, device=proj.device)
+        offs = torch.arange(r, device=proj.device)
+        cur = wins[:, None] * r - base + offs[None, :]  # [n_win, r] rows of the block itself
+        ape = self.ape.float()
+        if not self.overlap:
+            k = kv[cur].float()
+            g = gate[cur].float() + ape
+        else:
+            k_cur = kv[cur][..., d:].float()
+            g_cur = gate[cur][..., d:].float() + ape[:, d:]
+            prev = (cur - r).clamp(min=0)
+            has_prev = (wins >= 1)[:, None, None]
+            k_prev = torch.where(has_prev, kv[prev][..., :d].float(), 0.0)
+            g_prev = torch.where(has_prev, gate[prev][..., :d].float() + ape[:, :d], -torch.inf)
+            k = torch.cat((k_prev, k_cur), dim=1)
+            g = torch.cat((g_prev, g_cur), dim=1)
+        pooled = (k * g.softmax(dim=1)).sum(dim=1).to(proj.dtype)
+        pooled = self.norm(pooled)
+        cos, sin = rotary.cos_sin(wins * r)
+        return rotate_tail_interleaved(pooled, cos, sin)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ``score(t, w) = sum_h relu(q_th . k_w) * scale * weight_th``."""
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary,
+                 rotary_comp: Rotary) -> None:  # fmt: skip
+        super().__init__()
+        d, h = cfg.head_dim, cfg.num_attention_heads
+        self.n_heads, self.head_dim, self.window = h, d, cfg.sliding_window
+        self.o_groups = cfg.o_groups
+        self.eps = cfg.rms_norm_eps
+        self.ratio = cfg.layer_ratio(layer)
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.ratio:
+            csa = self.ratio == cfg.csa_ratio
+            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, csa, cfg.rms_norm_eps)
+            if csa:
+                self.indexer = Indexer(cfg, self.ratio)
+        # window-only layers use the plain rope; compressed layers the YaRN "compress" rope
+        self.rotary = rotary_comp if self.ratio else rotary_main
+        self.rotary_comp = rotary_comp
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, cache: V4LayerCache
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h, d = self.n_heads, self.head_dim
+        cos, sin = self.rotary.cos_sin(meta.positions)
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
+        q = rotate_tail_interleaved(q, cos, sin)
+        kv = rotate_tail_interleaved(self.kv_norm(self.wkv(x)), cos, sin)
+
+        comp_proj = self.compressor.project(x) if self.compressor is not None else None
+        idx_q = idx_w = idx_proj = None
+        if self.indexer is not None:
+            ix = self.indexer
+            ccos, csin = self.rotary_comp.cos_sin(meta.positions)
+            idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
+            idx_q = rotate_tail_interleaved(idx_q, ccos, csin)
+            idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
+            idx_proj = ix.compressor.project(x)
+
+        out = torch.empty_like(q)
+        for i in range(meta.num_seqs):
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[a:b] = self._sequence(
+                i, a, b, q[a:b], kv[a:b], comp_proj, idx_q, idx_w, idx_proj, meta, cache
+            )
+        out = rotate_tail_interleaved(out, cos, sin, inverse=True)
+        g = self.o_groups
+        wo_a = self.wo_a.weight.view(g, -1, h * d // g)
+        grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wo_a)
+        return self.wo_b(grouped.flatten(1))
+
+    def _sequence(
+        self,
+        i: int,
+        a: int,
+        b: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        comp_proj: torch.Tensor | None,
+        idx_q: torch.Tensor | None,
+        idx_w: torch.Tensor | None,
+        idx_proj: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: V4LayerCache,
+    ) -> torch.Tensor:
+        ctx, n, slot = meta.context_lens[i], b - a, meta.state_slots[i]
+        w_len = self.window
+        dev = q.device
+        qpos = torch.arange(ctx, ctx + n, device=dev)
+        # read everything from the rings before this step overwrites them
+        prev_start = max(0, ctx - w_len + 1)
+        prev_pos = torch.arange(prev_start, ctx, device=dev)
+        keys = torch.cat((cache.window[slot, prev_pos % w_len], kv), dim=0)
+        kpos = torch.cat((prev_pos, qpos))
+        comp = idx_keys = None
+        if self.compressor is not None:
+            assert comp_proj is not None
+            block_row = meta.block_tables[i]
+            comp, idx_keys = self._compress_step(
+                i, a, b, ctx, n, slot, block_row, comp_proj, idx_proj, cache
+            )
+        self._write_window(cache, slot, ctx, kv)
+
+        scale = self.head_dim**-0.5
+        logits = torch.einsum("nhd,kd->hnk", q.float(), keys.float()) * scale
+        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w_len)
+        logits = logits.masked_fill(~allowed[None], -torch.inf)
+        parts = [logits]
+        values = [keys]
+        if comp is not None and comp.shape[0] > 0:
+            r = self.ratio
+            e = comp.shape[0]
+            visible = torch.arange(e, device=dev)[None, :] < ((qpos + 1) // r)[:, None]  # [n, E]
+            if self.indexer is not None:
+                assert idx_q is not None and idx_w is not None and idx_keys is not None
+                visible = visible & self._select(idx_q[a:b], idx_w[a:b], idx_keys, visible)
+            cl = torch.einsum("nhd,ed->hne", q.float(), comp.float()) * scale
+            parts.append(cl.masked_fill(~visible[None], -torch.inf))
+            values.append(comp)
+        sink = self.attn_sink.float().view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.cat([*parts, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        v = torch.cat(values, dim=0).float()
+        return torch.einsum("hnk,kd->nhd", probs, v).to(q.dtype)
+
+    def _select(
+        self, iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Indexer top-k over the visible entries: [n, E] bool."""
+        assert self.indexer is not None
+        scores = torch.einsum("nhd,ed->nhe", iq.float(), ik.float()).relu()
+        scores = scores * self.indexer.head_dim**-0.5
+        scores = (scores * iw[:, :, None]).sum(dim=1)  # [n, E]
+        scores = scores.masked_fill(~visible, -torch.inf)
+        k = min(self.indexer.topk, scores.shape[1])
+        # a stable sort breaks ties (ReLU makes exact zeros common) by entry order, so a
+        # query picks the same entries whether its sequence arrived whole, chunked or
+        # decoded token by token; topk's tie order depends on the number of entries
+        top = torch.argsort(scores, dim=-1, descending=True, stable=True)[:, :k]
+        chosen = torch.zeros_like(visible)
+        chosen.scatter_(1, top, True)
+        return chosen
+
+    def _write_window(self, cache: V4LayerCache, slot: int, ctx: int, kv: torch.Tensor) -> None:
+        n, w_len = kv.shape[0], self.window
+        keep = min(n, w_len)
+        pos = torch.arange(ctx + n - keep, ctx + n, device=kv.device)
+        cache.window[slot, pos % w_len] = kv[n - keep :].to(cache.window.dtype)
+
+    def _compress_step(
+        self,
+        i: int,
+        a: int,
+        b: int,
+        ctx: int,
+        n: int,
+        slot: int,
+        block_row: torch.Tensor,
+        comp_proj: torch.Tensor,
+        idx_proj: torch.Tensor | None,
+        cache: V4LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pool the blocks this step completes, store them, return all entries so far."""
+        assert self.compressor is not None and cache.comp is not None
+        r = self.ratio
+        first_w = ctx // r
+        total = (ctx + n) // r
+        n_win = total - first_w
+        comp = self._advance(
+            self.compressor, cache.comp, cache.comp_state, slot, block_row, ctx, n,
+            comp_proj[a:b], first_w, n_win, total,
+        )  # fmt: skip
+        idx_keys = None
+        if self.indexer is not None:
+            assert idx_proj is not None and cache.index is not None
+            idx_keys = self._advance(
+                self.indexer.compressor, cache.index, cache.index_state, slot, block_row, ctx,
+                n, idx_proj[a:b], first_w, n_win, total,
+            )  # fmt: skip
+        return comp, idx_keys
+
+    def _advance(
+        self,
+        comp: Compressor,
+        store: torch.Tensor,
+        state: torch.Tensor | None,
+        slot: int,
+        block_row: torch.Tensor,
+        ctx: int,
+        n: int,
+        proj: torch.Tensor,
+        first_w: int,
+        n_win: int,
+        total: int,
+    ) -> torch.Tensor:
+        assert state is not None
+        r, s_len = comp.ratio, comp.state_len
+        dev = proj.device
+        base = max(0, (first_w - 1) * r) if comp.overlap else first_w * r
+        old_pos = torch.arange(base, ctx, device=dev)
+        rows = torch.cat((state[slot, old_pos % s_len].to(proj.dtype), proj), dim=0)
+        if n_win > 0:
+            pooled = comp.pool(rows, base, first_w, n_win, self.rotary_comp)
+            scatter_entries(store, block_row, torch.arange(first_w, total, device=dev), pooled)
+        keep = min(n, s_len)
+        pos = torch.arange(ctx + n - keep, ctx + n, device=dev)
+        state[slot, pos % s_len] = proj[n - keep :].to(state.dtype)
+        return gather_entries(store, block_row, total)

@@ -1,0 +1,51 @@
+"""``load_format=dummy``: deterministic random weights from a seed, no files.
+
+Scales keep activations and logits of order one at any size, so tiny random models produce
+varied tokens (a useful test signal) rather than a flat distribution.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    # per-tensor streams: a parameter's values do not depend on which others exist
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            g = _generator(seed, name)
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("tid2eid"):
+                vocab, k = p.shape
+                n_exp = _num_experts(model, name)
+                rows = [torch.randperm(n_exp, generator=g)[:k] for _ in range(vocab)]
+                p.copy_(torch.stack(rows).to(p.dtype))
+                continue
+            if not p.is_floating_point():
+                continue
+            shape = p.shape
+            if leaf == "weight" and (name.endswith("norm.weight") or p.dim() == 1):
+                v = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            elif name.endswith("embed.weight"):
+                v = torch.randn(shape, generator=g)
+            elif leaf in ("attn_sink", "ape") or leaf.endswith("_base"):
+                v = 0.5 * torch.randn(shape, generator=g)
+            elif leaf.endswith("_scale"):
+                v = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            elif leaf == "bias":
+                v = 0.1 * torch.randn(shape, generator=g)
+            else:
+                v = torch.randn(shape, generator=g) * shape[-1] ** -0.5
+            p.copy_(v.to(p.dtype))
+
+
+def _num_experts(model: nn.Module, tid2eid_name: str) -> int:
+    gate = model.get_submodule(tid2eid_name.rsplit(".", 1)[0])
+    return int(gate.weight.shape[0])

@@ -1,0 +1,175 @@
+"""DeepSeek V4 for serving: flat token batches, hybrid KV cache, MTP draft layer.
+
+Parameter names follow DeepSeek's own checkpoints (``embed``, ``layers.N.attn.wq_a``,
+``layers.N.ffn.experts.w1`` stacked over experts, ``mtp.0.e_proj``, ...); the loader maps
+transformers' names onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4_serving.cache.metadata import AttentionMetadata
+from dsv4_serving.cache.v4 import V4KVCache
+from dsv4_serving.layers.mhc import hc_head, hc_post, hc_pre
+from dsv4_serving.layers.moe import V4MoE
+from dsv4_serving.layers.norm import RMSNorm
+from dsv4_serving.layers.rope import Rotary
+from dsv4_serving.layers.v4_attention import V4Attention
+from dsv4_serving.models.config import DeepseekV4Config
+
+
+class V4Block(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary,
+                 rotary_comp: Rotary) -> None:  # fmt: skip
+        super().__init__()
+        n, dim = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        self.cfg = cfg
+        self.layer = layer
+        self.attn_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.attn = V4Attention(cfg, layer, rotary_main, rotary_comp)
+        self.ffn = V4MoE(
+            dim,
+            cfg.moe_intermediate_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.vocab_size,
+            layer < cfg.num_hash_layers,
+            cfg.scoring_func,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            cfg.n_shared_experts,
+        )
+        self.hc_attn_fn = nn.Parameter(torch.empty(mix, n * dim))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, n * dim))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: V4KVCache,
+    ) -> torch.Tensor:
+        c = self.cfg
+        x, post, comb = hc_pre(
+            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+            c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+        )  # fmt: skip
+        out = self.attn(self.attn_norm(x), meta, cache.layers[self.layer])
+        streams = hc_post(out, streams, post, comb)
+        x, post, comb = hc_pre(
+            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+            c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+        )  # fmt: skip
+        return hc_post(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb)
+
+
+class V4MTP(V4Block):
+    """Multi-token prediction: one more block fed ``e_proj(enorm(embed(next token))) +
+    h_proj(hnorm(streams))`` with its own stream collapse and norm, sharing embed and head."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary,
+                 rotary_comp: Rotary) -> None:  # fmt: skip
+        super().__init__(cfg, layer, rotary_main, rotary_comp)
+        dim, n = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = nn.Linear(dim, dim, bias=False)
+        self.h_proj = nn.Linear(dim, dim, bias=False)
+        self.enorm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * dim))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """``forward(input_ids, meta, cache)`` -> hidden streams ``[T, hc_mult, D]``;
+    ``compute_logits(streams)`` -> ``[T, vocab]``; ``mtp_forward`` drafts the next token."""
+
+    config_class = DeepseekV4Config
+    cache_class = V4KVCache
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = cfg
+        dim, n = cfg.hidden_size, cfg.hc_mult
+        rotary_main = Rotary(cfg.main_rope)
+        rotary_comp = Rotary(cfg.compress_rope)
+        self._rotaries = (rotary_main, rotary_comp)
+        self.embed = nn.Embedding(cfg.vocab_size, dim)
+        self.layers = nn.ModuleList(
+            V4Block(cfg, i, rotary_main, rotary_comp) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.head = nn.Linear(dim, cfg.vocab_size, bias=False)
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * dim))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.mtp = nn.ModuleList(
+            V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp)
+            for i in range(cfg.num_nextn_predict_layers)
+        )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # keep the rope tables on the parameters' device
+        out = super()._apply(fn, recurse)
+        dev = self.embed.weight.device
+        for r in self._rotaries:
+            r.inv_freq = r.inv_freq.to(dev)
+        return out
+
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None
+    ) -> V4KVCache:
+        w = self.embed.weight
+        return V4KVCache.allocate(
+            self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: V4KVCache
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for block in self.layers:
+            streams = block(streams, input_ids, meta, cache)
+        return streams
+
+    def _logits(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+        norm: RMSNorm,
+    ) -> torch.Tensor:  # fmt: skip
+        c = self.config
+        x = hc_head(streams, fn, base, scale, c.hc_eps, c.rms_norm_eps)
+        return self.head(norm(x)).float()
+
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        return self._logits(
+            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm
+        )
+
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        streams: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: V4KVCache,
+        depth: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step: ``streams`` are the main model's outputs at positions ``p`` and
+        ``next_ids`` the tokens at ``p + 1``; ``meta`` addresses positions ``p`` (the MTP layer
+        keeps its own cache rows). Returns (draft logits for ``p + 2``, MTP streams)."""
+        mtp = self.mtp[depth]
+        e = mtp.enorm(self.embed(next_ids))
+        h = mtp.h_proj(mtp.hnorm(streams))
+        x = mtp.e_proj(e).unsqueeze(1) + h
+        out = mtp(x, next_ids, meta, cache)
+        logits = self._logits(out, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
+        return logits, out
