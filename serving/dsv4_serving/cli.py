@@ -14,6 +14,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dsv4_operator.devcluster.cli",
         "run a local Kubernetes control plane (real binaries) with fake Ascend nodes",
     ),
+    "explain-model": (
+        "dsv4_serving.explain_model",
+        "show which model class, device, attention backend and switches a checkpoint selects",
+    ),
 }
 
 

@@ -8,9 +8,9 @@ import torch
 
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.loader.dummy import init_dummy_weights
-from dsv4_serving.loader.names import to_transformers_state_dict
 from dsv4_serving.models.config import DeepseekV4Config
 from dsv4_serving.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsv4_serving.models.reference import transformers_reference
 
 ARCH = "DeepseekV4ForCausalLM"
 
@@ -68,21 +68,7 @@ def build_ours(d: dict[str, Any], seed: int = 0) -> DeepseekV4ForCausalLM:
 
 
 def build_reference(d: dict[str, Any], ours: torch.nn.Module) -> Any:
-    from transformers import DeepseekV4Config as HFConfig
-    from transformers import DeepseekV4ForCausalLM as HFModel
-
-    kw = {k: v for k, v in d.items() if k not in ("architectures", "model_type", "rope_scaling")}
-    rs = dict(d["rope_scaling"])
-    rs["rope_type"] = rs.pop("type")
-    if rs["rope_type"] != "default":
-        kw["rope_parameters"] = rs
-    kw["compress_ratios"] = d["compress_ratios"][: d["num_hidden_layers"]]
-    ref = HFModel(HFConfig(**kw)).float().eval()
-    sd = to_transformers_state_dict(ours.state_dict(), ARCH)
-    missing, unexpected = ref.load_state_dict(sd, strict=False)
-    assert not unexpected, unexpected
-    assert not missing, missing
-    return ref
+    return transformers_reference(d, ours)
 
 
 def prefill_meta(lens: list[int], block_size: int = 64) -> AttentionMetadata:

@@ -66,3 +66,14 @@ def rotate_tail_interleaved(
     x1, x2 = rope[..., 0::2], rope[..., 1::2]
     out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
     return torch.cat((nope, out.to(x.dtype)), dim=-1)
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, ..., 2 * half] pairing channel ``i`` with ``i + half`` (non-interleaved
+    layout, V3's ``rope_interleave=False``)."""
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -1,0 +1,127 @@
+"""``dsv4 explain-model MODEL``: what the engine would pick for a checkpoint, and why.
+
+In the seed's troubleshooting order: (1) which class the checkpoint's architecture resolves to
+and who registered it, (2) which device and attention backend the platform picks and from
+which config fields, (3) the derived switches and the KV cache shape. Reads ``config.json``
+only; no weights are loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsv4_serving.models.config import architecture_of, read_config_json
+from dsv4_serving.presets.configs import PRESETS, preset_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="dsv4-tiny",
+        help=f"checkpoint directory, config.json, or preset ({', '.join(sorted(PRESETS))})",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="cpu | cuda | npu | auto (default: auto, npu > cuda > cpu; env DSV4_DEVICE)",
+    )
+    parser.add_argument("--block-size", type=int, default=128, help="KV block size in tokens")
+
+
+def load_model_config(model: str) -> tuple[dict[str, Any], str]:
+    if model in PRESETS:
+        return preset_config(model), f"preset {model}"
+    return read_config_json(model), str(Path(model))
+
+
+def explain(config: dict[str, Any], source: str, device: str, block_size: int) -> str:
+    from dsv4_serving.models.registry import REGISTRY
+    from dsv4_serving.platform.backend import select_attention_backend
+    from dsv4_serving.platform.device import detect_platform
+
+    lines = [f"model: {source}"]
+    arch = architecture_of(config)
+    reg = REGISTRY.registration(arch)
+    cls = REGISTRY.resolve(arch)
+    lines += [
+        "1. architecture",
+        f"   {arch} -> {reg.target} (registered by {reg.source})",
+        f"   class {cls.__module__}.{cls.__qualname__} imports",
+    ]
+    platform = detect_platform(device)
+    choice = select_attention_backend(config, platform.name)
+    lines += [
+        "2. platform and attention backend",
+        f"   device: {platform.name} ({platform.reason}); collectives: {platform.dist_backend}",
+        f"   attention backend: {choice.name}",
+        f"   because: {choice.reason}",
+        f"   kv cache: {choice.kv_cache_kind}",
+        "3. derived switches",
+    ]
+    lines += [f"   {k} = {str(v).lower()}" for k, v in choice.switches.items()]
+    cfg = cls.config_class.from_dict(config)
+    lines += _layers(cfg, block_size)
+    return "\n".join(lines)
+
+
+def _layers(cfg: Any, block_size: int) -> list[str]:
+    out = ["4. layers"]
+    if hasattr(cfg, "compress_ratios"):
+        n = cfg.num_hidden_layers
+        kinds = [
+            "window" if r == 0 else f"CSA/{r}" if r == cfg.csa_ratio else f"HCA/{r}"
+            for r in cfg.compress_ratios[:n]
+        ]
+        out.append(f"   {n} layers: {', '.join(kinds)}; window {cfg.sliding_window} tokens")
+        out.append(
+            f"   MoE: {cfg.num_hash_layers} hash-routed, {n - cfg.num_hash_layers} "
+            f"{cfg.scoring_func}-routed; {cfg.n_routed_experts} experts, top "
+            f"{cfg.num_experts_per_tok}; mHC {cfg.hc_mult} streams; "
+            f"MTP layers: {cfg.num_nextn_predict_layers}"
+        )
+        if block_size % cfg.csa_ratio or block_size % cfg.hca_ratio:
+            out.append(f"   block size {block_size} is not a multiple of the compression ratios")
+        else:
+            from dsv4_serving.cache.v4 import V4KVCache
+
+            per_block = V4KVCache.bytes_per_block(cfg, block_size, 2)
+            per_slot = V4KVCache.bytes_per_slot(cfg, 2)
+            out.append(
+                f"   kv bytes (bf16): {per_block} per {block_size}-token block, "
+                f"{per_slot} per sequence (window + compressor state)"
+            )
+    else:
+        dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+        out.append(
+            f"   {cfg.num_hidden_layers} layers: {dense} dense, "
+            f"{cfg.num_hidden_layers - dense} MoE ({cfg.n_routed_experts} experts, top "
+            f"{cfg.num_experts_per_tok}, {cfg.n_group} groups keep {cfg.topk_group}); "
+            f"MTP layers: {cfg.num_nextn_predict_layers}"
+        )
+        from dsv4_serving.cache.mla import MLAKVCache
+
+        out.append(
+            f"   kv bytes (bf16): {MLAKVCache.bytes_per_block(cfg, block_size, 2)} per "
+            f"{block_size}-token block"
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsv4_serving.models.registry import UnknownArchitectureError
+    from dsv4_serving.platform.device import PlatformError
+
+    try:
+        config, source = load_model_config(args.model)
+        print(explain(config, source, args.device, args.block_size))
+    except (FileNotFoundError, ValueError, KeyError, ImportError, PlatformError) as exc:
+        if isinstance(exc, UnknownArchitectureError):
+            print(f"dsv4 explain-model: 1. architecture: {exc}", file=sys.stderr)
+        else:
+            print(f"dsv4 explain-model: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,83 @@
+"""Multi-head latent attention (DeepSeek V2/V3) over a flat batch and a paged latent cache.
+
+Each token stores one latent row ``[kv_norm(c_kv) | rope(k_pe)]``; keys and values of every
+head are re-expanded from the latents through ``wkv_b`` when a query attends to them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4_serving.cache.metadata import AttentionMetadata
+from dsv4_serving.cache.paged import gather_entries, scatter_entries
+from dsv4_serving.layers.norm import RMSNorm
+from dsv4_serving.layers.rope import Rotary, rotate_halves, rotate_tail_interleaved
+from dsv4_serving.models.config import DeepseekV3Config
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, rotary: Rotary) -> None:
+        super().__init__()
+        h, dim = cfg.num_attention_heads, cfg.hidden_size
+        self.n_heads = h
+        self.nope, self.rope_dim, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
+        self.kv_lora = cfg.kv_lora_rank
+        self.q_lora = cfg.q_lora_rank
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(dim, h * qk, bias=False)
+        else:
+            self.wq_a = nn.Linear(dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+        self.wkv_a = nn.Linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.wkv_b = nn.Linear(
+            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(h * cfg.v_head_dim, dim, bias=False)
+        self.scale = cfg.softmax_scale()
+        self.rotary = rotary
+        self.interleave = cfg.rope_interleave
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleave:
+            return rotate_tail_interleaved(x, cos, sin)
+        return rotate_halves(x, cos, sin)
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, latent_cache: torch.Tensor
+    ) -> torch.Tensor:
+        t, h = x.shape[0], self.n_heads
+        q = self.wq(x) if self.q_lora is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(t, h, self.nope + self.rope_dim)
+        cos, sin = self.rotary.cos_sin(meta.positions)
+        q_nope, q_pe = q[..., : self.nope], self._rope(q[..., self.nope :], cos, sin)
+        kv_a = self.wkv_a(x)
+        c = self.kv_norm(kv_a[:, : self.kv_lora])
+        k_pe = self._rope(kv_a[:, self.kv_lora :], cos, sin)
+        latent = torch.cat((c, k_pe), dim=-1)
+        out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
+        for i in range(meta.num_seqs):
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            ctx, n = meta.context_lens[i], b - a
+            row = meta.block_tables[i]
+            pos = meta.positions[a:b]
+            scatter_entries(latent_cache, row, pos, latent[a:b])
+            lat = gather_entries(latent_cache, row, ctx + n).to(x.dtype)
+            kv = self.wkv_b(lat[:, : self.kv_lora]).view(ctx + n, h, self.nope + self.v_dim)
+            k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+            kpe = lat[:, self.kv_lora :]
+            s = torch.einsum("nhd,khd->hnk", q_nope[a:b].float(), k_nope.float())
+            s = s + torch.einsum("nhd,kd->hnk", q_pe[a:b].float(), kpe.float())
+            kpos = torch.arange(ctx + n, device=x.device)
+            s = s * self.scale
+            s = s.masked_fill(kpos[None, None, :] > pos[None, :, None], -torch.inf)
+            p = s.softmax(dim=-1)
+            out[a:b] = torch.einsum("hnk,khd->nhd", p, v.float()).to(x.dtype)
+        return self.wo(out.flatten(1))

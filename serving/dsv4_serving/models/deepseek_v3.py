@@ -1,0 +1,116 @@
+"""DeepSeek V3 for serving: MLA over a paged latent cache, group-limited sigmoid MoE, dense
+first layers, and the MTP layer of the HF-hosted checkpoints. Native parameter names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4_serving.cache.metadata import AttentionMetadata
+from dsv4_serving.cache.mla import MLAKVCache
+from dsv4_serving.layers.mla import MLAttention
+from dsv4_serving.layers.moe import SwiGLU, V3MoE
+from dsv4_serving.layers.norm import RMSNorm
+from dsv4_serving.layers.rope import Rotary
+from dsv4_serving.models.config import DeepseekV3Config
+
+
+class V3Block(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = MLAttention(cfg, rotary)
+        self.ffn: nn.Module
+        if layer < cfg.first_k_dense_replace:
+            self.ffn = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        else:
+            self.ffn = V3MoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+                cfg.n_shared_experts,
+            )
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), meta, cache.latent[self.layer])
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class V3MTP(V3Block):
+    """``block(eh_proj([enorm(embed(next token)); hnorm(h)]))`` then its own norm; embed and
+    head are shared with the main model."""
+
+    def __init__(self, cfg: DeepseekV3Config, layer: int, rotary: Rotary) -> None:
+        super().__init__(cfg, layer, rotary)
+        dim = cfg.hidden_size
+        self.enorm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """``forward`` -> final hidden states (before the norm) ``[T, D]``; ``compute_logits``."""
+
+    config_class = DeepseekV3Config
+    cache_class = MLAKVCache
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = Rotary(cfg.rope)
+        self._rotary = rotary
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(V3Block(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(
+            V3MTP(cfg, cfg.num_hidden_layers + i, rotary)
+            for i in range(cfg.num_nextn_predict_layers)
+        )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        self._rotary.inv_freq = self._rotary.inv_freq.to(self.embed.weight.device)
+        return out
+
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, num_slots: int = 0, dtype: torch.dtype | None = None
+    ) -> MLAKVCache:
+        w = self.embed.weight
+        return MLAKVCache.allocate(
+            self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x, meta, cache)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(hidden)).float()
+
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: MLAKVCache,
+        depth: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits for position ``p + 2`` from the hidden state at ``p`` and the token at
+        ``p + 1``; ``meta`` addresses positions ``p``. Returns (logits, MTP hidden)."""
+        mtp = self.mtp[depth]
+        x = mtp.eh_proj(torch.cat((mtp.enorm(self.embed(next_ids)), mtp.hnorm(hidden)), dim=-1))
+        out = mtp(x, meta, cache)
+        return self.head(mtp.norm(out)).float(), out
