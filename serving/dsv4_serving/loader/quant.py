@@ -1,0 +1,95 @@
+"""Dequantisation of DeepSeek's shipped formats to the compute dtype, at load time.
+
+- fp8 e4m3 weights with 128x128 block scales: ``weight_scale_inv`` (float32, V3) or ``scale``
+  (e8m0, V4); ``w = fp8 * scale[i // 128, j // 128]``.
+- fp4 e2m1 experts (V4), two values per int8 byte (element ``2j`` in the low nibble) with one
+  e8m0 scale per block of input channels (32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = 128
+# e2m1 code -> value; bit 3 is the sign
+_E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales (float8_e8m0fnu or raw uint8 exponents) -> float32 powers of two."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def dequant_fp8_block(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    out_f, in_f = weight.shape
+    s = e8m0_to_float(scale) if scale.dtype != torch.float32 else scale
+    if s.shape != (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK)):
+        raise ValueError(f"fp8 scale shape {tuple(s.shape)} does not tile {tuple(weight.shape)}")
+    full = s.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    return (weight.float() * full).to(dtype)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[O, I/2] int8 (or float4_e2m1fn_x2) -> [O, I] float32 e2m1 values."""
+    b = packed.view(torch.uint8).int()
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    codes = torch.stack((lo, hi), dim=-1).flatten(-2)
+    return _E2M1.to(packed.device)[codes.long()]
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    vals = unpack_fp4(packed)
+    s = e8m0_to_float(scale)
+    block = vals.shape[1] // s.shape[1]
+    return (vals * s.repeat_interleave(block, dim=1)).to(dtype)
+
+
+def is_fp4(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """fp4 packs two values per byte and scales blocks of 32 along the input, so its scale
+    has more columns per weight column than an fp8 128x128 block scale."""
+    if weight.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        return True
+    return weight.dtype in (torch.int8, torch.uint8) and scale.shape[0] == weight.shape[0]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if is_fp4(weight, scale):
+        return dequant_fp4(weight, scale, dtype)
+    return dequant_fp8_block(weight, scale, dtype)
+
+
+# -- the inverse, for writing tiny quantised checkpoints in tests and tools -----------------
+
+
+def quantize_fp8_block(w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out_f, in_f = w.shape
+    nb_o, nb_i = -(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK)
+    pad = torch.zeros(nb_o * FP8_BLOCK, nb_i * FP8_BLOCK)
+    pad[:out_f, :in_f] = w.float()
+    blocks = pad.view(nb_o, FP8_BLOCK, nb_i, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    if e8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    full = scale.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    q = (w.float() / full).to(torch.float8_e4m3fn)
+    if e8m0:
+        return q, (torch.log2(scale) + 127).round().to(torch.uint8)
+    return q, scale
+
+
+def quantize_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    out_f, in_f = w.shape
+    g = w.float().view(out_f, in_f // block, block)
+    scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-12) / 6.0)))
+    x = g / scale[..., None]
+    codes = (x.flatten(1)[..., None] - _E2M1[None, None, :]).abs().argmin(-1)
+    codes = codes.view(out_f, in_f // 2, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, (torch.log2(scale) + 127).round().to(torch.uint8)
