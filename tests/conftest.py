@@ -43,6 +43,9 @@ class _ClusterHandle:
         self._tmp = tempfile.TemporaryDirectory(prefix="dsv4-k8s-")
         return self._tmp.name
 
+    def failure_report(self) -> str:
+        return self.cluster.logs(lines=15) if self.cluster is not None else ""
+
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.stop()
@@ -84,7 +87,11 @@ def pytest_runtest_makereport(
     report = outcome.get_result()
     if not report.failed:
         return
-    # funcargs holds every fixture set up for the test, the indirect ones included.
-    handle = getattr(item, "funcargs", {}).get("_cluster_handle")
-    if handle is not None and handle.cluster is not None:
-        report.sections.append(("control plane logs", handle.cluster.logs(lines=30)))
+    # funcargs holds every fixture set up for the test, the indirect ones included; any of them
+    # that can explain a failure (the control plane, the operator process) adds its logs.
+    for name, value in getattr(item, "funcargs", {}).items():
+        explain = getattr(value, "failure_report", None)
+        if callable(explain):
+            text = explain()
+            if text:
+                report.sections.append((f"{name} logs", text))

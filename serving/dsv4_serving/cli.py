@@ -10,6 +10,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 # name -> (module with add_arguments(parser) and run(args) -> int, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "operator": (
+        "dsv4_operator.cli",
+        "run the DeepSeekV4Deployment operator against the current cluster",
+    ),
     "dev-cluster": (
         "dsv4_operator.devcluster.cli",
         "run a local Kubernetes control plane (real binaries) with fake Ascend nodes",

@@ -267,6 +267,12 @@ class LocalCluster:
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={pki.ca.cert}",
+                # front-proxy settings the controller manager and scheduler expect to find
+                f"--requestheader-client-ca-file={pki.ca.cert}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 "--authorization-mode=RBAC",
                 f"--service-account-key-file={self._sa.cert}",
                 f"--service-account-signing-key-file={self._sa.key}",

@@ -1,0 +1,80 @@
+"""``dsv4 operator``: run the DeepSeekV4Deployment operator (kopf) against the current cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch every namespace (default)"
+    )
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig path (default: in-cluster, then $KUBECONFIG)"
+    )
+    p.add_argument(
+        "--health-port", type=int, default=8080, help="liveness endpoint /healthz port (0: off)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)"
+    )
+    p.add_argument(
+        "--peering", default="dsv4-operator", help="kopf peering name (replicas elect one active)"
+    )
+    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    p.add_argument("--verbose", action="store_true")
+
+
+def _port(value: int, flag: str) -> int:
+    if not 0 <= value <= 65535:
+        raise SystemExit(f"dsv4 operator: error: {flag} must be in 0..65535, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kubeconfig:
+        # kopf logs in through the kubernetes client, which reads $KUBECONFIG when first imported
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    import kopf
+    from prometheus_client import start_http_server
+
+    from dsv4_operator import handlers
+
+    health, metrics = (
+        _port(args.health_port, "--health-port"),
+        _port(args.metrics_port, "--metrics-port"),
+    )
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.verbose:
+        # one line per watched event of every child is noise; failures still log at ERROR
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    handlers._state["kubeconfig"] = args.kubeconfig
+    if metrics:
+        start_http_server(metrics, addr="0.0.0.0")
+    stop = threading.Event()
+    asyncio.run(
+        kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=list(args.namespace),
+            standalone=args.standalone,
+            **(
+                {} if args.standalone else {"peering_name": args.peering, "priority": args.priority}
+            ),
+            liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
+            stop_flag=stop,
+        )
+    )
+    return 0

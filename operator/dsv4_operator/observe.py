@@ -1,0 +1,137 @@
+"""Read what the cluster says about one deployment's children: placements, readiness, problems."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
+from dsv4_operator.kube import Kube
+from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.desired import Facts
+from dsv4_operator.reconcile.ranktable import PodPlacement
+from dsv4_operator.reconcile.status import Observed
+
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+_BAD_WAITING = {
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "InvalidImageName",
+}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    facts: Facts
+    observed: Observed
+
+
+def _pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) when a pod cannot make progress by itself."""
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    for c in status.get("conditions") or []:
+        if (
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ):
+            return (
+                "Unschedulable",
+                f"pod {name} cannot be scheduled: {c.get('message', '')}".strip(),
+            )
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in _BAD_WAITING:
+            return (
+                waiting["reason"],
+                f"pod {name} container {cs['name']}: {waiting['reason']} {waiting.get('message', '')}".strip(),
+            )
+    return None
+
+
+def _placement(pod: dict[str, Any]) -> PodPlacement:
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    return PodPlacement(
+        name=meta["name"],
+        node_rank=int(
+            labels.get(
+                "apps.kubernetes.io/pod-index",
+                labels.get("leaderworkerset.sigs.k8s.io/worker-index", "0"),
+            )
+        ),
+        node_name=(pod.get("spec") or {}).get("nodeName"),
+        host_ip=(pod.get("status") or {}).get("hostIP"),
+        devices_annotation=(meta.get("annotations") or {}).get(names.ASCEND_DEVICE_ANNOTATION),
+    )
+
+
+def _instance_of(pod: dict[str, Any]) -> tuple[Role, int] | None:
+    labels = pod["metadata"].get("labels") or {}
+    role = labels.get(names.ROLE_LABEL)
+    idx = labels.get(names.INSTANCE_LABEL, labels.get("leaderworkerset.sigs.k8s.io/group-index"))
+    if role not in ROLES or idx is None:
+        return None
+    return role, int(idx)
+
+
+def _workload_ready(obj: dict[str, Any]) -> bool:
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    want = int(spec.get("replicas", 1))
+    return (
+        status.get("observedGeneration") == obj["metadata"].get("generation")
+        and int(status.get("readyReplicas") or 0) >= want
+        and int(status.get("updatedReplicas") or 0) >= want
+    )
+
+
+def observe(kube: Kube, spec: DeploymentSpec, lws_available: bool) -> Snapshot:
+    sel = {names.DEPLOYMENT_LABEL: spec.name, "app.kubernetes.io/managed-by": names.MANAGER}
+    pods = kube.list("Pod", spec.namespace, {names.DEPLOYMENT_LABEL: spec.name})
+    placements: dict[tuple[Role, int], list[PodPlacement]] = {}
+    problems: list[tuple[str, str]] = []
+    for pod in pods:
+        key = _instance_of(pod)
+        if key is not None:
+            placements.setdefault(key, []).append(_placement(pod))
+        problem = _pod_problem(pod)
+        if problem:
+            problems.append(problem)
+
+    ready: dict[Role, int] = {r: 0 for r in ROLES}
+    if spec.scheduling["workload"] == "LeaderWorkerSet":
+        for lws in kube.list("LeaderWorkerSet", spec.namespace, sel) if lws_available else []:
+            role = (lws["metadata"].get("labels") or {}).get(names.ROLE_LABEL)
+            if role in ready:
+                ready[role] = int((lws.get("status") or {}).get("readyReplicas") or 0)
+    else:
+        for sts in kube.list("StatefulSet", spec.namespace, sel):
+            role = (sts["metadata"].get("labels") or {}).get(names.ROLE_LABEL)
+            if role in ready and _workload_ready(sts):
+                ready[role] += 1
+
+    gw = kube.get("Deployment", spec.namespace, names.gateway_name(spec))
+    gateway_ready = int(((gw or {}).get("status") or {}).get("readyReplicas") or 0)
+
+    secret = kube.get("Secret", spec.namespace, names.kv_secret_name(spec))
+    token = ""
+    if secret and (secret.get("data") or {}).get("token"):
+        token = base64.b64decode(secret["data"]["token"]).decode()
+    facts = Facts(
+        kv_token=token or secrets.token_urlsafe(32),
+        placements=placements,
+        lws_available=lws_available,
+    )
+    problems.sort(key=lambda p: p[1])
+    observed = Observed(
+        ready_instances=ready,
+        gateway_ready=gateway_ready,
+        problems=[m for _, m in problems],
+        problem_reason=problems[0][0] if problems else "",
+    )
+    return Snapshot(facts=facts, observed=observed)

@@ -1,0 +1,255 @@
+"""The operator end to end on the real control plane with kwok Ascend nodes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import wait_for
+from tests.k8s.operator_fixtures import OperatorProcess, apply_yaml, kubectl_json
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
+CHILD_KINDS = "statefulsets,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies"
+
+
+def _children(cluster: Any, ns: str, name: str) -> dict[str, dict[str, Any]]:
+    items = kubectl_json(
+        cluster, "get", CHILD_KINDS, "-n", ns, "-l", f"app.kubernetes.io/instance={name}"
+    )["items"]
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
+
+
+def _status(cluster: Any, ns: str, name: str) -> dict[str, Any]:
+    return kubectl_json(cluster, "get", "dsv4", name, "-n", ns).get("status") or {}
+
+
+def _phase_is(cluster: Any, ns: str, name: str, phase: str) -> dict[str, Any] | None:
+    st = _status(cluster, ns, name)
+    return st if st.get("phase") == phase else None
+
+
+def test_tiny_example_lifecycle(k8s_cluster, operator: OperatorProcess, namespace: str) -> None:
+    cluster, ns = k8s_cluster, namespace
+    apply_yaml(cluster, (EXAMPLES / "tiny-cpu.yaml").read_text(), ns)
+
+    expected = {
+        "StatefulSet/tiny-prefill-0",
+        "StatefulSet/tiny-decode-0",
+        "Deployment/tiny-gateway",
+        "Service/tiny-prefill",
+        "Service/tiny-decode",
+        "Service/tiny-gateway",
+        "ConfigMap/tiny-engine",
+        "Secret/tiny-kv-auth",
+        "ServiceAccount/tiny-gateway",
+        "Role/tiny-gateway",
+        "RoleBinding/tiny-gateway",
+        "PodDisruptionBudget/tiny-prefill",
+        "PodDisruptionBudget/tiny-decode",
+        "NetworkPolicy/tiny-gateway",
+        "NetworkPolicy/tiny-engines",
+    }
+    wait_for("every child", lambda: expected <= set(_children(cluster, ns, "tiny")), timeout_s=60)
+    st = wait_for("phase Ready", lambda: _phase_is(cluster, ns, "tiny", "Ready"), timeout_s=120)
+    assert st["prefill"]["summary"] == "1/1" and st["decode"]["summary"] == "1/1"
+    assert st["observedGeneration"] == 1
+    pods = kubectl_json(cluster, "get", "pods", "-n", ns, "-l", "serving.dsv4.io/role=prefill")[
+        "items"
+    ]
+    assert [p["status"]["phase"] for p in pods] == ["Running"]
+    assert [c["name"] for c in pods[0]["spec"]["containers"]] == ["engine", "kv-sidecar"]
+    table = cluster.kubectl("get", "dsv4", "-n", ns)
+    assert "PREFILL" in table and "DECODE" in table and "Ready" in table
+    row = table.splitlines()[1].split()
+    assert row[:4] == ["tiny", "1/1", "1/1", "Ready"]
+
+    # scale prefill: a second instance appears and becomes ready
+    cluster.kubectl(
+        "patch",
+        "dsv4",
+        "tiny",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"prefill":{"instances":2}}}',
+    )
+    wait_for(
+        "StatefulSet tiny-prefill-1",
+        lambda: "StatefulSet/tiny-prefill-1" in _children(cluster, ns, "tiny"),
+    )
+    wait_for(
+        "prefill 2/2",
+        lambda: (
+            _status(cluster, ns, "tiny").get("prefill", {}).get("summary") == "2/2"
+            and _status(cluster, ns, "tiny").get("phase") == "Ready"
+        ),
+        timeout_s=120,
+    )
+    # and back down: the extra StatefulSet is pruned
+    cluster.kubectl(
+        "patch",
+        "dsv4",
+        "tiny",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"prefill":{"instances":1}}}',
+    )
+    wait_for(
+        "tiny-prefill-1 pruned",
+        lambda: "StatefulSet/tiny-prefill-1" not in _children(cluster, ns, "tiny"),
+    )
+
+    # drift: hand edits are reverted, deleted children come back
+    cluster.kubectl("scale", "statefulset/tiny-decode-0", "-n", ns, "--replicas=3")
+    cluster.kubectl("delete", "configmap", "tiny-engine", "-n", ns)
+    wait_for(
+        "decode replicas reverted to 1",
+        lambda: (
+            kubectl_json(cluster, "get", "sts", "tiny-decode-0", "-n", ns)["spec"]["replicas"] == 1
+        ),
+    )
+    wait_for(
+        "engine ConfigMap recreated",
+        lambda: "ConfigMap/tiny-engine" in _children(cluster, ns, "tiny"),
+    )
+    wait_for("Ready again", lambda: _phase_is(cluster, ns, "tiny", "Ready"), timeout_s=120)
+
+    # events say what the operator did
+    events = kubectl_json(
+        cluster, "get", "events", "-n", ns, "--field-selector", "involvedObject.name=tiny"
+    )["items"]
+    reasons = {e["reason"] for e in events}
+    assert {"Created", "Ready"} <= reasons
+
+    # a restart changes nothing
+    time.sleep(2)
+    before = {
+        k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, ns, "tiny").items()
+    }
+    cr_before = kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"][
+        "resourceVersion"
+    ]
+    operator.stop()
+    restarted = OperatorProcess(cluster.kubeconfig, cluster.log_dir).start()
+    try:
+        wait_for(
+            "the restarted operator to sync",
+            lambda: restarted.metric("dsv4_operator_syncs_total") >= 1,
+        )
+        time.sleep(3)
+        after = {
+            k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, ns, "tiny").items()
+        }
+        assert after == before
+        assert (
+            kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"]["resourceVersion"]
+            == cr_before
+        )
+
+        # deleting the CR removes every child
+        cluster.kubectl("delete", "dsv4", "tiny", "-n", ns, "--wait=true", "--timeout=60s")
+        wait_for(
+            "every child garbage-collected",
+            lambda: not _children(cluster, ns, "tiny"),
+            timeout_s=60,
+        )
+    finally:
+        restarted.stop()
+        operator.start()  # leave the module's operator running for the next test
+
+
+def test_npu_pods_are_scheduled_and_rank_table_completes(k8s_cluster, operator, namespace) -> None:
+    cluster, ns = k8s_cluster, namespace
+    cr = {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": "npu"},
+        "spec": {
+            "model": {"path": "/data/v4", "servedName": "v4"},
+            "prefill": {"parallelism": {"tp": 8}},
+            "decode": {"parallelism": {"tp": 8}},
+        },
+    }
+    apply_yaml(cluster, json.dumps(cr), ns)
+
+    def running_engine_pods() -> list[dict[str, Any]] | None:
+        pods = kubectl_json(
+            cluster,
+            "get",
+            "pods",
+            "-n",
+            ns,
+            "-l",
+            "app.kubernetes.io/instance=npu,serving.dsv4.io/role in (prefill,decode)",
+        )["items"]
+        ok = len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods)
+        return pods if ok else None
+
+    pods = wait_for("both NPU engine pods running", running_engine_pods, timeout_s=90)
+    for p in pods:
+        engine = p["spec"]["containers"][0]
+        assert engine["resources"]["limits"]["huawei.com/Ascend910"] == "8"
+        assert p["spec"]["nodeName"] in cluster.nodes
+    cm = kubectl_json(cluster, "get", "configmap", "npu-prefill-0-ranktable", "-n", ns)
+    assert json.loads(cm["data"]["hccl.json"])["status"] == "initializing"
+
+    # the device plugin would annotate each pod with the NPUs it got; do what it does
+    for p in pods:
+        devices = {
+            "devices": [{"device_id": str(i), "device_ip": f"192.168.1.{i}"} for i in range(8)]
+        }
+        cluster.kubectl(
+            "annotate",
+            "pod",
+            p["metadata"]["name"],
+            "-n",
+            ns,
+            f"ascend.kubectl.kubernetes.io/ascend-910-configuration={json.dumps(devices)}",
+        )
+
+    def completed() -> dict[str, Any] | None:
+        cm = kubectl_json(cluster, "get", "configmap", "npu-prefill-0-ranktable", "-n", ns)
+        table = json.loads(cm["data"]["hccl.json"])
+        return table if table["status"] == "completed" else None
+
+    table = wait_for("a completed rank table", completed, timeout_s=60)
+    assert [d["rank_id"] for d in table["server_list"][0]["device"]] == [str(i) for i in range(8)]
+    wait_for("phase Ready", lambda: _phase_is(cluster, ns, "npu", "Ready"), timeout_s=90)
+    cluster.kubectl("delete", "dsv4", "npu", "-n", ns, "--wait=true")
+
+
+def test_pod_larger_than_any_node_degrades_the_deployment(k8s_cluster, operator, namespace) -> None:
+    cluster, ns = k8s_cluster, namespace
+    cr = {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": "huge"},
+        "spec": {
+            "model": {"path": "/data/v4", "servedName": "v4"},
+            "prefill": {"npusPerNode": 16, "parallelism": {"tp": 16}},
+            "decode": {"npusPerNode": 16, "parallelism": {"tp": 16}},
+        },
+    }
+    apply_yaml(cluster, json.dumps(cr), ns)
+    st = wait_for(
+        "phase Degraded", lambda: _phase_is(cluster, ns, "huge", "Degraded"), timeout_s=90
+    )
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "Unschedulable"
+    assert "huawei.com/Ascend910" in degraded["message"]
+    warnings = kubectl_json(
+        cluster,
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        "involvedObject.name=huge,type=Warning",
+    )["items"]
+    assert any(e["reason"] == "Degraded" for e in warnings)
+    cluster.kubectl("delete", "dsv4", "huge", "-n", ns, "--wait=true")
