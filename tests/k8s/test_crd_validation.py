@@ -1,0 +1,148 @@
+"""The API server itself rejects bad DeepSeekV4Deployments, with messages a person understands."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from typing import Any
+
+import pytest
+
+
+def _cr(**spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": "v4", "namespace": "default"},
+        "spec": {"model": {"path": "/data/v4", "servedName": "v4"}},
+    }
+    base["spec"].update(spec)
+    return base
+
+
+def _apply(cluster: Any, obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            str(cluster.config.bin_dir / "kubectl"),
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "apply",
+            "--dry-run=server",
+            "-f",
+            "-",
+        ],
+        input=json.dumps(obj),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _named(name: str) -> dict[str, Any]:
+    cr = _cr()
+    cr["metadata"]["name"] = name
+    return cr
+
+
+def _without_model() -> dict[str, Any]:
+    cr = _cr()
+    del cr["spec"]["model"]
+    return cr
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("no model", _without_model(), "spec.model: Required value"),
+    (
+        "two model sources",
+        _cr(model={"path": "/data/v4", "preset": "dsv4-tiny", "servedName": "v4"}),
+        "set exactly one of path, pvc or preset",
+    ),
+    ("relative model path", _cr(model={"path": "data/v4", "servedName": "v4"}), "spec.model.path"),
+    (
+        "ranks do not match NPUs",
+        _cr(prefill={"nodesPerInstance": 2, "parallelism": {"tp": 8}}),
+        "prefill: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode",
+    ),
+    (
+        "decode TP larger than prefill TP",
+        _cr(prefill={"npusPerNode": 4, "parallelism": {"tp": 4}}),
+        "prefill.parallelism.tp must be >= decode.parallelism.tp and a multiple of it",
+    ),
+    (
+        "prefill TP not a multiple of decode TP",
+        _cr(decode={"npusPerNode": 6, "parallelism": {"tp": 6}}),
+        "prefill.parallelism.tp must be >= decode.parallelism.tp and a multiple of it",
+    ),
+    (
+        "EP does not divide TP*DP",
+        _cr(prefill={"parallelism": {"tp": 8, "ep": 3}}),
+        "parallelism.ep must divide tp * dp",
+    ),
+    (
+        "HCCL without NPUs",
+        _cr(
+            prefill={"npusPerNode": 0, "parallelism": {"tp": 1}},
+            decode={"npusPerNode": 0, "parallelism": {"tp": 1}},
+        ),
+        "kvTransfer.transport hccl needs NPUs on both roles",
+    ),
+    ("unknown transport", _cr(kvTransfer={"transport": "udp"}), 'Unsupported value: "udp"'),
+    (
+        "too many MTP tokens",
+        _cr(decode={"mtpTokens": 5}),
+        "spec.decode.mtpTokens: Invalid value: 5: spec.decode.mtpTokens in body should be less than or equal to 3",
+    ),
+    (
+        "negative instances",
+        _cr(prefill={"instances": -1}),
+        "spec.prefill.instances in body should be greater than or equal to 0",
+    ),
+    (
+        "autoscaling min above max",
+        _cr(autoscaling={"decode": {"min": 5, "max": 2}}),
+        "autoscaling.decode: min must be <= max",
+    ),
+    (
+        "malformed NPU resource",
+        _cr(scheduling={"npuResourceName": "Ascend 910"}),
+        "spec.scheduling.npuResourceName",
+    ),
+    ("name starting with a digit", _named("4v"), "metadata.name must be a DNS label"),
+    ("name too long", _named("v" * 41), "at most 40 characters"),
+    ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),
+]
+
+
+@pytest.mark.parametrize(("case", "obj", "message"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_deployment_is_rejected(
+    k8s_control_plane, dsv4_crd, case: str, obj: dict[str, Any], message: str
+) -> None:
+    res = _apply(k8s_control_plane, copy.deepcopy(obj))
+    assert res.returncode != 0, f"{case}: accepted"
+    assert message in res.stderr, res.stderr
+
+
+def test_valid_examples_are_accepted(k8s_control_plane, dsv4_crd) -> None:
+    from pathlib import Path
+
+    for path in sorted(
+        (Path(__file__).resolve().parents[2] / "manifests" / "examples").glob("*.yaml")
+    ):
+        res = subprocess.run(
+            [
+                str(k8s_control_plane.config.bin_dir / "kubectl"),
+                "--kubeconfig",
+                str(k8s_control_plane.kubeconfig),
+                "apply",
+                "--dry-run=server",
+                "-n",
+                "default",
+                "-f",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, f"{path.name}: {res.stderr}"
