@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client, config
@@ -22,28 +27,85 @@ def namespace(api_client: client.ApiClient) -> Iterator[str]:
     core.delete_namespace(name)
 
 
+REPO = Path(__file__).resolve().parents[2]
+RELEASE_NAMESPACE = "dsv4-system"
+
+
+def helm(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "HOME": str(cluster.work_dir),
+        "PATH": os.environ["PATH"],
+    }
+    return subprocess.run(
+        [str(cluster.config.bin_dir / "helm"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
 @pytest.fixture(scope="session")
-def dsv4_crd(k8s_control_plane):  # type: ignore[no-untyped-def]
-    """The DeepSeekV4Deployment CRD, installed from its single source and Established."""
-    import json
-
-    from dsv4_operator.api.crd import crd
-
-    k8s_control_plane.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd()))
+def helm_release(k8s_control_plane):  # type: ignore[no-untyped-def]
+    """`helm install` of charts/dsv4: CRDs, operator Deployment, RBAC, peering object."""
+    res = helm(
+        k8s_control_plane,
+        "install",
+        "dsv4",
+        str(REPO / "charts" / "dsv4"),
+        "--namespace",
+        RELEASE_NAMESPACE,
+        "--create-namespace",
+    )
+    assert res.returncode == 0, res.stderr
     k8s_control_plane.kubectl(
         "wait",
         "--for=condition=Established",
         "--timeout=60s",
         "crd/deepseekv4deployments.serving.dsv4.io",
     )
+    return res.stdout
+
+
+@pytest.fixture(scope="session")
+def dsv4_crd(helm_release):  # type: ignore[no-untyped-def]
+    """The DeepSeekV4Deployment CRD, installed by the chart."""
+    from dsv4_operator.api.crd import crd
+
     return crd()
 
 
+def service_account_kubeconfig(cluster: Any, namespace: str, account: str) -> Path:
+    """A kubeconfig that authenticates as a ServiceAccount (a real token from the TokenRequest API)."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=2h").strip()
+    admin = json.loads(Path(cluster.kubeconfig).read_text())
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [
+            {"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": account}}
+        ],
+        "current-context": "sa",
+    }
+    path = Path(cluster.work_dir) / f"sa-{namespace}-{account}.kubeconfig"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(k8s_cluster, helm_release) -> Path:  # type: ignore[no-untyped-def]
+    """Credentials of the chart's operator ServiceAccount: the operator runs with exactly its RBAC."""
+    return service_account_kubeconfig(k8s_cluster, RELEASE_NAMESPACE, "dsv4-operator")
+
+
 @pytest.fixture(scope="module")
-def operator(k8s_cluster, dsv4_crd):  # type: ignore[no-untyped-def]
-    """A running `dsv4 operator` process (standalone), stopped after the module."""
+def operator(k8s_cluster, operator_kubeconfig):  # type: ignore[no-untyped-def]
+    """A running `dsv4 operator` process with the chart's RBAC and peering, stopped after the module."""
     from tests.k8s.operator_fixtures import OperatorProcess
 
-    proc = OperatorProcess(k8s_cluster.kubeconfig, k8s_cluster.log_dir).start()
+    proc = OperatorProcess(operator_kubeconfig, k8s_cluster.log_dir).start()
     yield proc
     proc.stop()

@@ -28,7 +28,7 @@ class OperatorProcess:
             str(self.health_port),
             "--metrics-port",
             str(self.metrics_port),
-            *(extra or ["--standalone"]),
+            *(extra or []),
         ]
         self.proc = ManagedProcess("operator", argv, log_dir / f"operator-{self.metrics_port}.log")
 

@@ -146,7 +146,7 @@ def test_kubectl_apply_creates_and_updates(k8s_control_plane, namespace) -> None
     assert got["data"] == {"k": "v2"}
 
 
-def test_helm_talks_to_the_cluster(k8s_control_plane) -> None:
+def test_helm_talks_to_the_cluster(k8s_control_plane, namespace) -> None:
     helm = str(k8s_control_plane.config.bin_dir / "helm")
     env = {
         "KUBECONFIG": str(k8s_control_plane.kubeconfig),
@@ -158,7 +158,7 @@ def test_helm_talks_to_the_cluster(k8s_control_plane) -> None:
     )
     assert version.stdout.startswith("v3.")
     listed = subprocess.run(
-        [helm, "list", "--all-namespaces", "-o", "json"],
+        [helm, "list", "-n", namespace, "-o", "json"],
         capture_output=True,
         text=True,
         env=env,

@@ -30,7 +30,9 @@ def _phase_is(cluster: Any, ns: str, name: str, phase: str) -> dict[str, Any] | 
     return st if st.get("phase") == phase else None
 
 
-def test_tiny_example_lifecycle(k8s_cluster, operator: OperatorProcess, namespace: str) -> None:
+def test_tiny_example_lifecycle(
+    k8s_cluster, operator: OperatorProcess, operator_kubeconfig, namespace: str
+) -> None:
     cluster, ns = k8s_cluster, namespace
     apply_yaml(cluster, (EXAMPLES / "tiny-cpu.yaml").read_text(), ns)
 
@@ -135,7 +137,7 @@ def test_tiny_example_lifecycle(k8s_cluster, operator: OperatorProcess, namespac
         "resourceVersion"
     ]
     operator.stop()
-    restarted = OperatorProcess(cluster.kubeconfig, cluster.log_dir).start()
+    restarted = OperatorProcess(operator_kubeconfig, cluster.log_dir).start()
     try:
         wait_for(
             "the restarted operator to sync",
