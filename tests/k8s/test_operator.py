@@ -255,3 +255,49 @@ def test_pod_larger_than_any_node_degrades_the_deployment(k8s_cluster, operator,
     )["items"]
     assert any(e["reason"] == "Degraded" for e in warnings)
     cluster.kubectl("delete", "dsv4", "huge", "-n", ns, "--wait=true")
+
+
+def test_two_replicas_elect_one_active(
+    k8s_cluster, operator, operator_kubeconfig, namespace
+) -> None:
+    cluster, ns = k8s_cluster, namespace
+    high = OperatorProcess(
+        operator_kubeconfig, cluster.log_dir, extra=["--priority", "100"]
+    ).start()
+    try:
+        wait_for(
+            "the low-priority replica to pause",
+            lambda: "Pausing operations in favour of" in operator.tail(400),
+            timeout_s=60,
+        )
+        idle_syncs = operator.metric("dsv4_operator_syncs_total")
+        apply_yaml(cluster, (EXAMPLES / "tiny-cpu.yaml").read_text(), ns)
+        wait_for(
+            "Ready under the active replica",
+            lambda: _phase_is(cluster, ns, "tiny", "Ready"),
+            timeout_s=120,
+        )
+        assert high.metric("dsv4_operator_syncs_total") > 0
+        assert operator.metric("dsv4_operator_syncs_total") == idle_syncs
+    finally:
+        high.stop()
+    wait_for(
+        "the standby to resume", lambda: "Resuming operations" in operator.tail(400), timeout_s=90
+    )
+    cluster.kubectl(
+        "patch",
+        "dsv4",
+        "tiny",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"decode":{"instances":2}}}',
+    )
+    wait_for(
+        "decode 2/2 under the resumed replica",
+        lambda: _status(cluster, ns, "tiny").get("decode", {}).get("summary") == "2/2",
+        timeout_s=120,
+    )
+    assert operator.metric("dsv4_operator_syncs_total") > idle_syncs
+    cluster.kubectl("delete", "dsv4", "tiny", "-n", ns, "--wait=true")
