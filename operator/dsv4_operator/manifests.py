@@ -40,12 +40,22 @@ def render(root: Path, helm: str) -> dict[str, str]:
         "manifests/crds.yaml": _dump([ours, *peering], src),
     }
     rendered = subprocess.run(
-        [helm, "template", RELEASE, str(root / "charts" / "dsv4"), "--namespace", NAMESPACE, "--skip-crds"],
+        [
+            helm,
+            "template",
+            RELEASE,
+            str(root / "charts" / "dsv4"),
+            "--namespace",
+            NAMESPACE,
+            "--skip-crds",
+        ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    namespace = yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}, sort_keys=False)
+    namespace = yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}, sort_keys=False
+    )
     files["manifests/operator.yaml"] = (
         HEADER.format(source="charts/dsv4 (helm template, default values)") + namespace + rendered
     )

@@ -32,6 +32,7 @@ from dsv4_operator.api.schema import (
 )
 
 DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
+DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (no torch)
 MAX_NAME = 40  # children append "-prefill-NN-ranktable"; pod names must stay DNS labels (63)
 
 _NAME_RULE = (
@@ -210,7 +211,9 @@ def _gateway() -> Schema:
     return obj(
         {
             "replicas": integer("Gateway replicas.", default=1, minimum=0, maximum=64),
-            "image": string("Gateway image; default the engine image.", max_length=512),
+            "image": string(
+                "Gateway image (no torch needed).", default=DEFAULT_GATEWAY_IMAGE, max_length=512
+            ),
             "routingPolicy": string(
                 "How the gateway picks instances.",
                 default="dplb",

@@ -26,7 +26,10 @@ def _peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
                             "type": "object",
                             "properties": {
                                 # kopf keeps one entry per live operator replica here
-                                "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                                "status": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                }
                             },
                         }
                     },

@@ -115,7 +115,7 @@ class DeploymentSpec:
 
     @property
     def gateway_image(self) -> str:
-        return str(self.gateway.get("image") or self.image)
+        return str(self.gateway["image"])
 
 
 def _role(role: Role, raw: dict[str, Any]) -> RoleSpec:
