@@ -70,6 +70,9 @@ class Controller:
             self._lws = (time.monotonic(), value)
         return value
 
+    def forget_lws(self) -> None:
+        self._lws = (0.0, False)
+
     def event(self, body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
         meta = body["metadata"]
         ts = _now()

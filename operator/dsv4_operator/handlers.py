@@ -12,6 +12,7 @@ import kopf
 from dsv4_operator.api import GROUP, PLURAL, VERSION
 from dsv4_operator.controller import Controller
 from dsv4_operator.kube import Kube, load_api_client
+from dsv4_operator.observe import LWS_CRD
 from dsv4_operator.queue import SyncQueue
 from dsv4_operator.reconcile import names
 
@@ -67,6 +68,15 @@ async def _child_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> 
     owner = labels.get(names.DEPLOYMENT_LABEL)
     if owner and namespace:
         _queue().enqueue((namespace, owner))
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io", "v1", "customresourcedefinitions", field="metadata.name", value=LWS_CRD
+)
+async def lws_crd_event(**_: Any) -> None:
+    """LeaderWorkerSet installed or removed: deployments that want it must be synced again."""
+    _state["controller"].forget_lws()
+    _queue().enqueue_all()
 
 
 for _group, _version, _plural in CHILD_RESOURCES:

@@ -27,9 +27,11 @@ class SyncQueue:
         self._running: set[Key] = set()
         self._again: set[Key] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.known: set[Key] = set()
         self._limit = asyncio.Semaphore(max_concurrent)
 
     def enqueue(self, key: Key, delay_s: float | None = None) -> None:
+        self.known.add(key)
         if key in self._running:
             self._again.add(key)  # events during a sync: run once more afterwards
             return
@@ -44,6 +46,12 @@ class SyncQueue:
 
     def forget(self, key: Key) -> None:
         self._again.discard(key)
+        self.known.discard(key)
+
+    def enqueue_all(self) -> None:
+        """Sync every known object again (a cluster-wide fact they depend on changed)."""
+        for key in list(self.known):
+            self.enqueue(key)
 
     async def _run(self, key: Key, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -301,3 +301,76 @@ def test_two_replicas_elect_one_active(
     )
     assert operator.metric("dsv4_operator_syncs_total") > idle_syncs
     cluster.kubectl("delete", "dsv4", "tiny", "-n", ns, "--wait=true")
+
+
+LWS_CRD = {
+    # A minimal stand-in for LeaderWorkerSet's CRD (its controller is not needed to see what the
+    # operator creates): same group, version, kind and plural.
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
+    "spec": {
+        "group": "leaderworkerset.x-k8s.io",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "LeaderWorkerSet",
+            "plural": "leaderworkersets",
+            "singular": "leaderworkerset",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+                "subresources": {"status": {}},
+            }
+        ],
+    },
+}
+
+
+def test_leaderworkerset_only_when_its_crd_is_installed(k8s_cluster, operator, namespace) -> None:
+    cluster, ns = k8s_cluster, namespace
+    cr = {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": "lws"},
+        "spec": {
+            "model": {"path": "/data/v4", "servedName": "v4"},
+            "prefill": {"nodesPerInstance": 2, "parallelism": {"tp": 8, "dp": 2}},
+            "scheduling": {"workload": "LeaderWorkerSet"},
+        },
+    }
+    apply_yaml(cluster, json.dumps(cr), ns)
+    st = wait_for("Degraded without the LWS CRD", lambda: _phase_is(cluster, ns, "lws", "Degraded"))
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert "LeaderWorkerSet CRD" in degraded["message"]
+
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(LWS_CRD))
+    try:
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "crd/leaderworkersets.leaderworkerset.x-k8s.io"
+        )
+
+        def lws_objects() -> list[dict[str, Any]] | None:
+            items = kubectl_json(cluster, "get", "leaderworkersets", "-n", ns)["items"]
+            return items if len(items) == 2 else None
+
+        items = wait_for("a LeaderWorkerSet per role", lws_objects, timeout_s=60)
+        prefill = next(o for o in items if o["metadata"]["name"] == "lws-prefill")
+        assert prefill["spec"]["leaderWorkerTemplate"]["size"] == 2
+        assert prefill["metadata"]["ownerReferences"][0]["name"] == "lws"
+        wait_for(
+            "no longer Degraded", lambda: _status(cluster, ns, "lws").get("phase") == "Progressing"
+        )
+        assert not kubectl_json(cluster, "get", "statefulsets", "-n", ns)["items"]
+        cluster.kubectl("delete", "dsv4", "lws", "-n", ns, "--wait=true")
+    finally:
+        cluster.kubectl("delete", "crd", "leaderworkersets.leaderworkerset.x-k8s.io", "--wait=true")
