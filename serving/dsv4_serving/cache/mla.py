@@ -39,6 +39,23 @@ class MLAKVCache:
             ],
         )
 
+    @property
+    def has_state(self) -> bool:
+        return False
+
+    def paged_tensors(self) -> list[torch.Tensor]:
+        return list(self.latent)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        pass  # no per-sequence state
+
+    @staticmethod
+    def bytes_per_slot(config: DeepseekV3Config, itemsize: int, lookahead: int = 0) -> int:
+        return 0
+
     @staticmethod
     def bytes_per_block(config: DeepseekV3Config, block_size: int, itemsize: int) -> int:
         n = config.num_hidden_layers + config.num_nextn_predict_layers

@@ -162,12 +162,13 @@ class V4Attention(nn.Module):
     ) -> torch.Tensor:
         ctx, n, slot = meta.context_lens[i], b - a, meta.state_slots[i]
         w_len = self.window
+        ring = cache.window.shape[1]  # >= w_len: speculative rows must not evict live ones
         dev = q.device
         qpos = torch.arange(ctx, ctx + n, device=dev)
         # read everything from the rings before this step overwrites them
         prev_start = max(0, ctx - w_len + 1)
         prev_pos = torch.arange(prev_start, ctx, device=dev)
-        keys = torch.cat((cache.window[slot, prev_pos % w_len], kv), dim=0)
+        keys = torch.cat((cache.window[slot, prev_pos % ring], kv), dim=0)
         kpos = torch.cat((prev_pos, qpos))
         comp = idx_keys = None
         if self.compressor is not None:
@@ -218,7 +219,7 @@ class V4Attention(nn.Module):
         return chosen
 
     def _write_window(self, cache: V4LayerCache, slot: int, ctx: int, kv: torch.Tensor) -> None:
-        n, w_len = kv.shape[0], self.window
+        n, w_len = kv.shape[0], cache.window.shape[1]
         keep = min(n, w_len)
         pos = torch.arange(ctx + n - keep, ctx + n, device=kv.device)
         cache.window[slot, pos % w_len] = kv[n - keep :].to(cache.window.dtype)
@@ -270,7 +271,8 @@ class V4Attention(nn.Module):
         total: int,
     ) -> torch.Tensor:
         assert state is not None
-        r, s_len = comp.ratio, comp.state_len
+        # the ring may be longer than the compressor needs (room for speculative rows)
+        r, s_len = comp.ratio, state.shape[1]
         dev = proj.device
         base = max(0, (first_w - 1) * r) if comp.overlap else first_w * r
         old_pos = torch.arange(base, ctx, device=dev)

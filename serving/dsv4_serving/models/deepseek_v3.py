@@ -82,7 +82,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         return out
 
     def allocate_cache(
-        self, num_blocks: int, block_size: int, num_slots: int = 0, dtype: torch.dtype | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int = 0,
+        dtype: torch.dtype | None = None,
+        lookahead: int = 0,
     ) -> MLAKVCache:
         w = self.embed.weight
         return MLAKVCache.allocate(

@@ -126,11 +126,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         return out
 
     def allocate_cache(
-        self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype | None = None,
+        lookahead: int = 0,
     ) -> V4KVCache:
+        """``lookahead``: the most positions a step may write past what is kept (speculative
+        tokens); the per-sequence rings get that much slack."""
         w = self.embed.weight
         return V4KVCache.allocate(
-            self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype
+            self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype, lookahead
         )
 
     def forward(

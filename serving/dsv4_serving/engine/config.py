@@ -1,0 +1,106 @@
+"""The engine's one config object, built at the edge (CLI, engine.json, tests) and passed down.
+Pure Python: validating it never loads torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+Role = Literal["both", "prefill", "decode"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "safetensors", "dummy"]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "dsv4-tiny"
+    """Checkpoint directory or preset name (presets load dummy weights unless told otherwise)."""
+    served_model_name: str | None = None
+    """The name clients use in ``model``; defaults to ``model``."""
+    role: Role = "both"
+    """Prefill/decode disaggregation role; only ``both`` exists until the PD connector lands."""
+    device: str = "auto"
+    """cpu | cuda | npu | auto."""
+    dtype: DType = "auto"
+    """Weights and KV dtype; auto = float32 on CPU, bfloat16 elsewhere."""
+    load_format: LoadFormat = "auto"
+    """auto = dummy for presets, safetensors for directories."""
+    seed: int = 0
+    """Dummy-weight seed and the sampler's default seed."""
+    block_size: int = 0
+    """Tokens per KV block; 0 = the smallest multiple of the model's compression ratios >= 16."""
+    num_kv_blocks: int = 0
+    """Paged KV blocks; 0 = sized from ``kv_cache_memory_gb`` (CPU) or
+    ``gpu_memory_utilization`` (accelerators)."""
+    kv_cache_memory_gb: float = 1.0
+    """CPU: memory for the paged KV pool when ``num_kv_blocks`` is 0."""
+    gpu_memory_utilization: float = 0.9
+    """Accelerators: fraction of device memory for weights + activations + KV."""
+    max_model_len: int = 0
+    """Prompt + output tokens per request; 0 = the model's max_position_embeddings."""
+    max_num_seqs: int = 64
+    """Requests running at once (also the number of per-sequence state slots)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens + draft tokens)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps, mixed with decode tokens."""
+    enable_prefix_caching: bool = True
+    """Share full KV blocks of equal prefixes across requests."""
+    num_prefix_state_snapshots: int = 0
+    """V4: spare state slots holding snapshots at block boundaries (prefix caching of the window
+    ring and compressor state); 0 = 2 * max_num_seqs."""
+    num_speculative_tokens: int = -1
+    """MTP draft tokens per step (0-3); -1 = 1 when the model has an MTP layer, else 0."""
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    rank_table: str | None = None
+    """HCCL rank table (Ascend multi-node)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ConfigError(f"unsupported load_format {self.load_format!r}")
+        if self.block_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
+            raise ConfigError("block_size, num_kv_blocks and max_model_len must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not -1 <= self.num_speculative_tokens <= 3:
+            raise ConfigError(
+                f"num_speculative_tokens must be 0-3 (or -1 for the default), "
+                f"got {self.num_speculative_tokens}"
+            )
+        for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def check_parallel(self, device: str) -> None:
+        """This engine runs one device per process; larger parallel sizes fail fast."""
+        sizes = (self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size)
+        if sizes != (1, 1, 1):
+            raise ConfigError(
+                f"tensor/data/expert parallel sizes {sizes} are not supported on {device}: this "
+                "engine runs the model on one device per process (use 1/1/1, or scale out with "
+                "more engine replicas)"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown engine config keys: {', '.join(sorted(unknown))}")
+        return cls(**d)

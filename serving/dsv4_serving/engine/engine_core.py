@@ -1,0 +1,170 @@
+"""The engine core: scheduler + KV cache manager + model runner, stepped in a loop.
+
+``EngineCore`` is usable in-process (tests, benchmarks); ``run_engine_core`` is the body of the
+engine-core process the HTTP front end starts, so the front end never waits on compute. Messages
+in: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown", None)``. Messages out:
+``("ready", EngineInfo)``, ``("outputs", [EngineCoreOutput], SchedulerStats)``,
+``("error", text)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4_serving.engine.config import ConfigError, EngineConfig
+from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What the front end needs to know about the core (sent once, when ready)."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    num_kv_blocks: int
+    num_speculative_tokens: int
+    architecture: str
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from dsv4_serving.engine.model_loader import load_model, num_kv_blocks
+        from dsv4_serving.engine.model_runner import ModelRunner
+
+        if config.role != "both":
+            raise ConfigError(
+                f"role {config.role!r} needs the prefill/decode KV connector, which this engine "
+                "does not have yet; run with --role both"
+            )
+        self.config = config
+        lm = load_model(config)
+        k = config.num_speculative_tokens
+        if k < 0:
+            k = 1 if lm.num_mtp_layers else 0
+        if k and not lm.num_mtp_layers:
+            raise ConfigError("num_speculative_tokens > 0 needs a model with an MTP layer")
+        has_state = bool(lm.model.cache_class.bytes_per_slot(lm.model_config, 1))
+        caching = config.enable_prefix_caching
+        snaps = (config.num_prefix_state_snapshots or 2 * config.max_num_seqs) if caching else 0
+        num_slots = config.max_num_seqs + (snaps if has_state else 0)
+        n_blocks = num_kv_blocks(config, lm, num_slots, k)
+        per_req = -(-(lm.max_model_len + k) // lm.block_size)
+        if n_blocks < per_req:
+            raise ConfigError(
+                f"{n_blocks} KV blocks of {lm.block_size} tokens cannot hold one request of "
+                f"max_model_len {lm.max_model_len}; lower max_model_len or add blocks"
+            )
+        self.kv = KVCacheManager(
+            n_blocks, lm.block_size, config.max_num_seqs, caching, has_state, snaps,
+            key_next_token=k > 0,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=lm.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                num_speculative_tokens=k,
+                align_chunks_to_blocks=caching and has_state,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(lm, n_blocks, self.kv.num_slots, k, config.seed)
+        eos = lm.model_config.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.info = EngineInfo(
+            max_model_len=lm.max_model_len,
+            vocab_size=int(lm.model_config.vocab_size),
+            eos_token_id=self.eos_token_id,
+            block_size=lm.block_size,
+            num_kv_blocks=n_blocks,
+            num_speculative_tokens=k,
+            architecture=lm.hf_config["architectures"][0],
+        )
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.info.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; this model's maximum context length is "
+                f"{self.info.max_model_len} (prompt and output)"
+            )
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.info.vocab_size}): {bad[:5]}")
+        self.scheduler.add_request(Request(req, self.eos_token_id))
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        out = self.scheduler.schedule()
+        results = self.runner.execute(out)
+        return self.scheduler.update_from_output(out, results)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.snapshot_stats()
+
+
+def run_engine_core(config: EngineConfig, in_q: Any, out_q: Any) -> None:
+    """Body of the engine-core process."""
+    logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
+    parent = os.getppid()
+    try:
+        core = EngineCore(config)
+    except Exception as exc:
+        out_q.put(("error", f"{type(exc).__name__}: {exc}"))
+        log.debug("engine core failed to start:\n%s", traceback.format_exc())
+        return
+    out_q.put(("ready", core.info))
+    stats_due = True
+    while True:
+        msgs = []
+        if not core.has_unfinished_requests():
+            with contextlib.suppress(queue.Empty):  # idle: block briefly, do not spin
+                msgs.append(in_q.get(timeout=0.5))
+        while True:
+            try:
+                msgs.append(in_q.get_nowait())
+            except queue.Empty:
+                break
+        for kind, payload in msgs:
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                try:
+                    core.add_request(payload)
+                except ValueError as exc:
+                    out_q.put(("reject", payload.request_id, str(exc)))
+            elif kind == "abort":
+                core.abort_requests(payload)
+            stats_due = True
+        if core.has_unfinished_requests():
+            t = time.perf_counter()
+            outputs = core.step()
+            log.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t), len(outputs))
+            out_q.put(("outputs", outputs, core.stats()))
+            stats_due = False
+        elif stats_due:
+            out_q.put(("outputs", [], core.stats()))
+            stats_due = False
+        elif os.getppid() != parent:
+            return  # the front end died without telling us

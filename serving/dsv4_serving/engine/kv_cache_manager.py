@@ -1,0 +1,211 @@
+"""Who holds which KV blocks and state slots; prefix-cache lookup. Pure Python.
+
+Two kinds of cache memory, as the model layer defines them:
+  - paged blocks (one pool, one block table per request) for everything that grows with the
+    sequence: V4's compressed entries and indexer keys of every layer, V3's MLA latents;
+  - fixed-size state slots, one per running request (V4's window ring and compressor state).
+Both are sized at start-up and freed on finish, abort and preemption.
+
+Prefix caching over a hybrid cache: paged blocks are shared by chained hash, but a sequence's
+state (window ring, unfinished compressor block) cannot be rebuilt from them. So when a request's
+computed length lands exactly on a block boundary, its state is snapshotted into a spare slot
+keyed by that boundary, and a later request can only hit prefixes whose boundary has a snapshot
+(the scheduler ends prefill chunks on block boundaries to make that the normal case). With MTP on,
+the draft layer's row at the boundary's last position depends on the token after the boundary,
+so the key includes that token. Snapshots are evicted LRU, independently of blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from dsv4_serving.engine.block_pool import BlockPool, KVBlock
+from dsv4_serving.engine.prefix_hash import BlockHash
+from dsv4_serving.engine.request import Request
+
+BoundaryKey = tuple[BlockHash, int]
+
+
+@dataclass(slots=True)
+class ComputedPrefix:
+    """A prefix-cache hit: blocks to share, the tokens they cover, the snapshot to restore."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+    restore_slot: int | None = None
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_seq_slots: int,
+        enable_caching: bool = True,
+        has_state: bool = False,
+        num_snapshot_slots: int = 0,
+        key_next_token: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.has_state = has_state
+        self.key_next_token = key_next_token
+        # seq slots first, snapshot slots after them
+        self.num_seq_slots = num_seq_slots
+        self._free_slots: list[int] = list(range(num_seq_slots - 1, -1, -1))  # pop() -> 0 first
+        snap = list(range(num_seq_slots, num_seq_slots + num_snapshot_slots)) if has_state else []
+        self._free_snapshots = snap[::-1]
+        self.num_snapshot_slots = len(snap)
+        self._boundaries: OrderedDict[BoundaryKey, int | None] = OrderedDict()  # LRU first
+        self._boundary_capacity = self.num_snapshot_slots if has_state else 2 * num_blocks
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_slot: dict[str, int] = {}
+        self._num_cached: dict[str, int] = {}
+        self._copies: list[tuple[int, int]] = []  # (src slot, dst slot), in order
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_seq_slots + self.num_snapshot_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _needs_boundary(self) -> bool:
+        return self.has_state or self.key_next_token
+
+    def _key(self, req: Request, num_blocks: int) -> BoundaryKey | None:
+        b = num_blocks * self.block_size
+        nxt = -1
+        if self.key_next_token:
+            if req.num_tokens <= b:
+                return None
+            nxt = req.all_token_ids[b]
+        return (req.block_hashes[num_blocks - 1], nxt)
+
+    # ---- lookup and allocation -----------------------------------------------------------
+
+    def get_computed_blocks(self, req: Request) -> ComputedPrefix:
+        """The longest usable cached prefix of ``req`` (always leaves one token to compute)."""
+        if not self.enable_caching:
+            return ComputedPrefix()
+        hashes = req.update_block_hashes(self.block_size)
+        limit = (req.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for h in hashes[:limit]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hit.append(b)
+        restore = None
+        if self._needs_boundary():
+            while hit:
+                key = self._key(req, len(hit))
+                if key is not None and key in self._boundaries:
+                    restore = self._boundaries[key]
+                    self._boundaries.move_to_end(key)
+                    break
+                hit.pop()
+        return ComputedPrefix(hit, len(hit) * self.block_size, restore)
+
+    def can_fit(
+        self, req: Request, num_tokens: int, computed: ComputedPrefix | None = None
+    ) -> bool:
+        held = len(self.req_blocks.get(req.request_id, ()))
+        shared = computed.blocks if computed else []
+        need = -(-num_tokens // self.block_size) - held - len(shared)
+        # shared blocks nobody holds sit in the free list; taking them shrinks it
+        idle = sum(1 for b in shared if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - idle:
+            return False
+        return req.request_id in self.req_slot or bool(self._free_slots)
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed: ComputedPrefix | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Blocks covering ``num_computed (or the hit) + num_new + lookahead`` tokens, and a
+        state slot; False (nothing changed) when the pool cannot provide them."""
+        base = computed.num_tokens if computed else req.num_computed_tokens
+        total = base + num_new_tokens + num_lookahead_tokens
+        if not self.can_fit(req, total, computed):
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if computed and computed.blocks:
+            self.pool.touch(computed.blocks)
+            blocks.extend(computed.blocks)
+            self._num_cached[req.request_id] = len(computed.blocks)
+        need = -(-total // self.block_size) - len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
+        if req.request_id not in self.req_slot:
+            slot = self._free_slots.pop()
+            self.req_slot[req.request_id] = slot
+            if computed and computed.restore_slot is not None:
+                self._copies.append((computed.restore_slot, slot))
+        return True
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # ---- after a step --------------------------------------------------------------------
+
+    def cache_blocks(self, req: Request) -> None:
+        """Publish the request's newly completed blocks; snapshot state at a block boundary."""
+        if not self.enable_caching:
+            return
+        hashes = req.update_block_hashes(self.block_size)
+        blocks = self.req_blocks[req.request_id]
+        n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
+        done = self._num_cached.get(req.request_id, 0)
+        for i in range(done, n_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached[req.request_id] = max(done, n_full)
+        if (
+            self._needs_boundary()
+            and n_full > 0
+            and req.num_computed_tokens == n_full * self.block_size
+        ):
+            key = self._key(req, n_full)
+            if key is not None and key not in self._boundaries:
+                self._add_boundary(key, self.req_slot[req.request_id])
+
+    def _add_boundary(self, key: BoundaryKey, seq_slot: int) -> None:
+        if self._boundary_capacity == 0:
+            return
+        snap: int | None = None
+        if self.has_state:
+            if self._free_snapshots:
+                snap = self._free_snapshots.pop()
+            else:
+                _, snap = self._boundaries.popitem(last=False)
+            assert snap is not None
+            self._copies.append((seq_slot, snap))
+        elif len(self._boundaries) >= self._boundary_capacity:
+            self._boundaries.popitem(last=False)
+        self._boundaries[key] = snap
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """State-slot copies (src, dst) the runner must do, in order, before the next forward."""
+        out, self._copies = self._copies, []
+        return out
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self._num_cached.pop(req.request_id, None)
+        slot = self.req_slot.pop(req.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)

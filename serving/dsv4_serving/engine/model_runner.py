@@ -1,0 +1,141 @@
+"""Runs one scheduled step on the device: state copies, the forward over a flat batch,
+sampling / draft verification, and the MTP drafter.
+
+The runner keeps no request state besides per-request random generators; everything it needs
+(tokens, block ids, state slot) comes in the ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.engine.model_loader import LoadedModel
+from dsv4_serving.engine.sampler import compute_logprobs, sample_and_verify
+from dsv4_serving.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        num_blocks: int,
+        num_slots: int,
+        num_speculative_tokens: int,
+        seed: int = 0,
+    ) -> None:
+        self.lm = lm
+        self.model = lm.model
+        self.device = lm.device
+        self.block_size = lm.block_size
+        self.k = num_speculative_tokens
+        self.cache = self.model.allocate_cache(
+            num_blocks, lm.block_size, num_slots, lm.dtype, lookahead=self.k
+        )
+        self._gens: dict[str, torch.Generator] = {}
+        self._default_gen = torch.Generator().manual_seed(seed)
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator:
+        seed = s.sampling_params.seed
+        if seed is None:
+            return self._default_gen
+        g = self._gens.get(s.request_id)
+        if g is None:
+            g = self._gens[s.request_id] = torch.Generator().manual_seed(seed)
+        return g
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
+        for rid in out.finished_ids:
+            self._gens.pop(rid, None)
+        for src, dst in out.state_copies:
+            self.cache.copy_slot(src, dst)
+        if not out.scheduled:
+            return {}
+        sched = out.scheduled
+        ids: list[int] = []
+        chunks = []
+        for s in sched:
+            ids.extend(s.token_ids)
+            chunks.append(SeqChunk(s.context_len, len(s.token_ids), s.block_ids, s.state_slot))
+        meta = AttentionMetadata.build(chunks, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.cache)
+
+        # logits rows: the last num_spec + 1 rows of every request that samples
+        rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, s in enumerate(sched):
+            if s.sample:
+                end = meta.query_start_loc[i + 1]
+                spans.append((len(rows), s.num_spec + 1))
+                rows.extend(range(end - s.num_spec - 1, end))
+        results: dict[str, RunnerResult] = {}
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            j = 0
+            for s in sched:
+                if not s.sample:
+                    continue
+                a, n = spans[j]
+                j += 1
+                lg = logits[a : a + n]
+                drafts = s.token_ids[len(s.token_ids) - s.num_spec :] if s.num_spec else []
+                toks = sample_and_verify(lg, drafts, s.sampling_params, self._generator(s))
+                lp = None
+                if s.sampling_params.logprobs is not None:
+                    lp = compute_logprobs(lg, toks, s.sampling_params.logprobs)
+                results[s.request_id] = RunnerResult(toks, lp)
+        if self.k and self.lm.num_mtp_layers:
+            self._draft(sched, meta, hidden, results)
+        return results
+
+    def _draft(
+        self,
+        sched: list[ScheduledRequest],
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,
+        results: dict[str, RunnerResult],
+    ) -> None:
+        """Run the MTP layer over every position the main model kept this step (its cache rows
+        must follow the main model's), then chain it k - 1 more times for the drafts."""
+        chunks, next_ids, rows = [], [], []
+        for i, s in enumerate(sched):
+            r = results.get(s.request_id)
+            n = len(s.token_ids) - (s.num_spec - (len(r.token_ids) - 1) if r else 0)
+            last = r.token_ids[-1] if r else s.next_token
+            if last is None:  # cannot happen: a chunk that does not sample knows its next token
+                raise AssertionError(f"no next token for {s.request_id}")
+            a = meta.query_start_loc[i]
+            chunks.append(SeqChunk(s.context_len, n, s.block_ids, s.state_slot))
+            next_ids.extend(s.token_ids[1:n])
+            next_ids.append(last)
+            rows.extend(range(a, a + n))
+        mmeta = AttentionMetadata.build(chunks, self.block_size, self.device)
+        dev = self.device
+        logits, mh = self.model.mtp_forward(
+            torch.tensor(next_ids, device=dev), hidden[torch.tensor(rows, device=dev)],
+            mmeta, self.cache,
+        )  # fmt: skip
+        last_rows = mmeta.last_token_indices()
+        drafting = [i for i, s in enumerate(sched) if s.sample]
+        if not drafting:
+            return
+        sel = torch.tensor(drafting, device=dev)
+        draft = logits[last_rows[sel]].argmax(-1)
+        h = mh[last_rows[sel]]
+        drafts = [[int(t)] for t in draft.tolist()]
+        for step in range(1, self.k):
+            dchunks = []
+            for i in drafting:
+                c = chunks[i]
+                dchunks.append(
+                    SeqChunk(c.context_len + c.num_new + step - 1, 1, c.block_ids, c.state_slot)
+                )
+            dmeta = AttentionMetadata.build(dchunks, self.block_size, dev)
+            lg, h = self.model.mtp_forward(draft, h, dmeta, self.cache)
+            draft = lg.argmax(-1)
+            for d, t in zip(drafts, draft.tolist(), strict=True):
+                d.append(int(t))
+        for i, d in zip(drafting, drafts, strict=True):
+            results[sched[i].request_id].draft_ids = d

@@ -1,0 +1,87 @@
+"""Sampling and speculative verification over logits rows.
+
+Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw with
+the request's own generator (seeded requests draw from their seed alone, whatever else is in
+the batch). Drafts (greedy from the MTP layer, so the draft distribution q is one-hot) are
+verified by rejection sampling: draft d is kept with probability min(1, p(d) / q(d)) = p(d);
+on rejection the token is drawn from norm(max(p - q, 0)), i.e. p without d. That keeps the
+output distribution exactly p; with greedy requests it reduces to "keep while equal to the
+argmax". Logprobs are the model's raw log-softmax, as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_serving.engine.request import Logprob
+from dsv4_serving.engine.sampling_params import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Sampling distribution of rows ``[n, V]`` (float32) after temperature, top-k, top-p."""
+    x = logits.float() / max(sp.temperature, 1e-5)
+    if sp.top_k > 0 and sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -torch.inf)
+    if sp.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the ones before it already reach top_p (the top one always stays)
+        drop = (cum - sorted_x.softmax(dim=-1)) >= sp.top_p
+        sorted_x = sorted_x.masked_fill(drop, -torch.inf)
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    return x.softmax(dim=-1)
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=gen).item())
+
+
+def sample_and_verify(
+    logits: torch.Tensor,
+    drafts: list[int],
+    sp: SamplingParams,
+    gen: torch.Generator | None,
+) -> list[int]:
+    """``logits`` has ``len(drafts) + 1`` rows (row i predicts the token after input i).
+    Returns the kept drafts followed by one token of the model's own: 1..len(drafts)+1 ids."""
+    if sp.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for i, d in enumerate(drafts):
+            if target[i] != d:
+                out.append(target[i])
+                return out
+            out.append(d)
+        out.append(target[len(drafts)])
+        return out
+    probs = probs_from_logits(logits, sp).cpu()
+    out = []
+    for i, d in enumerate(drafts):
+        p = probs[i]
+        u = float(torch.rand((), generator=gen))
+        if u < float(p[d]):
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        if float(residual.sum()) <= 0.0:  # p was one-hot on d yet u >= 1: cannot happen
+            out.append(d)
+            continue
+        out.append(_draw(residual / residual.sum(), gen))
+        return out
+    out.append(_draw(probs[len(drafts)], gen))
+    return out
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int) -> list[Logprob]:
+    """Raw logprob of each chosen token (row i -> token_ids[i]) and the n_top best."""
+    lp = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1).cpu()
+    out = []
+    for i, t in enumerate(token_ids):
+        top: list[tuple[int, float]] = []
+        if n_top > 0:
+            vals, idx = torch.topk(lp[i], n_top)
+            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+        out.append(Logprob(t, float(lp[i, t]), top))
+    return out

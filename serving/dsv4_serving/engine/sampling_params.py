@@ -1,0 +1,57 @@
+"""Sampling parameters of one request, validated where they enter (bad values -> ValueError,
+which the API turns into HTTP 400)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    seed: int | None = None
+    """Per-request random seed: the same seed and prompt give the same tokens."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """Stop conditions other than max_tokens are ignored before this many tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the text returned ends before the first one found (checked by the front
+    end, which detokenizes)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the request (kept in the output, like EOS)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS token."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many most likely alternatives (0-20)."""
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS

@@ -1,0 +1,287 @@
+"""Continuous batching: which requests run this step and with how many tokens. Pure Python.
+
+Every request is one number, ``num_computed_tokens``, chasing ``num_tokens`` (+ its draft
+tokens): a prefill chunk, a decode token and a verification run are the same thing, so
+prefill chunks and decode tokens share one step under one token budget. Running requests go
+first (FCFS among them); when blocks run out the most recently arrived running request is
+preempted (its blocks freed, recomputed later from its tokens). Waiting requests are admitted
+in arrival order while budget, sequence slots and blocks last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
+from dsv4_serving.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0
+    # end prefill chunks on block boundaries (so state snapshots can be taken there)
+    align_chunks_to_blocks: bool = False
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # this step's inputs: prompt/output tokens, then draft tokens
+    context_len: int  # tokens already in the cache
+    num_spec: int  # trailing draft tokens in token_ids
+    block_ids: list[int]
+    state_slot: int
+    sample: bool  # the step reaches the request's last known token: sample after it
+    next_token: int | None  # token at context_len + len(token_ids) when known (prefill chunk)
+    sampling_params: SamplingParams
+    num_output_tokens: int  # before this step (for seeded sampling positions)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    state_copies: list[tuple[int, int]]  # (src slot, dst slot) before the forward
+    finished_ids: list[str]  # requests gone since the last step (runner drops their state)
+    num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class RunnerResult:
+    """What the model runner produced for one sampled request."""
+
+    token_ids: list[int]  # accepted drafts, then one sampled token
+    logprobs: list[Logprob] | None = None
+    draft_ids: list[int] = field(default_factory=list)  # drafts for the next step
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_hits: int = 0  # cumulative prompt tokens found in the cache
+    spec_drafts: int = 0  # cumulative verification runs
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.stats = SchedulerStats(num_total_blocks=kv.pool.num_blocks)
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(rid)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _chunk(self, req: Request, start: int, num_new: int) -> int:
+        """Shorten a prefill chunk that stops before the prompt's end to a block boundary."""
+        cfg, bs = self.config, self.kv.block_size
+        if not cfg.align_chunks_to_blocks or start + num_new >= req.num_tokens:
+            return num_new
+        aligned = (start + num_new) // bs * bs - start
+        return aligned if aligned > 0 else num_new
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        k = cfg.num_speculative_tokens
+        plan: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            ctx = req.num_computed_tokens
+            want = req.num_tokens + len(req.spec_token_ids) - ctx
+            num_new = min(want, budget, cfg.max_model_len - ctx)
+            num_new = self._chunk(req, ctx, num_new)
+            if num_new <= 0:
+                i += 1
+                continue
+            sample = ctx + num_new >= req.num_tokens
+            lookahead = k if sample else 0
+            while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                plan.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            computed = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - computed.num_tokens
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._chunk(req, computed.num_tokens, min(num_new, budget))
+            sample = computed.num_tokens + num_new >= req.num_tokens
+            if not self.kv.allocate_slots(req, num_new, computed, k if sample else 0):
+                break
+            self.waiting.popleft()
+            self.stats.prefix_queries += req.num_tokens
+            self.stats.prefix_hits += computed.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed.num_tokens
+            req.num_computed_tokens = computed.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.append((req, num_new))
+            budget -= num_new
+
+        scheduled = [self._describe(req, n) for req, n in plan]
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            state_copies=self.kv.take_state_copies(),
+            finished_ids=finished,
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+        )
+
+    def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
+        ctx = req.num_computed_tokens
+        end = ctx + num_new
+        known = min(end, req.num_tokens)
+        num_spec = end - known
+        req.spec_token_ids = req.spec_token_ids[:num_spec]
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[ctx:known] + req.spec_token_ids,
+            context_len=ctx,
+            num_spec=num_spec,
+            block_ids=self.kv.block_ids(req.request_id),
+            state_slot=self.kv.req_slot[req.request_id],
+            sample=known >= req.num_tokens,
+            next_token=req.all_token_ids[end] if end < req.num_tokens else None,
+            sampling_params=req.sampling_params,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def update_from_output(
+        self, out: SchedulerOutput, results: dict[str, RunnerResult]
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for s in out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue
+            if not s.sample:
+                req.num_computed_tokens += len(s.token_ids)
+                self.kv.cache_blocks(req)
+                continue
+            r = results[s.request_id]
+            accepted = len(r.token_ids) - 1
+            if s.num_spec:
+                self.stats.spec_drafts += 1
+                self.stats.spec_draft_tokens += s.num_spec
+                self.stats.spec_accepted_tokens += accepted
+            req.num_computed_tokens += len(s.token_ids) - (s.num_spec - accepted)
+            req.spec_token_ids = []
+            new: list[int] = []
+            status = None
+            for t in r.token_ids:
+                req.all_token_ids.append(t)
+                new.append(t)
+                status = self._check_stop(req, t)
+                if status is not None:
+                    break
+            logprobs = r.logprobs[: len(new)] if r.logprobs is not None else None
+            self.kv.cache_blocks(req)
+            out_ = EngineCoreOutput(
+                req.request_id, new, logprobs, num_cached_tokens=max(req.num_cached_tokens, 0)
+            )
+            if status is None:
+                req.spec_token_ids = list(r.draft_ids)
+            else:
+                self.running.remove(req)
+                self._finish(req, status)
+                out_.finish_reason = status.value
+                out_.stop_token_id = req.stop_token_id
+            outputs.append(out_)
+        self._refresh_stats()
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if req.num_tokens >= self.config.max_model_len or n_out >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if n_out < sp.min_tokens:
+            return None
+        if not sp.ignore_eos and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            req.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _refresh_stats(self) -> None:
+        st = self.stats
+        st.num_running = len(self.running)
+        st.num_waiting = len(self.waiting)
+        st.kv_usage = self.kv.usage()
+        st.num_free_blocks = self.kv.num_free_blocks
+
+    def snapshot_stats(self) -> SchedulerStats:
+        self._refresh_stats()
+        return SchedulerStats(**{f: getattr(self.stats, f) for f in SchedulerStats.__slots__})
