@@ -18,9 +18,21 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dsv4_operator.devcluster.cli",
         "run a local Kubernetes control plane (real binaries) with fake Ascend nodes",
     ),
+    "gateway": (
+        "dsv4_serving.gateway.cli",
+        "run the OpenAI-compatible gateway (PD orchestration, DPLB routing)",
+    ),
+    "bench": (
+        "dsv4_serving.bench.cli",
+        "load an OpenAI-compatible server; report TTFT, TPOT, ITL, E2E, throughput, goodput",
+    ),
     "explain-model": (
         "dsv4_serving.explain_model",
         "show which model class, device, attention backend and switches a checkpoint selects",
+    ),
+    "engine": (
+        "dsv4_serving.entrypoints.cli",
+        "serve a model over the OpenAI API (continuous batching, paged KV, prefix cache, MTP)",
     ),
 }
 

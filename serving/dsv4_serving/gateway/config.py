@@ -1,0 +1,71 @@
+"""The gateway's one config object, built from the command line (or a test) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dsv4_serving.gateway.policies import PolicyName
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    prefill_urls: list[str] = field(default_factory=list)
+    """Static prefill engines (base URLs)."""
+    decode_urls: list[str] = field(default_factory=list)
+    """Static decode engines."""
+    both_urls: list[str] = field(default_factory=list)
+    """Static engines that do both (no disaggregation)."""
+    discovery: Literal["static", "kubernetes"] = "static"
+    """Where instances come from: the URL lists, or EndpointSlices watched in ``namespace``."""
+    namespace: str = "default"
+    selector: str = ""
+    """Label selector of the EndpointSlices (role from their ``serving.dsv4.io/role`` label)."""
+    kubeconfig: str | None = None
+    policy: PolicyName = "dplb"
+    served_model_name: str | None = None
+    """Model name for /v1/models when no engine answers; requests are not rewritten."""
+    selective_pd_tokens: int = 0
+    """Prompts with fewer uncached tokens than this go to a decode engine alone (0: never)."""
+    block_size: int = 16
+    """Tokens per prefix-cache block, as the engines use (for prefix affinity)."""
+    api_key: str | None = None
+    """If set, clients must send ``Authorization: Bearer <key>``."""
+    max_inflight: int = 1024
+    """Requests in flight beyond this get 429 with Retry-After."""
+    connect_timeout_s: float = 3.0
+    prefill_timeout_s: float = 600.0
+    """Whole prefill call (the prompt's forward), per attempt."""
+    first_byte_timeout_s: float = 600.0
+    """Decode: time to the response headers, per attempt."""
+    stream_idle_timeout_s: float = 300.0
+    """Decode: longest silence between two chunks of a streamed answer."""
+    retries: int = 1
+    """Extra attempts on another instance when prefill fails, or decode fails before its first byte."""
+    health_interval_s: float = 2.0
+    eject_after_failures: int = 2
+    """Consecutive failed health checks (or upstream errors) that take an instance out."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_inflight < 1:
+            raise ValueError("--max-inflight must be >= 1")
+        if self.retries < 0:
+            raise ValueError("--retries must be >= 0")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        if self.discovery == "static" and not (
+            self.both_urls or (self.prefill_urls and self.decode_urls)
+        ):
+            raise ValueError(
+                "static discovery needs --prefill and --decode engine URLs (PD), or --engine URLs "
+                "(engines that do both)"
+            )
+        for url in (*self.prefill_urls, *self.decode_urls, *self.both_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")

@@ -1,0 +1,127 @@
+"""Where engines are: static URL lists, or the EndpointSlices of the role Services, watched.
+
+EndpointSlices carry the labels of their Service (``serving.dsv4.io/role``); an engine is an
+endpoint that is ready and is node rank 0 of its instance (the pod that serves HTTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dsv4_serving.gateway.config import GatewayConfig
+from dsv4_serving.gateway.instances import InstancePool, Role
+
+log = logging.getLogger("dsv4.gateway")
+ROLE_LABEL = "serving.dsv4.io/role"
+_ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+# StatefulSet pod "<name>-<role>-<instance>-<node rank>": only rank 0 serves the API
+_FOLLOWER = re.compile(r"-\d+-([1-9]\d*)$")
+
+
+def static_members(cfg: GatewayConfig, pool: InstancePool) -> None:
+    pool.set_members("prefill", cfg.prefill_urls)
+    pool.set_members("decode", cfg.decode_urls)
+    pool.set_members("both", cfg.both_urls)
+
+
+def members_from_slices(slices: list[dict[str, Any]]) -> dict[Role, set[str]]:
+    """Engine base URLs per role from EndpointSlice objects (as dicts)."""
+    out: dict[Role, set[str]] = {r: set() for r in _ROLES}
+    for s in slices:
+        role = (s.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL)
+        if role not in out:
+            continue
+        port = next((p.get("port") for p in s.get("ports") or [] if p.get("name") == "http"), None)
+        if port is None:
+            continue
+        for ep in s.get("endpoints") or []:
+            if not (ep.get("conditions") or {}).get("ready", False):
+                continue
+            pod = (ep.get("targetRef") or {}).get("name", "")
+            if _FOLLOWER.search(pod):
+                continue
+            for addr in ep.get("addresses") or []:
+                host = f"[{addr}]" if ":" in addr else addr
+                out[role].add(f"http://{host}:{port}")  # type: ignore[index]
+    return out
+
+
+class KubernetesDiscovery:
+    """Watches EndpointSlices in a thread (the kubernetes client is synchronous) and hands the
+    membership to the event loop."""
+
+    def __init__(
+        self, cfg: GatewayConfig, pool: InstancePool, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.cfg, self.pool, self.loop = cfg, pool, loop
+        self._stop = threading.Event()
+        self._slices: dict[str, dict[str, Any]] = {}
+        self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
+        self.synced = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _publish(self) -> None:
+        members = members_from_slices(list(self._slices.values()))
+
+        def apply() -> None:
+            for role, urls in members.items():
+                self.pool.set_members(role, urls)
+
+        self.loop.call_soon_threadsafe(apply)
+
+    def _run(self) -> None:
+        from kubernetes import client, config, watch
+
+        try:
+            if self.cfg.kubeconfig:
+                api = config.new_client_from_config(config_file=self.cfg.kubeconfig)
+            else:
+                try:
+                    config.load_incluster_config()
+                    api = client.ApiClient()
+                except config.ConfigException:
+                    api = config.new_client_from_config()
+        except Exception:
+            log.exception("cannot reach the Kubernetes API for discovery")
+            return
+        discovery = client.DiscoveryV1Api(api)
+        to_dict: Callable[[Any], dict[str, Any]] = api.sanitize_for_serialization
+        while not self._stop.is_set():
+            try:
+                lst = discovery.list_namespaced_endpoint_slice(
+                    self.cfg.namespace, label_selector=self.cfg.selector
+                )
+                self._slices = {s.metadata.name: to_dict(s) for s in lst.items}
+                self._publish()
+                self.synced.set()
+                w = watch.Watch()
+                for ev in w.stream(
+                    discovery.list_namespaced_endpoint_slice,
+                    self.cfg.namespace,
+                    label_selector=self.cfg.selector,
+                    resource_version=lst.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    obj = to_dict(ev["object"])
+                    name = obj["metadata"]["name"]
+                    if ev["type"] == "DELETED":
+                        self._slices.pop(name, None)
+                    else:
+                        self._slices[name] = obj
+                    self._publish()
+            except Exception as e:  # a broken watch is re-listed, never fatal
+                log.warning("EndpointSlice watch restarting: %s", e)
+                self._stop.wait(1.0)

@@ -1,0 +1,89 @@
+"""Health checks and load scraping: eject instances that stop answering, re-admit them when they
+answer again, and read each engine's own view of its load from /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsv4_serving.gateway.instances import Instance, InstancePool
+from dsv4_serving.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("dsv4.gateway")
+
+_SCRAPED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def apply_scrape(inst: Instance, text: str) -> None:
+    """Copy the engine's load gauges onto the instance; the ``engine`` label is the DP rank."""
+    seen: dict[tuple[int, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            attr = _SCRAPED.get(sample.name)
+            if attr is None:
+                continue
+            try:
+                rank = int(sample.labels.get("engine", "0"))
+            except ValueError:
+                rank = 0
+            if 0 <= rank < inst.dp_size:
+                seen[(rank, attr)] = seen.get((rank, attr), 0.0) + float(sample.value)
+    for (rank, attr), value in seen.items():
+        setattr(inst.ranks[rank], attr, value)
+
+
+def mark_failure(inst: Instance, pool_metrics: GatewayMetrics, eject_after: int) -> None:
+    inst.failures += 1
+    if inst.healthy and inst.failures >= eject_after:
+        inst.healthy = False
+        pool_metrics.ejections.labels(inst.url).inc()
+        log.warning("ejected %s (%s) after %d failures", inst.url, inst.role, inst.failures)
+
+
+def mark_success(inst: Instance) -> None:
+    if not inst.healthy:
+        log.info("re-admitted %s (%s)", inst.url, inst.role)
+    inst.failures = 0
+    inst.healthy = True
+
+
+async def check_once(
+    client: httpx.AsyncClient, inst: Instance, metrics: GatewayMetrics, eject_after: int
+) -> None:
+    try:
+        resp = await client.get(f"{inst.url}/health", timeout=2.0)
+        ok = resp.status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    if not ok:
+        mark_failure(inst, metrics, eject_after)
+        return
+    mark_success(inst)
+    try:
+        resp = await client.get(f"{inst.url}/metrics", timeout=2.0)
+        if resp.status_code == 200:
+            apply_scrape(inst, resp.text)
+    except (httpx.HTTPError, ValueError):
+        pass  # load figures are a hint; health is what counts
+
+
+async def health_loop(
+    client: httpx.AsyncClient,
+    pool: InstancePool,
+    metrics: GatewayMetrics,
+    interval_s: float,
+    eject_after: int,
+) -> None:
+    while True:
+        instances = pool.all()
+        await asyncio.gather(*(check_once(client, i, metrics, eject_after) for i in instances))
+        for role in ("prefill", "decode", "both"):
+            metrics.healthy.labels(role).set(len(pool.of_role(role)))  # type: ignore[arg-type]
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,71 @@
+"""Gateway metrics: latency as the client sees it (vLLM's names), routing, retries, ejections."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token, at the gateway",
+            registry=r,
+            buckets=_LATENCY,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between streamed chunks, at the gateway",
+            registry=r,
+            buckets=_LATENCY,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, at the gateway",
+            registry=r,
+            buckets=_LATENCY,
+        )
+        self.requests = Counter(
+            "dsv4_gateway_requests", "Requests by outcome", ["status"], registry=r
+        )
+        self.routed = Counter(
+            "dsv4_gateway_routed", "Upstream calls per instance", ["role", "instance"], registry=r
+        )
+        self.retries = Counter(
+            "dsv4_gateway_retries", "Attempts repeated on another instance", ["stage"], registry=r
+        )
+        self.ejections = Counter(
+            "dsv4_gateway_ejections", "Instances taken out after failures", ["instance"], registry=r
+        )
+        self.inflight = Gauge("dsv4_gateway_inflight_requests", "Requests in flight", registry=r)
+        self.healthy = Gauge(
+            "dsv4_gateway_healthy_instances", "Healthy instances", ["role"], registry=r
+        )
+        self.selective = Counter(
+            "dsv4_gateway_selective_pd",
+            "Requests sent to decode alone (short uncached prompt)",
+            registry=r,
+        )
