@@ -1,0 +1,263 @@
+"""What the engine's connector uses to drive its sidecar: the control API plus the mapped region.
+
+Prefill (after the prompt's forward)::
+
+    res = client.reserve_export(request_id, buffers, block_ids=..., num_tokens=..., ...)
+    for spec in buffers: client.view(res.buffers[spec.name]) [:] = <bytes of that cache group>
+    params = client.commit_export(res.transfer_id)      # -> the response's kv_transfer_params
+
+Decode (a request carrying those params)::
+
+    pull_id = client.start_pull(params)                  # returns at once
+    kv = client.wait_pull(pull_id, timeout_s)            # or poll client.pull_status(pull_id)
+    for b in kv.buffers.values(): <copy client.view(b) into the cache>
+    client.release_pull(pull_id)
+
+Blocking calls on a thread-local keep-alive connection (safe from several threads); an asyncio
+engine runs them with ``asyncio.to_thread``. Pure stdlib: no torch, no engine imports.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from dsv4_kvtransfer.buffers import BufferSpec
+from dsv4_kvtransfer.staging import StagingRegion
+
+
+class SidecarError(RuntimeError):
+    """The sidecar refused a request (``status``, ``code``) or could not be reached."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class PullFailed(SidecarError):
+    """A pull ended ``failed`` or ``expired``: ``reason`` says why (``auth``, ``timeout``,
+    ``unknown_transfer``, ``connection``, ...). The engine falls back to its failure policy."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(0, reason, message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedView:
+    """A buffer in the staging region: absolute ``offset``, ``nbytes``, and its description."""
+
+    spec: BufferSpec
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    transfer_id: str
+    total_bytes: int
+    buffers: dict[str, PlacedView]
+    lease_expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PulledKV:
+    pull_id: str
+    buffers: dict[str, PlacedView]
+    remote_meta: dict[str, Any]
+    """What the prefill engine attached to the export (``engine_meta``, ``num_tokens``, ...)."""
+    lease_expires_at: float
+
+
+def _placed(items: Iterable[Mapping[str, Any]]) -> dict[str, PlacedView]:
+    out = {}
+    for b in items:
+        spec = BufferSpec.from_dict(b)
+        out[spec.name] = PlacedView(spec, int(b["offset"]), spec.nbytes)
+    return out
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self._path)
+        self.sock = s
+
+
+class SidecarClient:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:14580",
+        timeout_s: float = 10.0,
+        unix_socket: str | None = None,
+        shm_dir: str | None = None,
+    ) -> None:
+        u = urlsplit(url)
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 80
+        self.timeout_s = timeout_s
+        self.unix_socket = unix_socket
+        self._shm_dir = shm_dir
+        self._local = threading.local()
+        self._region: StagingRegion | None = None
+        self._region_lock = threading.Lock()
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = (
+                _UnixConnection(self.unix_socket, timeout)
+                if self.unix_socket
+                else http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            )
+            self._local.conn = conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def request(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, timeout: float = 0
+    ) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        for attempt in (0, 1):
+            conn = self._conn(timeout or self.timeout_s)
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except (ConnectionError, http.client.HTTPException, OSError) as e:
+                conn.close()
+                self._local.conn = None
+                # a kept-alive connection the server closed: retry once on a fresh one
+                if attempt or isinstance(e, TimeoutError):
+                    raise SidecarError(0, "unreachable", f"KV sidecar unreachable: {e}") from e
+        try:
+            obj = json.loads(raw) if raw else {}
+        except ValueError:
+            raise SidecarError(resp.status, "bad_response", raw[:200].decode("replace")) from None
+        if resp.status >= 400:
+            err = obj.get("error", {}) if isinstance(obj, dict) else {}
+            raise SidecarError(resp.status, str(err.get("code")), str(err.get("message", obj)))
+        if not isinstance(obj, dict):
+            raise SidecarError(resp.status, "bad_response", "expected a JSON object")
+        return obj
+
+    # ---- the staging region --------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return self.request("GET", "/v1/info")
+
+    def region(self) -> StagingRegion:
+        with self._region_lock:
+            if self._region is None:
+                info = self.info()
+                self._region = StagingRegion.attach(
+                    str(info["shm_name"]), self._shm_dir or str(info["shm_dir"])
+                )
+            return self._region
+
+    def view(self, placed: PlacedView) -> memoryview:
+        """Zero-copy view of a buffer in the staging region (``torch.frombuffer`` takes it)."""
+        return self.region().view(placed.offset, placed.nbytes)
+
+    def close(self) -> None:
+        with self._region_lock:
+            if self._region is not None:
+                self._region.close()
+                self._region = None
+
+    # ---- prefill side --------------------------------------------------------------------------
+
+    def reserve_export(
+        self,
+        request_id: str,
+        buffers: Iterable[BufferSpec],
+        *,
+        block_ids: Iterable[int] = (),
+        num_tokens: int = 0,
+        state_slot: int | None = None,
+        cache_groups: Mapping[str, int] | None = None,
+        engine_meta: Mapping[str, Any] | None = None,
+        engine_id: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> Reservation:
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "buffers": [b.to_dict() for b in buffers],
+            "block_ids": list(block_ids),
+            "num_tokens": num_tokens,
+            "state_slot": state_slot,
+            "cache_groups": dict(cache_groups or {}),
+            "engine_meta": dict(engine_meta or {}),
+        }
+        if engine_id is not None:
+            body["engine_id"] = engine_id
+        if lease_seconds is not None:
+            body["lease_seconds"] = lease_seconds
+        r = self.request("POST", "/v1/exports", body)
+        return Reservation(
+            r["transfer_id"], int(r["total_bytes"]), _placed(r["buffers"]), r["lease_expires_at"]
+        )
+
+    def commit_export(self, transfer_id: str) -> dict[str, Any]:
+        """-> the ``kv_transfer_params`` for the prefill response."""
+        params = self.request("POST", f"/v1/exports/{transfer_id}/commit")["kv_transfer_params"]
+        assert isinstance(params, dict)
+        return params
+
+    def abort_export(self, transfer_id: str) -> None:
+        self.request("DELETE", f"/v1/exports/{transfer_id}")
+
+    # ---- decode side ---------------------------------------------------------------------------
+
+    def start_pull(
+        self, kv_transfer_params: Mapping[str, Any], timeout_s: float | None = None
+    ) -> str:
+        body: dict[str, Any] = {"kv_transfer_params": dict(kv_transfer_params)}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return str(self.request("POST", "/v1/pulls", body)["pull_id"])
+
+    def pull_status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        return self.request(
+            "GET", f"/v1/pulls/{pull_id}?wait={wait_s:g}", timeout=self.timeout_s + wait_s
+        )
+
+    def wait_pull(self, pull_id: str, timeout_s: float = 60.0) -> PulledKV:
+        """Block until the pull is done (-> where the KV is) or failed (``PullFailed``)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            st = self.pull_status(pull_id, wait_s=max(0.0, min(left, 10.0)))
+            if st["state"] == "done":
+                return PulledKV(
+                    pull_id,
+                    _placed(st["buffers"]),
+                    st.get("remote_meta", {}),
+                    st["lease_expires_at"],
+                )
+            if st["state"] != "pending":
+                raise PullFailed(str(st.get("reason")), str(st.get("error")))
+            if left <= 0:
+                raise PullFailed("timeout", f"pull {pull_id} still pending after {timeout_s}s")
+
+    def release_pull(self, pull_id: str) -> None:
+        self.request("DELETE", f"/v1/pulls/{pull_id}")

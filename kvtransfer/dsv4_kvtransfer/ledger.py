@@ -1,0 +1,189 @@
+"""Bookkeeping of the staging region: exports under leases, imports, and when each is freed.
+
+Pure logic: the clock is an argument, nothing here does I/O or locks (the sidecar holds one lock
+around every call), so the unit tests assert exact offsets, byte counts and expiry times.
+
+Export (prefill side), one per request whose KV waits for a remote decode::
+
+    reserve (lease starts) -> engine writes its buffers -> commit (lease renewed) -> ready
+    ready -> pulled (the puller sent RELEASE) | expired (lease ran out) | aborted (engine)
+
+A remote reader pins an export while it reads; a pinned export does not expire, and a release
+while pinned frees it at the last unpin. Import (decode side), one per pull: an extent reserved
+when the pull learns the size, ``done`` once every byte is in (a lease starts: the engine must
+copy the KV out and release it in time), or dropped on failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dsv4_kvtransfer.allocator import ExtentAllocator
+from dsv4_kvtransfer.buffers import Layout
+
+ExportState = Literal["reserved", "ready"]
+FreeReason = Literal["pulled", "expired", "aborted"]
+
+
+class LedgerError(Exception):
+    """A request the ledger cannot satisfy; ``code`` is a short label for APIs and metrics."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Export:
+    transfer_id: str
+    offset: int
+    """Absolute offset of the extent in the staging region."""
+    capacity: int
+    layout: Layout
+    meta: dict[str, Any]
+    expires_at: float
+    state: ExportState = "reserved"
+    pins: int = 0
+    release_pending: FreeReason | None = None
+
+
+@dataclass(slots=True)
+class Import:
+    pull_id: str
+    offset: int
+    capacity: int
+    nbytes: int
+    expires_at: float | None = None
+    """Set when the pull completes; the engine must release before."""
+
+
+@dataclass(slots=True)
+class Freed:
+    kind: Literal["export", "import"]
+    key: str
+    reason: FreeReason
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Ledger:
+    alloc: ExtentAllocator
+    exports: dict[str, Export] = field(default_factory=dict)
+    imports: dict[str, Import] = field(default_factory=dict)
+
+    # ---- exports ---------------------------------------------------------------------------
+
+    def reserve_export(
+        self, transfer_id: str, layout: Layout, meta: dict[str, Any], now: float, ttl: float
+    ) -> Export:
+        if transfer_id in self.exports:
+            raise LedgerError("duplicate", f"transfer {transfer_id} already exists")
+        off = self.alloc.alloc(layout.total_bytes)
+        if off is None:
+            raise LedgerError(
+                "staging_full",
+                f"staging region has no free extent of {layout.total_bytes} bytes "
+                f"(free {self.alloc.free_bytes}, largest {self.alloc.largest_free})",
+            )
+        exp = Export(transfer_id, off, self.alloc.size_of(off), layout, meta, now + ttl)
+        self.exports[transfer_id] = exp
+        return exp
+
+    def commit_export(self, transfer_id: str, now: float, ttl: float) -> Export:
+        exp = self._export(transfer_id)
+        if exp.state != "reserved":
+            raise LedgerError("bad_state", f"transfer {transfer_id} is already committed")
+        exp.state = "ready"
+        exp.expires_at = now + ttl
+        return exp
+
+    def ready_export(self, transfer_id: str) -> Export:
+        exp = self.exports.get(transfer_id)
+        if exp is None or exp.state != "ready" or exp.release_pending:
+            raise LedgerError("unknown_transfer", f"unknown or expired transfer {transfer_id}")
+        return exp
+
+    def pin(self, transfer_id: str) -> Export:
+        exp = self.ready_export(transfer_id)
+        exp.pins += 1
+        return exp
+
+    def unpin(self, transfer_id: str) -> Freed | None:
+        exp = self._export(transfer_id)
+        if exp.pins <= 0:
+            raise LedgerError("bad_state", f"transfer {transfer_id} is not pinned")
+        exp.pins -= 1
+        if exp.pins == 0 and exp.release_pending:
+            return self._free_export(exp, exp.release_pending)
+        return None
+
+    def release_export(self, transfer_id: str, reason: FreeReason) -> Freed | None:
+        """Free now, or at the last unpin; -> what was freed now."""
+        exp = self._export(transfer_id)
+        if exp.pins:
+            exp.release_pending = exp.release_pending or reason
+            return None
+        return self._free_export(exp, reason)
+
+    def _export(self, transfer_id: str) -> Export:
+        try:
+            return self.exports[transfer_id]
+        except KeyError:
+            raise LedgerError(
+                "unknown_transfer", f"unknown or expired transfer {transfer_id}"
+            ) from None
+
+    def _free_export(self, exp: Export, reason: FreeReason) -> Freed:
+        del self.exports[exp.transfer_id]
+        self.alloc.free(exp.offset)
+        return Freed("export", exp.transfer_id, reason, exp.capacity)
+
+    # ---- imports ---------------------------------------------------------------------------
+
+    def reserve_import(self, pull_id: str, nbytes: int) -> Import:
+        if pull_id in self.imports:
+            raise LedgerError("duplicate", f"pull {pull_id} already has an extent")
+        off = self.alloc.alloc(nbytes)
+        if off is None:
+            raise LedgerError(
+                "staging_full",
+                f"staging region has no free extent of {nbytes} bytes "
+                f"(free {self.alloc.free_bytes}, largest {self.alloc.largest_free})",
+            )
+        imp = Import(pull_id, off, self.alloc.size_of(off), nbytes)
+        self.imports[pull_id] = imp
+        return imp
+
+    def complete_import(self, pull_id: str, now: float, ttl: float) -> Import:
+        imp = self.imports[pull_id]
+        imp.expires_at = now + ttl
+        return imp
+
+    def drop_import(self, pull_id: str, reason: FreeReason = "aborted") -> Freed | None:
+        imp = self.imports.pop(pull_id, None)
+        if imp is None:
+            return None
+        self.alloc.free(imp.offset)
+        return Freed("import", pull_id, reason, imp.capacity)
+
+    # ---- leases ----------------------------------------------------------------------------
+
+    def sweep(self, now: float) -> list[Freed]:
+        """Free every unpinned export and every completed import whose lease ran out (expiry
+        is exclusive: a lease of ``t`` seconds granted at ``g`` is valid at ``g + t``)."""
+        out: list[Freed] = []
+        for exp in list(self.exports.values()):
+            if exp.pins == 0 and now > exp.expires_at:
+                out.append(self._free_export(exp, "expired"))
+        for imp in list(self.imports.values()):
+            if imp.expires_at is not None and now > imp.expires_at:
+                freed = self.drop_import(imp.pull_id, "expired")
+                assert freed is not None
+                out.append(freed)
+        return out
+
+    def next_expiry(self) -> float | None:
+        times = [e.expires_at for e in self.exports.values() if e.pins == 0]
+        times += [i.expires_at for i in self.imports.values() if i.expires_at is not None]
+        return min(times, default=None)

@@ -1,0 +1,143 @@
+"""The pulling side of a sidecar <-> sidecar connection: connect, authenticate, ask, receive."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dsv4_kvtransfer.auth import client_handshake
+from dsv4_kvtransfer.frames import (
+    Frame,
+    FrameError,
+    FrameLimits,
+    FrameType,
+    read_frame,
+    recv_into_exact,
+    send_frame,
+)
+
+# progress granularity while a large DATA payload lands
+RECV_PIECE = 8 << 20
+
+
+class RemoteError(Exception):
+    """The remote sidecar answered ERROR; ``code`` is its short label."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerConnection:
+    """One authenticated connection to a remote sidecar; requests go one at a time."""
+
+    def __init__(
+        self, sock: socket.socket, host: str, port: int, peer_id: str, limits: FrameLimits
+    ) -> None:
+        self.sock = sock
+        self.host = host
+        self.port = port
+        self.peer_id = peer_id
+        self.limits = limits
+        # per-connection state of a transport (e.g. a process group bound to this peer)
+        self.extras: dict[str, Any] = {}
+        self.on_close: list[Callable[[], None]] = []
+
+    @classmethod
+    def open(
+        cls,
+        host: str,
+        port: int,
+        token: bytes,
+        client_id: str,
+        timeout: float = 10.0,
+        limits: FrameLimits | None = None,
+    ) -> PeerConnection:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer_id = client_handshake(sock, token, client_id)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, host, port, peer_id, limits or FrameLimits())
+
+    def settimeout(self, seconds: float) -> None:
+        self.sock.settimeout(max(seconds, 0.001))
+
+    def close(self) -> None:
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            with contextlib.suppress(Exception):
+                hook()
+        self.extras.clear()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> PeerConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _reply(self, expect: FrameType) -> Frame:
+        frame = read_frame(self.sock, self.limits)
+        if frame.type == FrameType.ERROR:
+            raise RemoteError(
+                str(frame.meta.get("code", "error")), str(frame.meta.get("message", ""))
+            )
+        if frame.type != expect:
+            raise FrameError("unexpected_type", f"expected {expect.name}, got {frame.type.name}")
+        return frame
+
+    def request(self, ftype: FrameType, meta: dict[str, Any], expect: FrameType) -> dict[str, Any]:
+        send_frame(self.sock, ftype, meta)
+        return self._reply(expect).meta
+
+    def manifest(self, transfer_id: str) -> dict[str, Any]:
+        return self.request(
+            FrameType.MANIFEST_REQ, {"transfer_id": transfer_id}, FrameType.MANIFEST
+        )
+
+    def release(self, transfer_id: str) -> None:
+        self.request(FrameType.RELEASE, {"transfer_id": transfer_id}, FrameType.RELEASED)
+
+    def read_into(
+        self,
+        transfer_id: str,
+        offset: int,
+        dest: memoryview,
+        progress: Callable[[int], None] = lambda n: None,
+        deadline: float | None = None,
+    ) -> None:
+        """Receive bytes ``[offset, offset + len(dest))`` of the remote export into ``dest``.
+
+        The peer must send DATA frames in order, each inside the range; anything else is a
+        protocol error (a broken or hostile peer cannot write outside ``dest``)."""
+        length = len(dest)
+        send_frame(
+            self.sock,
+            FrameType.READ,
+            {"transfer_id": transfer_id, "offset": offset, "length": length},
+        )
+        pos = 0
+        while pos < length:
+            frame = self._reply(FrameType.DATA)
+            if frame.meta.get("offset") != offset + pos:
+                raise FrameError(
+                    "bad_offset", f"DATA at {frame.meta.get('offset')}, expected {offset + pos}"
+                )
+            n = frame.payload_len
+            if n == 0 or n > length - pos:
+                raise FrameError("bad_length", f"DATA of {n} bytes with {length - pos} left")
+            end = pos + n
+            while pos < end:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("the pull ran past its deadline")
+                k = min(RECV_PIECE, end - pos)
+                recv_into_exact(self.sock, dest[pos : pos + k])
+                pos += k
+                progress(k)

@@ -1,0 +1,355 @@
+"""Pulls on behalf of the decode engine: one worker per pull, a small pool of peer connections.
+
+A pull: connect (or reuse a pooled connection) -> MANIFEST -> reserve an extent of that size ->
+the transport lands the bytes -> RELEASE (the prefill side frees its export) -> ``done``: the
+extent waits, under a lease, for the engine to copy the KV out and release it. Any failure frees
+our extent and leaves the pull ``failed`` with a reason; the remote export stays leased, so a
+retry (or the lease) settles it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from dsv4_kvtransfer.auth import AuthError
+from dsv4_kvtransfer.buffers import Layout, LayoutError
+from dsv4_kvtransfer.frames import FrameError, PeerClosed
+from dsv4_kvtransfer.ledger import LedgerError
+from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams
+from dsv4_kvtransfer.peer import PeerConnection, RemoteError
+from dsv4_kvtransfer.transports import FetchJob, TransferFailed
+
+if TYPE_CHECKING:
+    from dsv4_kvtransfer.sidecar import Sidecar
+
+PullState = Literal["pending", "done", "failed", "expired"]
+POOL_IDLE_S = 20.0
+POOL_PER_PEER = 2
+
+
+@dataclass(slots=True)
+class Pull:
+    pull_id: str
+    params: RemotePrefillParams
+    deadline: float
+    created: float = field(default_factory=time.monotonic)
+    state: PullState = "pending"
+    error: str | None = None
+    reason: str | None = None
+    bytes_done: int = 0
+    total_bytes: int = 0
+    offset: int | None = None
+    layout: Layout | None = None
+    remote_meta: dict[str, Any] = field(default_factory=dict)
+    expires_at: float | None = None
+    cancelled: bool = False
+    finished: float | None = None
+
+
+def classify(e: BaseException) -> str:
+    """A short, bounded label for the failure metric."""
+    if isinstance(e, AuthError):
+        return "auth"
+    if isinstance(e, RemoteError):
+        return e.code if e.code in ("unknown_transfer", "auth_failed", "unsupported") else "remote"
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, FrameError | LayoutError):
+        return "protocol"
+    if isinstance(e, TransferFailed):
+        return e.reason
+    if isinstance(e, LedgerError):
+        return e.code
+    if isinstance(e, PeerClosed | ConnectionError):
+        return "connection"
+    if isinstance(e, OSError):
+        return "connection"
+    return "internal"
+
+
+class Puller:
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sc = sidecar
+        self.cfg = sidecar.cfg
+        self.pulls: dict[str, Pull] = {}
+        self._cond = threading.Condition(sidecar.lock)
+        self._pool: dict[tuple[str, int], list[tuple[float, PeerConnection]]] = {}
+        self._pool_lock = threading.Lock()
+        self._exec = ThreadPoolExecutor(self.cfg.max_concurrent_pulls, thread_name_prefix="kv-pull")
+
+    def stop(self) -> None:
+        self._exec.shutdown(wait=False, cancel_futures=True)
+        with self._pool_lock:
+            for conns in self._pool.values():
+                for _, c in conns:
+                    c.close()
+            self._pool.clear()
+
+    def count(self) -> int:
+        with self._cond:
+            return len(self.pulls)
+
+    # ---- engine API -------------------------------------------------------------------------
+
+    def start(self, body: dict[str, Any]) -> dict[str, Any]:
+        from dsv4_kvtransfer.sidecar import ApiError
+
+        try:
+            params = RemotePrefillParams.from_dict(body.get("kv_transfer_params") or {})
+        except KVParamsError as e:
+            raise ApiError(400, "bad_kv_transfer_params", str(e)) from None
+        timeout = body.get("timeout_s", self.cfg.pull_timeout_s)
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 0 < timeout <= 3600
+        ):
+            raise ApiError(400, "bad_request", "timeout_s must be in (0, 3600]")
+        pull = Pull(secrets.token_hex(12), params, time.monotonic() + float(timeout))
+        pull.total_bytes = params.remote_total_bytes
+        with self._cond:
+            self.pulls[pull.pull_id] = pull
+        self._exec.submit(self._run, pull)
+        return self._status(pull)
+
+    def status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        from dsv4_kvtransfer.sidecar import ApiError
+
+        end = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        with self._cond:
+            pull = self.pulls.get(pull_id)
+            if pull is None:
+                raise ApiError(404, "unknown_pull", f"unknown pull {pull_id}")
+            while pull.state == "pending":
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._status(pull)
+
+    def release(self, pull_id: str) -> dict[str, Any]:
+        """The engine is done with the pulled KV (or gives up on a pending pull)."""
+        from dsv4_kvtransfer.sidecar import ApiError
+
+        with self._cond:
+            pull = self.pulls.get(pull_id)
+            if pull is None:
+                raise ApiError(404, "unknown_pull", f"unknown pull {pull_id}")
+            if pull.state == "pending":
+                pull.cancelled = True  # the worker frees the extent when it stops
+                freed = None
+            else:
+                freed = self.sc.ledger.drop_import(pull_id, "pulled")
+                del self.pulls[pull_id]
+        if freed:
+            self.sc._account(freed)
+        self.sc._update_gauges()
+        return {"pull_id": pull_id, "freed": freed is not None}
+
+    def _status(self, pull: Pull) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pull_id": pull.pull_id,
+            "state": pull.state,
+            "bytes_done": pull.bytes_done,
+            "total_bytes": pull.total_bytes,
+            "remote_transfer_id": pull.params.remote_transfer_id,
+        }
+        if pull.error:
+            out["error"] = pull.error
+            out["reason"] = pull.reason
+        if pull.state == "done" and pull.layout is not None and pull.offset is not None:
+            out["shm_name"] = self.sc.region.name
+            out["offset"] = pull.offset
+            out["buffers"] = [
+                {**b.to_dict(), "offset": pull.offset + b.offset} for b in pull.layout.buffers
+            ]
+            out["remote_meta"] = pull.remote_meta
+            if pull.expires_at is not None:
+                out["lease_expires_at"] = time.time() + (pull.expires_at - time.monotonic())
+        return out
+
+    # ---- housekeeping (called by the sidecar's sweeper) --------------------------------------
+
+    def on_expired(self, pull_ids: list[str]) -> None:
+        with self._cond:
+            for pid in pull_ids:
+                pull = self.pulls.get(pid)
+                if pull is not None:
+                    pull.state = "expired"
+                    pull.error = "the engine did not release the pulled KV within the lease"
+                    pull.reason = "expired"
+                    pull.finished = time.monotonic()
+            self._cond.notify_all()
+
+    def prune(self) -> None:
+        """Forget failed and expired pulls the engine never asked about again."""
+        now = time.monotonic()
+        with self._cond:
+            for pid, p in list(self.pulls.items()):
+                if p.state in ("failed", "expired") and now - (p.finished or now) > max(
+                    self.cfg.lease_seconds, 5.0
+                ):
+                    del self.pulls[pid]
+        with self._pool_lock:
+            for key, conns in list(self._pool.items()):
+                keep = [(t, c) for t, c in conns if now - t < POOL_IDLE_S]
+                for t, c in conns:
+                    if now - t >= POOL_IDLE_S:
+                        c.close()
+                self._pool[key] = keep
+
+    # ---- connections -------------------------------------------------------------------------
+
+    def _connect(self, host: str, port: int) -> PeerConnection:
+        return PeerConnection.open(
+            host,
+            port,
+            self.cfg.token,
+            self.cfg.sidecar_id,
+            timeout=self.cfg.connect_timeout_s,
+            limits=self.sc.limits,
+        )
+
+    def _pooled(self, host: str, port: int) -> PeerConnection | None:
+        now = time.monotonic()
+        with self._pool_lock:
+            conns = self._pool.get((host, port), [])
+            while conns:
+                t, c = conns.pop()
+                if now - t < POOL_IDLE_S:
+                    return c
+                c.close()
+        return None
+
+    def _give_back(self, conn: PeerConnection) -> None:
+        with self._pool_lock:
+            conns = self._pool.setdefault((conn.host, conn.port), [])
+            if len(conns) < POOL_PER_PEER:
+                conns.append((time.monotonic(), conn))
+                return
+        conn.close()
+
+    def _manifest(self, pull: Pull) -> tuple[PeerConnection, dict[str, Any]]:
+        """The remote manifest over a pooled connection, or a fresh one if the pooled one went
+        stale (the remote restarted or timed it out)."""
+        p = pull.params
+        conn = self._pooled(p.remote_host, p.remote_port)
+        if conn is not None:
+            try:
+                conn.settimeout(self.cfg.io_timeout_s)
+                return conn, conn.manifest(p.remote_transfer_id)
+            except (OSError, FrameError):
+                conn.close()
+        conn = self._connect(p.remote_host, p.remote_port)
+        try:
+            conn.settimeout(self.cfg.io_timeout_s)
+            return conn, conn.manifest(p.remote_transfer_id)
+        except BaseException:
+            conn.close()
+            raise
+
+    # ---- one pull ----------------------------------------------------------------------------
+
+    def _progress(self, pull: Pull, n: int) -> None:
+        with self._cond:
+            pull.bytes_done += n
+
+    def _run(self, pull: Pull) -> None:
+        p = pull.params
+        sc = self.sc
+        t0 = time.monotonic()
+        conn: PeerConnection | None = None
+        try:
+            conn, manifest = self._manifest(pull)
+            layout = Layout.from_dict(manifest.get("layout"))
+            if layout.total_bytes != p.remote_total_bytes:
+                raise TransferFailed(
+                    "protocol",
+                    f"the remote export has {layout.total_bytes} bytes, the params say "
+                    f"{p.remote_total_bytes}",
+                )
+            with self._cond:
+                imp = sc.ledger.reserve_import(pull.pull_id, layout.total_bytes)
+                pull.offset = imp.offset
+            sc._update_gauges()
+            dest = sc.region.view(imp.offset, layout.total_bytes)
+            conn.settimeout(
+                min(self.cfg.io_timeout_s, max(pull.deadline - time.monotonic(), 0.001))
+            )
+            t_data = time.monotonic()
+            with dest:
+                sc.transport.fetch(
+                    FetchJob(
+                        control=conn,
+                        connect=lambda: self._connect(p.remote_host, p.remote_port),
+                        transfer_id=p.remote_transfer_id,
+                        dest=dest,
+                        progress=lambda n: self._progress(pull, n),
+                        deadline=pull.deadline,
+                    )
+                )
+            data_s = max(time.monotonic() - t_data, 1e-9)
+            conn.settimeout(self.cfg.io_timeout_s)
+            conn.release(p.remote_transfer_id)
+        except BaseException as e:
+            if conn is not None:
+                conn.close()
+            self._fail(pull, e)
+            return
+        self._give_back(conn)
+        name = sc.transport.name
+        with self._cond:
+            now = time.monotonic()
+            pull.finished = now
+            if pull.cancelled:
+                freed = sc.ledger.drop_import(pull.pull_id, "aborted")
+                del self.pulls[pull.pull_id]
+            else:
+                freed = None
+                imp = sc.ledger.complete_import(pull.pull_id, now, self.cfg.lease_seconds)
+                pull.expires_at = imp.expires_at
+                pull.layout = layout
+                meta = manifest.get("meta")
+                pull.remote_meta = meta if isinstance(meta, dict) else {}
+                pull.state = "done"
+            self._cond.notify_all()
+        if freed:
+            sc._account(freed)
+        sc.metrics.pulls.labels("done").inc()
+        sc.metrics.bytes_moved.labels("received", name).inc(layout.total_bytes)
+        sc.metrics.transfer_seconds.labels(name).observe(time.monotonic() - t0)
+        sc.metrics.bandwidth.labels(name).observe(layout.total_bytes / data_s)
+        sc._update_gauges()
+
+    def _fail(self, pull: Pull, e: BaseException) -> None:
+        reason = classify(e)
+        message = f"{type(e).__name__}: {e}" if not isinstance(e, AuthError) else str(e)
+        p = pull.params
+        self.sc.log.warning(
+            "pull %s of transfer %s from %s:%d failed (%s): %s",
+            pull.pull_id,
+            p.remote_transfer_id,
+            p.remote_host,
+            p.remote_port,
+            reason,
+            message,
+        )
+        with self._cond:
+            freed = self.sc.ledger.drop_import(pull.pull_id, "aborted")
+            pull.state = "failed"
+            pull.error = f"KV pull from {p.remote_host}:{p.remote_port} failed: {message}"
+            pull.reason = reason
+            pull.finished = time.monotonic()
+            if pull.cancelled:
+                self.pulls.pop(pull.pull_id, None)
+            self._cond.notify_all()
+        if freed:
+            self.sc._account(freed)
+        self.sc.metrics.pulls.labels("failed").inc()
+        self.sc.metrics.pull_failures.labels(reason).inc()
+        self.sc._update_gauges()

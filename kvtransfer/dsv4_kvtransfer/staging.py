@@ -1,0 +1,148 @@
+"""The host staging region: one POSIX shared-memory file the sidecar and its engine both map.
+
+The sidecar creates it under ``/dev/shm`` (in a pod: the in-memory emptyDir shared by the engine
+and sidecar containers), reserves its pages up front (``posix_fallocate``: a /dev/shm too small
+fails here with a clear message instead of a SIGBUS mid-transfer), and unlinks it on exit. The
+engine attaches by name. Plain ``mmap`` on purpose: ``multiprocessing.shared_memory`` registers
+attached segments with Python's resource tracker, which unlinks them when the *attaching*
+process exits.
+
+The first ``HEADER_BYTES`` hold a magic, the region size and a random tag; a same-host peer that
+maps the region by name checks the tag to be sure it opened the right segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import secrets
+import struct
+from pathlib import Path
+
+HEADER_BYTES = 4096
+_MAGIC = b"DSV4KVSTAGING\x00\x00\x01"
+_HEADER = struct.Struct("!16sQ16s")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+class StagingError(Exception):
+    pass
+
+
+class StagingRegion:
+    """A mapped staging region; ``view(offset, n)`` gives zero-copy memoryviews into it."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, size: int, tag: bytes, owner: bool):
+        self.path = path
+        self.size = size
+        self.tag = tag
+        self.owner = owner
+        self._fd = fd
+        self._mm = mm
+        self._mv = memoryview(mm)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @staticmethod
+    def _path(name: str, directory: str | os.PathLike[str]) -> Path:
+        if not _NAME.match(name):
+            raise StagingError(f"bad shared-memory name {name!r}")
+        return Path(directory) / name
+
+    @classmethod
+    def create(
+        cls, name: str, size: int, directory: str | os.PathLike[str] = "/dev/shm"
+    ) -> StagingRegion:
+        if size <= HEADER_BYTES:
+            raise StagingError(f"staging size {size} must exceed {HEADER_BYTES} bytes")
+        path = cls._path(name, directory)
+        if path.exists():
+            # a previous sidecar with this name died without cleaning up (SIGKILL, OOM)
+            path.unlink()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise StagingError(f"cannot create the staging region {path}: {e.strerror}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise
+                free = _free_bytes(path.parent)
+                raise StagingError(
+                    f"cannot reserve {size} bytes for the staging region in {path.parent} "
+                    f"({free} bytes free): enlarge the /dev/shm volume or lower --staging-bytes"
+                ) from None
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        tag = secrets.token_bytes(16)
+        mm[: _HEADER.size] = _HEADER.pack(_MAGIC, size, tag)
+        return cls(path, fd, mm, size, tag, owner=True)
+
+    @classmethod
+    def attach(
+        cls, name: str, directory: str | os.PathLike[str] = "/dev/shm", writable: bool = True
+    ) -> StagingRegion:
+        path = cls._path(name, directory)
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except OSError as e:
+            raise StagingError(f"cannot open the staging region {path}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size <= HEADER_BYTES:
+                raise StagingError(f"{path} is not a staging region ({size} bytes)")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        except BaseException:
+            os.close(fd)
+            raise
+        magic, hsize, tag = _HEADER.unpack(mm[: _HEADER.size])
+        if magic != _MAGIC or hsize != size:
+            mm.close()
+            os.close(fd)
+            raise StagingError(f"{path} is not a dsv4 staging region")
+        return cls(path, fd, mm, size, tag, owner=False)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        if offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.size:
+            raise StagingError(
+                f"range [{offset}, {offset + nbytes}) is outside the region's data "
+                f"[{HEADER_BYTES}, {self.size})"
+            )
+        return self._mv[offset : offset + nbytes]
+
+    def address(self, offset: int = 0) -> int:
+        """The virtual address of ``offset`` in this process (for RDMA memory registration)."""
+        import ctypes
+
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._mm)) + offset
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, unlink). Views handed out must have been released."""
+        with contextlib.suppress(BufferError):
+            self._mv.release()
+            self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+def _free_bytes(directory: Path) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,54 @@
+"""The transport interface: how a pull's bytes get from the remote staging region into ours.
+
+Every transport shares the control path (an authenticated frame connection: manifest, release);
+they differ in the data path: TCP frames, a same-host memcpy, a collective send/recv, RDMA reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dsv4_kvtransfer.peer import PeerConnection
+
+
+class TransportUnavailable(RuntimeError):
+    """This transport cannot run here (missing library or device); the message says what."""
+
+
+class TransferFailed(RuntimeError):
+    """The data path failed; ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class FetchJob:
+    control: PeerConnection
+    """Authenticated connection to the remote sidecar (the manifest was read on it)."""
+    connect: Callable[[], PeerConnection]
+    """Opens another authenticated connection to the same sidecar (parallel streams)."""
+    transfer_id: str
+    dest: memoryview
+    """Our staging extent for the transfer, ``total_bytes`` long."""
+    progress: Callable[[int], None]
+    """Called with the number of bytes that just landed."""
+    deadline: float
+    """``time.monotonic()`` after which the pull is abandoned."""
+
+
+class Transport(ABC):
+    name: str = ""
+
+    def check_available(self) -> None:  # noqa: B027  (most transports need nothing)
+        """Raise ``TransportUnavailable`` with a clear message if this transport cannot run."""
+
+    @abstractmethod
+    def fetch(self, job: FetchJob) -> None:
+        """Land every byte of the remote export in ``job.dest``, or raise."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release what the transport holds (mappings, process groups)."""

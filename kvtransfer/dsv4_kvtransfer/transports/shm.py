@@ -1,0 +1,87 @@
+"""Same-host shared memory: map the remote sidecar's staging region and copy from it.
+
+The remote pins the export and answers with its region's name and tag; we open the region by
+name in our own shared-memory directory (same host, same /dev/shm) and check the tag, so a
+name that happens to exist elsewhere is never read. One ``memcpy`` per chunk, no sockets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from dsv4_kvtransfer.frames import FrameType
+from dsv4_kvtransfer.staging import HEADER_BYTES, StagingError, StagingRegion
+from dsv4_kvtransfer.transports.base import FetchJob, TransferFailed, Transport
+
+CHUNK = 64 << 20
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, shm_dir: str = "/dev/shm") -> None:
+        self.shm_dir = shm_dir
+        self._regions: dict[str, StagingRegion] = {}
+        self._lock = threading.Lock()
+
+    def _region(self, name: str, tag: str) -> StagingRegion:
+        with self._lock:
+            region = self._regions.get(name)
+            if region is not None and region.tag.hex() != tag:
+                # the remote sidecar restarted under the same name: a new segment
+                region.close()
+                region = None
+            if region is None:
+                try:
+                    region = StagingRegion.attach(name, self.shm_dir, writable=False)
+                except StagingError as e:
+                    raise TransferFailed(
+                        "shm_unreachable",
+                        f"shm transport needs both sidecars on one host sharing {self.shm_dir}: {e}",
+                    ) from None
+                self._regions[name] = region
+            if region.tag.hex() != tag:
+                raise TransferFailed(
+                    "shm_unreachable",
+                    f"{self.shm_dir}/{name} is not the remote sidecar's region (different host?)",
+                )
+            return region
+
+    def fetch(self, job: FetchJob) -> None:
+        info = job.control.request(
+            FrameType.SHM_MAP, {"transfer_id": job.transfer_id}, FrameType.SHM_INFO
+        )
+        name, tag, offset, length = (
+            info.get("shm_name"),
+            info.get("tag"),
+            info.get("offset"),
+            info.get("length"),
+        )
+        if not (
+            isinstance(name, str)
+            and isinstance(tag, str)
+            and isinstance(offset, int)
+            and isinstance(length, int)
+            and offset >= HEADER_BYTES
+            and length == len(job.dest)
+        ):
+            raise TransferFailed("protocol", f"bad SHM_INFO from the remote sidecar: {info}")
+        region = self._region(name, tag)
+        try:
+            src = region.view(offset, length)
+        except StagingError as e:
+            raise TransferFailed("protocol", f"remote extent out of range: {e}") from None
+        with src:
+            for pos in range(0, length, CHUNK):
+                if time.monotonic() > job.deadline:
+                    raise TimeoutError("the pull ran past its deadline")
+                end = min(pos + CHUNK, length)
+                job.dest[pos:end] = src[pos:end]
+                job.progress(end - pos)
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._regions.values():
+                r.close()
+            self._regions.clear()
