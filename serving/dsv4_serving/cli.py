@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dsv4_serving.gateway.cli",
         "run the OpenAI-compatible gateway (PD orchestration, DPLB routing)",
     ),
+    "kv-sidecar": (
+        "dsv4_kvtransfer.cli",
+        "run the KV-transfer sidecar beside an engine (staging region, leases, peer pulls)",
+    ),
     "bench": (
         "dsv4_serving.bench.cli",
         "load an OpenAI-compatible server; report TTFT, TPOT, ITL, E2E, throughput, goodput",
