@@ -1,0 +1,1 @@
+"""Entry points of the engine: the OpenAI-compatible HTTP server and ``dsv4 engine``."""

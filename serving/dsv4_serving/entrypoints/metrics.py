@@ -1,0 +1,93 @@
+"""Prometheus metrics under vLLM's names (dashboards and autoscalers built for vLLM work
+unchanged); project-specific ones under ``dsv4_``. One registry per server, not the global one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dsv4_serving.engine.scheduler import SchedulerStats
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self._label = {"model_name": model_name}
+
+        def g(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r).labels(**self._label)
+
+        def c(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(**self._label)
+
+        def h(name: str, doc: str) -> Any:
+            return Histogram(name, doc, labels, buckets=_LATENCY, registry=r).labels(**self._label)
+
+        self.running = g("vllm:num_requests_running", "Requests in model execution batches.")
+        self.waiting = g("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = c("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = c("vllm:generation_tokens", "Number of generation tokens.")
+        self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token in seconds.")
+        self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.")
+        self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.")
+        self.success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            ["model_name", "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.spec_drafts = c("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = c(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted draft tokens."
+        )
+        self.spec_rate = g(
+            "dsv4_spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far."
+        )
+        self.free_blocks = g("dsv4_kv_cache_free_blocks", "Free paged KV blocks.")
+        self.total_blocks = g("dsv4_kv_cache_total_blocks", "Paged KV blocks in the pool.")
+        self.aborts = c("dsv4_requests_aborted", "Requests aborted (client gone or stop string).")
+        self._last = SchedulerStats()
+
+    def on_event(self, kind: str, **v: Any) -> None:
+        if kind == "first_token":
+            self.ttft.observe(v["seconds"])
+        elif kind == "inter_token":
+            for _ in range(max(1, v["n"])):  # a speculative step yields several tokens at once
+                self.itl.observe(v["seconds"] / max(1, v["n"]))
+        elif kind == "finished":
+            self.e2e.observe(v["seconds"])
+            self.prompt_tokens.inc(v["prompt_tokens"])
+            self.generation_tokens.inc(v["generation_tokens"])
+            self.success.labels(finished_reason=v["reason"], **self._label).inc()
+        elif kind == "abort":
+            self.aborts.inc()
+        elif kind == "stats":
+            self._stats(v["stats"])
+
+    def _stats(self, s: SchedulerStats) -> None:
+        last = self._last
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_usage)
+        self.free_blocks.set(s.num_free_blocks)
+        self.total_blocks.set(s.num_total_blocks)
+        self.prefix_queries.inc(max(0, s.prefix_queries - last.prefix_queries))
+        self.prefix_hits.inc(max(0, s.prefix_hits - last.prefix_hits))
+        self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
+        self.spec_drafts.inc(max(0, s.spec_drafts - last.spec_drafts))
+        self.spec_draft_tokens.inc(max(0, s.spec_draft_tokens - last.spec_draft_tokens))
+        self.spec_accepted.inc(max(0, s.spec_accepted_tokens - last.spec_accepted_tokens))
+        if s.spec_draft_tokens:
+            self.spec_rate.set(s.spec_accepted_tokens / s.spec_draft_tokens)
+        self._last = s
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
