@@ -129,11 +129,13 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def _chunk(self, req: Request, start: int, num_new: int) -> int:
-        """Shorten a prefill chunk that stops before the prompt's end to a block boundary."""
-        cfg, bs = self.config, self.kv.block_size
-        if not cfg.align_chunks_to_blocks or start + num_new >= req.num_tokens:
+        """With state snapshots, end a chunk of known tokens on its last block boundary (a
+        prompt's tail then runs as one more short chunk), so the state there can be saved."""
+        bs = self.kv.block_size
+        end = start + num_new
+        if not self.config.align_chunks_to_blocks or end > req.num_tokens or end % bs == 0:
             return num_new
-        aligned = (start + num_new) // bs * bs - start
+        aligned = end // bs * bs - start
         return aligned if aligned > 0 else num_new
 
     def schedule(self) -> SchedulerOutput:
