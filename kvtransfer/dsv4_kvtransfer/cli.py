@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-name", default=None, help="staging region name (dsv4-kv-PORT)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the staging region lives")
     p.add_argument("--streams", type=int, default=4, help="parallel TCP streams per large pull")
+    p.add_argument(
+        "--min-stream-bytes",
+        type=parse_size,
+        default=32 << 20,
+        help="smallest range worth its own TCP stream (32M)",
+    )
     p.add_argument("--max-frame-bytes", type=parse_size, default=64 << 20, help="(64M)")
     p.add_argument("--max-connections", type=int, default=64)
     p.add_argument("--max-concurrent-pulls", type=int, default=8)
@@ -144,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         shm_name=args.shm_name or f"dsv4-kv-{args.port or os.getpid()}",
         shm_dir=args.shm_dir,
         streams=args.streams,
+        min_stream_bytes=args.min_stream_bytes,
         max_frame_bytes=args.max_frame_bytes,
         max_connections=args.max_connections,
         max_concurrent_pulls=args.max_concurrent_pulls,

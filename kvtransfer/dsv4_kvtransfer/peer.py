@@ -121,7 +121,13 @@ class PeerConnection:
         send_frame(
             self.sock,
             FrameType.READ,
-            {"transfer_id": transfer_id, "offset": offset, "length": length},
+            # the sender keeps each frame within what we accept
+            {
+                "transfer_id": transfer_id,
+                "offset": offset,
+                "length": length,
+                "max_frame": self.limits.max_payload,
+            },
         )
         pos = 0
         while pos < length:

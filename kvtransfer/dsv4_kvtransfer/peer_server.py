@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +46,7 @@ REQUESTS = frozenset(
 )
 # every request is a small JSON object; nothing larger is read from a peer
 REQUEST_META_MAX = 4096
+MIN_FRAME = 4096
 # send large ranges in pieces when rate-limited, so the limit is smooth
 RATE_PIECE = 1 << 20
 
@@ -64,21 +66,28 @@ class ExportSource(Protocol):
 class RateLimiter:
     """Token bucket shared by all connections; ``rate`` bytes/s, 0 = unlimited."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(
+        self,
+        rate: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.rate = rate
+        self._clock = clock
+        self._sleep = sleep
         self._lock = threading.Lock()
-        self._next = time.monotonic()
+        self._next = clock()
 
     def acquire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may go: each send starts once the previous ones' time is up."""
         if self.rate <= 0:
             return
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             start = max(self._next, now)
             self._next = start + nbytes / self.rate
-        delay = start - now
-        if delay > 0:
-            time.sleep(delay)
+        if start > now:
+            self._sleep(start - now)
 
 
 @dataclass(slots=True)
@@ -309,6 +318,9 @@ class PeerServer:
         exp, view = self._range(meta)
         off = int(meta["offset"])
         step = self.cfg.limits.max_payload
+        asked = meta.get("max_frame")
+        if isinstance(asked, int) and not isinstance(asked, bool):
+            step = min(step, max(asked, MIN_FRAME))
         if self.rate.rate > 0:
             step = min(step, RATE_PIECE)
         try:
