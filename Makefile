@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS := operator,serving,test,dev
+EXTRAS := operator,serving,gateway,test,dev
 
 .PHONY: install k8s-binaries lint format test test-unit test-k8s clean
 

@@ -10,19 +10,49 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="prefill engine (repeatable)")
-    p.add_argument("--decode", action="append", default=[], metavar="URL", help="decode engine (repeatable)")
-    p.add_argument("--engine", action="append", default=[], metavar="URL", help="engine doing both prefill and decode (repeatable)")
+    p.add_argument(
+        "--prefill", action="append", default=[], metavar="URL", help="prefill engine (repeatable)"
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="decode engine (repeatable)"
+    )
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="engine doing both prefill and decode (repeatable)",
+    )
     p.add_argument("--discovery", choices=["static", "kubernetes"], default="static")
-    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="kubernetes discovery: namespace")
-    p.add_argument("--selector", default="", help="kubernetes discovery: EndpointSlice label selector")
+    p.add_argument(
+        "--namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="kubernetes discovery: namespace",
+    )
+    p.add_argument(
+        "--selector", default="", help="kubernetes discovery: EndpointSlice label selector"
+    )
     p.add_argument("--kubeconfig", default=None)
     p.add_argument("--policy", choices=["dplb", "least_load", "round_robin"], default="dplb")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--selective-pd-tokens", type=int, default=0, help="uncached prompts shorter than this skip prefill (0: off)")
-    p.add_argument("--block-size", type=int, default=16, help="engines' prefix-cache block size (tokens)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json for exact prefix hashes (default: bytes)")
-    p.add_argument("--api-key-file", type=Path, default=None, help="require this key (default: $DSV4_GATEWAY_API_KEY if set)")
+    p.add_argument(
+        "--selective-pd-tokens",
+        type=int,
+        default=0,
+        help="uncached prompts shorter than this skip prefill (0: off)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, help="engines' prefix-cache block size (tokens)"
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json for exact prefix hashes (default: bytes)"
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="require this key (default: $DSV4_GATEWAY_API_KEY if set)",
+    )
     p.add_argument("--max-inflight", type=int, default=1024)
     p.add_argument("--retries", type=int, default=1)
     p.add_argument("--prefill-timeout", type=float, default=600.0)
@@ -71,5 +101,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"dsv4 gateway: error: {e}") from None
-    uvicorn.run(create_app(cfg, args.tokenizer), host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        create_app(cfg, args.tokenizer),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=args.log_level,
+        access_log=False,
+    )
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_serving.gateway.instances import Instance, InstancePool
@@ -54,28 +54,31 @@ def mark_success(inst: Instance) -> None:
     inst.healthy = True
 
 
+_PROBE = aiohttp.ClientTimeout(total=2.0)
+
+
 async def check_once(
-    client: httpx.AsyncClient, inst: Instance, metrics: GatewayMetrics, eject_after: int
+    client: aiohttp.ClientSession, inst: Instance, metrics: GatewayMetrics, eject_after: int
 ) -> None:
     try:
-        resp = await client.get(f"{inst.url}/health", timeout=2.0)
-        ok = resp.status_code == 200
-    except httpx.HTTPError:
+        async with client.get(f"{inst.url}/health", timeout=_PROBE) as resp:
+            ok = resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
         ok = False
     if not ok:
         mark_failure(inst, metrics, eject_after)
         return
     mark_success(inst)
     try:
-        resp = await client.get(f"{inst.url}/metrics", timeout=2.0)
-        if resp.status_code == 200:
-            apply_scrape(inst, resp.text)
-    except (httpx.HTTPError, ValueError):
+        async with client.get(f"{inst.url}/metrics", timeout=_PROBE) as resp:
+            if resp.status == 200:
+                apply_scrape(inst, await resp.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         pass  # load figures are a hint; health is what counts
 
 
 async def health_loop(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     pool: InstancePool,
     metrics: GatewayMetrics,
     interval_s: float,

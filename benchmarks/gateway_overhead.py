@@ -1,0 +1,258 @@
+"""What the gateway adds: latency (p50, p99) and sustained requests/s for PD requests against fast
+upstreams on 127.0.0.1, beside vLLM's Rust router (`vllm-router --vllm-pd-disaggregation`) on the
+same upstreams in the same run. The baseline is the client doing prefill then decode itself.
+
+    .venv/bin/python benchmarks/gateway_overhead.py [--requests 400] [--concurrency 32]
+
+vllm-router is installed on first use into ~/.cache/dsv4/vllm-router-venv (PyPI `vllm-router`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dsv4_operator.devcluster.process import ManagedProcess, free_port  # noqa: E402
+
+ROUTER_VENV = Path.home() / ".cache" / "dsv4" / "vllm-router-venv"
+ROUTER_VERSION = "0.1.17"
+
+
+def ensure_vllm_router() -> Path | None:
+    exe = ROUTER_VENV / "bin" / "vllm-router"
+    if exe.exists():
+        return exe
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(ROUTER_VENV)], check=True)
+        subprocess.run(
+            [str(ROUTER_VENV / "bin" / "pip"), "install", "-q", f"vllm-router=={ROUTER_VERSION}"],
+            check=True,
+        )
+    except subprocess.CalledProcessError as e:
+        print(f"vllm-router could not be installed ({e}); comparing without it", file=sys.stderr)
+        return None
+    return exe if exe.exists() else None
+
+
+def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+BODY = {"model": "stub", "prompt": "hello " * 32, "max_tokens": 16, "temperature": 0}
+
+
+async def via_router(client: httpx.AsyncClient, base: str) -> None:
+    r = await client.post(f"{base}/v1/completions", json=BODY)
+    if r.status_code != 200:
+        raise RuntimeError(f"{base}: HTTP {r.status_code}: {r.text[:200]}")
+
+
+def direct(prefills: list[str], decodes: list[str]) -> Any:
+    counter = iter(range(1 << 62))
+
+    async def call(client: httpx.AsyncClient, _: str) -> None:
+        i = next(counter)
+        p = await client.post(
+            f"{prefills[i % len(prefills)]}/v1/completions",
+            json={
+                **BODY,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        )
+        params = p.json()["kv_transfer_params"]
+        d = await client.post(
+            f"{decodes[i % len(decodes)]}/v1/completions",
+            json={**BODY, "kv_transfer_params": params},
+        )
+        if d.status_code != 200:
+            raise RuntimeError(d.text)
+
+    return call
+
+
+async def measure(call: Any, base: str, requests: int, concurrency: int) -> dict[str, float]:
+    limits = httpx.Limits(
+        max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2
+    )
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        for _ in range(20):  # warm connections and code paths
+            await call(client, base)
+        lat = []
+        for _ in range(requests):  # latency: one at a time
+            t = time.perf_counter()
+            await call(client, base)
+            lat.append(time.perf_counter() - t)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one() -> None:
+            async with sem:
+                await call(client, base)
+
+        n = requests * 4
+        t = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        rps = n / (time.perf_counter() - t)
+    lat.sort()
+    return {"p50": statistics.median(lat), "p99": lat[int(0.99 * (len(lat) - 1))], "rps": rps}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=400,
+        help="sequential requests for latency (x4 for throughput)",
+    )
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if args.requests < 10 or args.concurrency < 1:
+        p.error("--requests must be >= 10 and --concurrency >= 1")
+
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv4-gw-bench-{os.getpid()}"
+    procs: list[ManagedProcess] = []
+
+    def spawn(name: str, argv: list[str]) -> None:
+        proc = ManagedProcess(name, argv, logs / f"{name}.log")
+        proc.start()
+        procs.append(proc)
+
+    try:
+        ports = {name: free_port() for name in ("p0", "p1", "d0", "d1", "gateway", "router")}
+        for name in ("p0", "p1", "d0", "d1"):
+            spawn(
+                name,
+                [
+                    sys.executable,
+                    str(REPO / "benchmarks" / "upstream_stub.py"),
+                    "--port",
+                    str(ports[name]),
+                ],
+            )
+        prefills = [f"http://127.0.0.1:{ports[n]}" for n in ("p0", "p1")]
+        decodes = [f"http://127.0.0.1:{ports[n]}" for n in ("d0", "d1")]
+        for url in prefills + decodes:
+            wait_http(f"{url}/health")
+        gw = [
+            "--prefill",
+            prefills[0],
+            "--prefill",
+            prefills[1],
+            "--decode",
+            decodes[0],
+            "--decode",
+            decodes[1],
+        ]
+        spawn(
+            "gateway",
+            [
+                sys.executable,
+                "-m",
+                "dsv4_serving.cli",
+                "gateway",
+                "--port",
+                str(ports["gateway"]),
+                "--log-level",
+                "warning",
+                *gw,
+            ],
+        )
+        wait_http(f"http://127.0.0.1:{ports['gateway']}/health")
+        rows: dict[str, dict[str, float]] = {}
+        rows["direct (client does P then D)"] = asyncio.run(
+            measure(direct(prefills, decodes), "", args.requests, args.concurrency)
+        )
+        rows["dsv4 gateway"] = asyncio.run(
+            measure(
+                via_router, f"http://127.0.0.1:{ports['gateway']}", args.requests, args.concurrency
+            )
+        )
+        router = ensure_vllm_router()
+        if router:
+            vr = [
+                "--prefill",
+                prefills[0],
+                "--prefill",
+                prefills[1],
+                "--decode",
+                decodes[0],
+                "--decode",
+                decodes[1],
+            ]
+            spawn(
+                "vllm-router",
+                [
+                    str(router),
+                    "--vllm-pd-disaggregation",
+                    *vr,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(ports["router"]),
+                ],
+            )
+            wait_http(f"http://127.0.0.1:{ports['router']}/health")
+            try:
+                rows[f"vllm-router {ROUTER_VERSION}"] = asyncio.run(
+                    measure(
+                        via_router,
+                        f"http://127.0.0.1:{ports['router']}",
+                        args.requests,
+                        args.concurrency,
+                    )
+                )
+            except RuntimeError as e:
+                print(f"vllm-router failed: {e}", file=sys.stderr)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+    base = rows["direct (client does P then D)"]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(
+        f"\nGateway overhead, PD requests (prefill + decode, 16 tokens), fast upstreams on 127.0.0.1, {os.cpu_count()} CPUs\n"
+    )
+    print(f"{'path':<32}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}")
+    for name, r in rows.items():
+        print(
+            f"{name:<32}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}{(r['p50'] - base['p50']) * 1e3:>11.2f}{(r['p99'] - base['p99']) * 1e3:>11.2f}{r['rps']:>9.0f}"
+        )
+    ours = rows["dsv4 gateway"]
+    theirs = next((v for k, v in rows.items() if k.startswith("vllm-router")), None)
+    if theirs:
+        print(
+            f"\nthroughput ratio dsv4/vllm-router: {ours['rps'] / theirs['rps']:.2f}; added p50 ratio: {(ours['p50'] - base['p50']) / max(1e-9, theirs['p50'] - base['p50']):.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The gateway's HTTP front: OpenAI-compatible, with PD orchestration behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dsv4_kvtransfer.pd_protocol import KVParamsError
+from dsv4_serving.gateway.config import GatewayConfig
+from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
+from dsv4_serving.gateway.errors import bad_request, error
+from dsv4_serving.gateway.health import health_loop
+from dsv4_serving.gateway.instances import InstancePool
+from dsv4_serving.gateway.metrics import GatewayMetrics
+from dsv4_serving.gateway.policies import RouteRequest, make_policy
+from dsv4_serving.gateway.prompt import load_encoder, routing_key
+from dsv4_serving.gateway.proxy import (
+    Proxy,
+    RequestTimer,
+    UpstreamFailed,
+    decode_body,
+    race_disconnect,
+)
+
+log = logging.getLogger("dsv4.gateway")
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, tokenizer: str | None = None) -> None:
+        self.cfg = cfg
+        self.pool = InstancePool()
+        self.metrics = GatewayMetrics()
+        self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
+        self.encode = load_encoder(tokenizer)
+        self.inflight = 0
+
+    def release(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.set(self.inflight)
+
+    @property
+    def pd(self) -> bool:
+        return bool(
+            self.pool.of_role("prefill", healthy_only=False)
+            and self.pool.of_role("decode", healthy_only=False)
+        )
+
+    async def handle(self, request: Request, path: str, chat: bool) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if self.cfg.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.cfg.api_key}".encode()):
+                return error(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return bad_request(f"request body is not valid JSON: {e}", "invalid_json")
+        if not isinstance(body, dict):
+            return bad_request("request body must be a JSON object")
+        if self.inflight >= self.cfg.max_inflight:
+            self.metrics.requests.labels("rejected").inc()
+            return error(
+                429,
+                f"gateway is at its limit of {self.cfg.max_inflight} requests in flight; retry later",
+                "rate_limit_error",
+                "too_many_requests",
+                headers={"retry-after": "1"},
+            )
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        timer = RequestTimer(self.metrics, self.release)
+        try:
+            response = await race_disconnect(
+                self._route(path, body, chat, rid, timer), lambda: _disconnected(request)
+            )
+        except BaseException:
+            timer.done(ok=False)
+            raise
+        if response is None:  # client went away; upstream calls were cancelled and closed
+            timer.done(ok=False)
+            return Response(status_code=499)
+        if (
+            not isinstance(response, Response)
+            or response.status_code != 200
+            or not bool(body.get("stream"))
+        ):
+            timer.done(ok=response.status_code == 200)
+        return response
+
+    async def _route(
+        self, path: str, body: dict[str, Any], chat: bool, rid: str, timer: RequestTimer
+    ) -> Response:
+        stream = bool(body.get("stream"))
+        n_tokens, hashes = routing_key(body, chat, self.encode, self.cfg.block_size)
+        req = RouteRequest(
+            prompt_tokens=n_tokens, block_hashes=hashes, block_size=self.cfg.block_size
+        )
+        try:
+            if not self.pd:
+                return await self.proxy.forward("both", path, body, req, rid, stream, timer)
+            if self.cfg.selective_pd_tokens and self._uncached(req) < self.cfg.selective_pd_tokens:
+                self.metrics.selective.inc()
+                return await self.proxy.forward("decode", path, body, req, rid, stream, timer)
+            answer, _ = await self.proxy.prefill(path, body, req, rid)
+            try:
+                decode = decode_body(body, answer)
+            except KVParamsError as e:
+                return error(
+                    502,
+                    f"prefill answer unusable for decode: {e}",
+                    "upstream_error",
+                    headers={"x-request-id": rid},
+                )
+            decode_req = RouteRequest(prompt_tokens=n_tokens, stage="decode")
+            return await self.proxy.forward("decode", path, decode, decode_req, rid, stream, timer)
+        except UpstreamFailed as e:
+            return e.response
+
+    def _uncached(self, req: RouteRequest) -> int:
+        best = max(
+            (i.prefix.matched_blocks(req.block_hashes) for i in self.pool.of_role("prefill")),
+            default=0,
+        )
+        return req.prompt_tokens - best * req.block_size
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is it)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
+    gw = Gateway(cfg, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(
+            limit=4 * cfg.max_inflight, limit_per_host=0, keepalive_timeout=60
+        )
+        gw.proxy.client = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(
+                total=cfg.prefill_timeout_s, sock_connect=cfg.connect_timeout_s
+            ),
+        )
+        discovery = None
+        if cfg.discovery == "kubernetes":
+            discovery = KubernetesDiscovery(cfg, gw.pool, asyncio.get_running_loop())
+            discovery.start()
+        else:
+            static_members(cfg, gw.pool)
+        checker = asyncio.create_task(
+            health_loop(
+                gw.proxy.client,
+                gw.pool,
+                gw.metrics,
+                cfg.health_interval_s,
+                cfg.eject_after_failures,
+            )
+        )
+        try:
+            yield
+        finally:
+            checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checker
+            if discovery:
+                discovery.stop()
+            await gw.proxy.client.close()
+
+    app = FastAPI(title="dsv4 gateway", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gw.handle(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gw.handle(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert gw.proxy.client is not None
+        for role in ("decode", "both", "prefill"):
+            for inst in gw.pool.of_role(role):  # type: ignore[arg-type]
+                try:
+                    async with gw.proxy.client.get(
+                        f"{inst.url}/v1/models", timeout=aiohttp.ClientTimeout(total=5.0)
+                    ) as r:
+                        if r.status == 200:
+                            return Response(await r.read(), media_type="application/json")
+                except (aiohttp.ClientError, TimeoutError):
+                    continue
+        if cfg.served_model_name:
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [{"id": cfg.served_model_name, "object": "model", "owned_by": "dsv4"}],
+                }
+            )
+        return error(503, "no engine is reachable", "service_unavailable")
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = (gw.pool.of_role("prefill") and gw.pool.of_role("decode")) or gw.pool.of_role(
+            "both"
+        )
+        counts = {r: len(gw.pool.of_role(r)) for r in ("prefill", "decode", "both")}  # type: ignore[arg-type]
+        return JSONResponse(
+            {"status": "ok" if ready else "unavailable", "healthy": counts},
+            status_code=200 if ready else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,122 @@
+"""Real processes on 127.0.0.1: engines (dsv4-tiny, dummy weights) and gateways in front of them."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4_operator.devcluster.process import ManagedProcess, free_port
+
+LOG_DIR = Path(tempfile.gettempdir()) / "dsv4-test-gateway"
+
+
+class Service:
+    """One `dsv4 <subcommand>` process with a port, a log and a readiness wait."""
+
+    def __init__(self, name: str, subcommand: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            sys.executable,
+            "-m",
+            "dsv4_serving.cli",
+            *subcommand,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.proc = ManagedProcess(name, argv, LOG_DIR / f"{name}-{self.port}.log")
+
+    def launch(self) -> Service:
+        self.proc.start(env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        return self
+
+    def start(self, timeout_s: float = 120.0) -> Service:
+        return self.launch().wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> Service:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.proc.running():
+                raise RuntimeError(
+                    f"{self.proc.name} exited {self.proc.exit_code()}:\n{self.proc.tail(40)}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"{self.proc.name} not healthy after {timeout_s}s:\n{self.proc.tail(40)}"
+        )
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+    def failure_report(self) -> str:
+        return f"----- {self.proc.name} {self.proc.log_path}\n{self.proc.tail(40)}"
+
+
+def engine(name: str, *extra: str) -> Service:
+    return Service(
+        name,
+        [
+            "engine",
+            "--model",
+            "dsv4-tiny",
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+            *extra,
+        ],
+    )
+
+
+def gateway(name: str, *args: str) -> Service:
+    return Service(name, ["gateway", "--health-interval", "0.5", "--log-level", "warning", *args])
+
+
+class Stack:
+    def __init__(self, services: list[Service]) -> None:
+        self.services = services
+
+    def failure_report(self) -> str:
+        return "\n".join(s.failure_report() for s in self.services)
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def two_engines() -> Iterator[tuple[Service, Service]]:
+    a, b = engine("engine-a"), engine("engine-b")
+    a.launch(), b.launch()  # load both at once
+    a.wait_ready(), b.wait_ready()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def routed_counts(gateway_url: str) -> dict[str, float]:
+    """dsv4_gateway_routed_total per instance URL, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{gateway_url}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "dsv4_gateway_routed_total":
+                out[s.labels["instance"]] = out.get(s.labels["instance"], 0.0) + s.value
+    return out
