@@ -233,6 +233,23 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
             status_code=200 if ready else 503,
         )
 
+    @app.get("/instances")
+    async def instances() -> Response:
+        """What the gateway routes to: role, health and its own load figures per instance."""
+        return JSONResponse(
+            [
+                {
+                    "url": i.url,
+                    "role": i.role,
+                    "healthy": i.healthy,
+                    "routed": i.routed,
+                    "inflight_requests": i.inflight_requests,
+                    "ranks": [vars(r) for r in i.ranks],
+                }
+                for i in sorted(gw.pool.all(), key=lambda i: (i.role, i.url))
+            ]
+        )
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
