@@ -231,10 +231,26 @@ class SidecarClient:
     def start_pull(
         self, kv_transfer_params: Mapping[str, Any], timeout_s: float | None = None
     ) -> str:
-        body: dict[str, Any] = {"kv_transfer_params": dict(kv_transfer_params)}
+        """Start pulling; returns at once with the pull's id."""
+        return str(self.start_pull_status(kv_transfer_params, timeout_s)["pull_id"])
+
+    def start_pull_status(
+        self,
+        kv_transfer_params: Mapping[str, Any],
+        timeout_s: float | None = None,
+        wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Start pulling and wait up to ``wait_s`` for the result in the same request (one
+        round trip fewer for small KV); -> the pull's status, as ``pull_status``."""
+        body: dict[str, Any] = {"kv_transfer_params": dict(kv_transfer_params), "wait_s": wait_s}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        return str(self.request("POST", "/v1/pulls", body)["pull_id"])
+        return self.request("POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s)
+
+    def pull(self, kv_transfer_params: Mapping[str, Any], timeout_s: float = 60.0) -> PulledKV:
+        """Start a pull and block until its KV is in our staging region (``PullFailed`` if not)."""
+        st = self.start_pull_status(kv_transfer_params, timeout_s, wait_s=min(timeout_s, 10.0))
+        return self._finish(st) or self.wait_pull(str(st["pull_id"]), timeout_s)
 
     def pull_status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         return self.request(
@@ -247,17 +263,25 @@ class SidecarClient:
         while True:
             left = end - time.monotonic()
             st = self.pull_status(pull_id, wait_s=max(0.0, min(left, 10.0)))
-            if st["state"] == "done":
-                return PulledKV(
-                    pull_id,
-                    _placed(st["buffers"]),
-                    st.get("remote_meta", {}),
-                    st["lease_expires_at"],
-                )
-            if st["state"] != "pending":
-                raise PullFailed(str(st.get("reason")), str(st.get("error")))
+            done = self._finish(st)
+            if done is not None:
+                return done
             if left <= 0:
                 raise PullFailed("timeout", f"pull {pull_id} still pending after {timeout_s}s")
+
+    @staticmethod
+    def _finish(st: Mapping[str, Any]) -> PulledKV | None:
+        """A finished pull's KV, ``PullFailed`` for a failed one, ``None`` while pending."""
+        if st["state"] == "done":
+            return PulledKV(
+                str(st["pull_id"]),
+                _placed(st["buffers"]),
+                st.get("remote_meta", {}),
+                st["lease_expires_at"],
+            )
+        if st["state"] != "pending":
+            raise PullFailed(str(st.get("reason")), str(st.get("error")))
+        return None
 
     def release_pull(self, pull_id: str) -> None:
         self.request("DELETE", f"/v1/pulls/{pull_id}")

@@ -39,6 +39,13 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "dsv4-kv-sidecar"
     sidecar: Sidecar  # set on the subclass built per server
 
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out in two writes: without this, Nagle's algorithm holds the body
+        # for the client's delayed ACK (~40 ms per request)
+        if self.connection.family in (socket.AF_INET, socket.AF_INET6):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def log_message(self, format: str, *args: Any) -> None:
         logging.getLogger("dsv4.kv.control").debug("%s " + format, self.client_address, *args)
 

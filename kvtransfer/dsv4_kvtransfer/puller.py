@@ -112,10 +112,13 @@ class Puller:
             raise ApiError(400, "bad_request", "timeout_s must be in (0, 3600]")
         pull = Pull(secrets.token_hex(12), params, time.monotonic() + float(timeout))
         pull.total_bytes = params.remote_total_bytes
+        wait = body.get("wait_s", 0)
+        if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
+            raise ApiError(400, "bad_request", "wait_s must be a non-negative number")
         with self._cond:
             self.pulls[pull.pull_id] = pull
         self._exec.submit(self._run, pull)
-        return self._status(pull)
+        return self.status(pull.pull_id, float(wait))
 
     def status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         from dsv4_kvtransfer.sidecar import ApiError
@@ -294,14 +297,31 @@ class Puller:
                     )
                 )
             data_s = max(time.monotonic() - t_data, 1e-9)
-            conn.settimeout(self.cfg.io_timeout_s)
-            conn.release(p.remote_transfer_id)
         except BaseException as e:
             if conn is not None:
                 conn.close()
             self._fail(pull, e)
             return
+        self._complete(pull, layout, manifest, t0, data_s)
+        # every byte is ours: the engine may go on while the prefill side frees its export
+        try:
+            conn.settimeout(self.cfg.io_timeout_s)
+            conn.release(p.remote_transfer_id)
+        except Exception as e:
+            conn.close()
+            sc.log.warning(
+                "pull %s done, but releasing transfer %s failed (its lease will free it): %s",
+                pull.pull_id,
+                p.remote_transfer_id,
+                e,
+            )
+            return
         self._give_back(conn)
+
+    def _complete(
+        self, pull: Pull, layout: Layout, manifest: dict[str, Any], t0: float, data_s: float
+    ) -> None:
+        sc = self.sc
         name = sc.transport.name
         with self._cond:
             now = time.monotonic()

@@ -1,0 +1,327 @@
+"""KV-transfer bandwidth of the sidecars beside a raw loopback baseline, and what it means for
+DeepSeek V4's KV.
+
+    .venv/bin/python benchmarks/kv_transfer.py [--sizes 16M 64M 256M 1G] [--reps 3]
+        [--transports tcp shm] [--streams 4]
+
+For each size, two real ``dsv4 kv-sidecar`` processes move one export of that many bytes (the
+decode side asks its sidecar to pull, as the engine will; timed from that request to the pull
+reported done, so handshake, manifest, release and the control API are all inside), and the
+same bytes are moved between the same two staging regions by the plainest means in the same
+run: one TCP socket over 127.0.0.1 (``sendall`` / ``recv_into``) for the TCP transport, one
+``memcpy`` for shared memory. GB/s are 1e9 bytes per second; "ratio" is transport / baseline
+(goal >= 70%). Best of ``--reps``.
+
+Then the KV bytes of DeepSeek V4 (``dsv4-tiny``, and V4 Flash from its published config)
+computed by the model layer's own cache sizing, and the transfer time a 4K-token prompt implies
+at the bandwidths just measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsv4_kvtransfer.buffers import BufferSpec
+from dsv4_kvtransfer.cli import parse_size
+from dsv4_kvtransfer.client import SidecarClient
+
+GB = 1e9
+
+# DeepSeek-V4-Flash's config.json (the KV-relevant values; the rest as published): 43 layers,
+# the first two window-only, then CSA (ratio 4, with indexer keys) and HCA (ratio 128)
+# alternating, and one MTP layer (window only). KV in bfloat16.
+V4_FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "num_hash_layers": 3,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "sliding_window": 128,
+    "hc_mult": 4,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 1,
+    "torch_dtype": "bfloat16",
+}
+
+
+class Pair:
+    """A source and a destination sidecar process with a given pulling transport."""
+
+    def __init__(self, tmp: Path, transport: str, staging: int, streams: int) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.src = self._start("src", "tcp", staging, streams)
+        self.dst = self._start("dst", transport, staging, streams)
+
+    def _start(self, name: str, transport: str, staging: int, streams: int) -> SidecarClient:
+        ready = self.tmp / f"{name}-{transport}.ready"
+        ready.unlink(missing_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "dsv4_serving.cli",
+            "kv-sidecar",
+            "--transport",
+            transport,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--control-port",
+            "0",
+            "--auth-token-file",
+            str(self.tmp / "token"),
+            "--staging-bytes",
+            str(staging),
+            "--shm-name",
+            f"dsv4-kv-bench-{os.getpid()}-{name}",
+            "--streams",
+            str(streams),
+            "--log-level",
+            "warning",
+            "--ready-file",
+            str(ready),
+        ]
+        proc = subprocess.Popen(cmd)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the {name} sidecar did not start")
+            time.sleep(0.05)
+        port = json.loads(ready.read_text())["control_port"]
+        return SidecarClient(f"http://127.0.0.1:{port}", timeout_s=120)
+
+    def close(self) -> None:
+        self.src.close()
+        self.dst.close()
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+def fill(view: memoryview) -> None:
+    """Deterministic non-trivial bytes (written in 64 MiB pieces to bound temporary memory)."""
+    pattern = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    arr = np.frombuffer(view, dtype=np.uint8)
+    for pos in range(0, len(arr), len(pattern)):
+        n = min(len(pattern), len(arr) - pos)
+        arr[pos : pos + n] = pattern[:n]
+
+
+def pull_once(pair: Pair, size: int, state: dict[str, Any], verify: bool) -> tuple[float, int, int]:
+    """Export ``size`` bytes on the source, pull them to the destination; -> (seconds, source
+    offset, destination offset)."""
+    res = pair.src.reserve_export("bench", [BufferSpec("kv", "uint8", (size,))])
+    placed = res.buffers["kv"]
+    if state.get("filled") != (placed.offset, size):
+        view = pair.src.view(placed)
+        fill(view)
+        view.release()
+        state["filled"] = (placed.offset, size)
+    params = pair.src.commit_export(res.transfer_id)
+    t0 = time.perf_counter()
+    kv = pair.dst.pull(params, timeout_s=300)
+    dt = time.perf_counter() - t0
+    got = kv.buffers["kv"]
+    if verify:
+        a, b = pair.src.view(placed), pair.dst.view(got)
+        if not np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)):
+            raise SystemExit(f"transfer of {size} bytes is not bit-exact")
+        a.release()
+        b.release()
+    pair.dst.release_pull(kv.pull_id)
+    return dt, placed.offset, got.offset
+
+
+def raw_socket(src: memoryview, dst: memoryview) -> float:
+    """One loopback TCP connection moving ``src`` into ``dst`` (sendall / recv_into)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    done = threading.Event()
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        with conn:
+            got, n = 0, len(dst)
+            while got < n:
+                k = conn.recv_into(dst[got:], n - got)
+                if not k:
+                    break
+                got += k
+        done.set()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        c.sendall(src)
+        done.wait()
+        dt = time.perf_counter() - t0
+    t.join()
+    server.close()
+    return dt
+
+
+def memcpy(src: memoryview, dst: memoryview) -> float:
+    t0 = time.perf_counter()
+    dst[:] = src
+    return time.perf_counter() - t0
+
+
+def run_transport(
+    tmp: Path, transport: str, sizes: list[int], reps: int, streams: int
+) -> dict[int, tuple[float, float]]:
+    """-> {size: (transport GB/s, baseline GB/s)}"""
+    pair = Pair(tmp, transport, max(sizes) + (64 << 20), streams)
+    out = {}
+    try:
+        state: dict[str, Any] = {}
+        for size in sizes:
+            times, base = [], []
+            for rep in range(reps):
+                dt, so, do = pull_once(pair, size, state, verify=rep == 0)
+                times.append(dt)
+                a = pair.src.region().view(so, size)
+                b = pair.dst.region().view(do, size)
+                base.append(raw_socket(a, b) if transport == "tcp" else memcpy(a, b))
+                a.release()
+                b.release()
+            out[size] = (size / min(times) / GB, size / min(base) / GB)
+            print(
+                f"  {transport:4} {size >> 20:6d} MiB: {out[size][0]:6.2f} GB/s "
+                f"(baseline {out[size][1]:6.2f}); runs "
+                + " ".join(f"{t * 1e3:.1f}" for t in times)
+                + " ms, baseline "
+                + " ".join(f"{t * 1e3:.1f}" for t in base)
+                + " ms",
+                file=sys.stderr,
+            )
+    finally:
+        pair.close()
+    return out
+
+
+def kv_sizes(config: dict[str, Any], itemsize: int) -> dict[str, float]:
+    """Paged KV bytes per token, fixed per-sequence bytes, and a 4K prompt's total, from the
+    model layer's own cache sizing."""
+    from dsv4_serving.cache.v4 import V4KVCache
+    from dsv4_serving.models.config import DeepseekV4Config
+
+    cfg = DeepseekV4Config.from_dict(config)
+    # the engine's rule: the smallest multiple of both compression ratios that is >= 16
+    unit = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    bs = unit * max(1, -(-16 // unit))
+    per_block = V4KVCache.bytes_per_block(cfg, bs, itemsize)
+    per_slot = V4KVCache.bytes_per_slot(cfg, itemsize)
+    prompt = 4096
+    return {
+        "block_size": bs,
+        "per_token": per_block / bs,
+        "per_seq": per_slot,
+        "prompt_4k": -(-prompt // bs) * per_block + per_slot,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--sizes", nargs="+", type=parse_size, default=[16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    )
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transports", nargs="+", default=["tcp", "shm"], choices=("tcp", "shm"))
+    ap.add_argument(
+        "--streams", type=int, default=4, help="TCP streams per pull (sidecar default 4)"
+    )
+    args = ap.parse_args()
+
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="dsv4-kv-bench-") as d:
+        tmp = Path(d)
+        (tmp / "token").write_text("benchmark-token-" + os.urandom(16).hex())
+        for t in args.transports:
+            results[t] = run_transport(tmp, t, sorted(args.sizes), args.reps, args.streams)
+
+    base_name = {"tcp": "raw socket", "shm": "memcpy"}
+    print(f"\nKV transfer between two sidecars on 127.0.0.1 (best of {args.reps}, GB/s = 1e9 B/s)")
+    head = f"{'size':>9}"
+    for t in args.transports:
+        head += f" | {t + ' GB/s':>10} | {base_name[t] + ' GB/s':>16} | {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for size in sorted(args.sizes):
+        row = f"{size >> 20:>5} MiB"
+        for t in args.transports:
+            got, base = results[t][size]
+            row += f" | {got:10.2f} | {base:16.2f} | {got / base:6.0%}"
+        print(row)
+
+    print("\nDeepSeek V4 KV per request (the model layer's cache sizing)")
+    models = [("dsv4-tiny (float32)", None, 4), ("DeepSeek-V4-Flash (bf16)", V4_FLASH, 2)]
+    best = {t: results[t][max(args.sizes)][0] for t in args.transports}
+    head = f"{'model':<26} | {'block':>5} | {'paged B/token':>13} | {'per-seq state':>13} | {'4K prompt':>10}"
+    for t in args.transports:
+        head += f" | {'4K via ' + t:>10}"
+    print(head)
+    print("-" * len(head))
+    for name, config, itemsize in models:
+        if config is None:
+            from dsv4_serving.presets import preset_config
+
+            config = preset_config("dsv4-tiny")
+        s = kv_sizes(config, itemsize)
+        row = (
+            f"{name:<26} | {s['block_size']:>5} | {s['per_token']:>13,.0f} | "
+            f"{s['per_seq'] / 2**20:>9.2f} MiB | {s['prompt_4k'] / 2**20:>6.1f} MiB"
+        )
+        for t in args.transports:
+            row += f" | {s['prompt_4k'] / (best[t] * GB) * 1e3:>7.1f} ms"
+        print(row)
+    print(
+        "\n(4K prompt = ceil(4096 / block) paged blocks + one sequence's window ring and "
+        "compressor state; time at the largest size's measured bandwidth)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
