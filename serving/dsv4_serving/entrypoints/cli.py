@@ -96,7 +96,14 @@ def run(args: argparse.Namespace) -> int:
                 f"--role {config.role} needs the prefill/decode KV connector, which this engine "
                 "does not have yet; use --role both"
             )
-        if config.device in ("cpu",):
+        from dsv4_serving.presets.configs import PRESETS
+
+        if config.model not in PRESETS and not Path(config.model).exists():
+            raise ConfigError(
+                f"model {config.model!r} is neither a directory nor a preset "
+                f"({', '.join(sorted(PRESETS))})"
+            )
+        if config.device == "cpu":
             config.check_parallel("cpu")
         if config.rank_table and not Path(config.rank_table).is_file():
             raise ConfigError(f"rank table {config.rank_table} does not exist")
@@ -114,7 +121,11 @@ def serve(config: EngineConfig, host: str, port: int) -> int:
     from dsv4_serving.entrypoints.api_server import build_app
     from dsv4_serving.entrypoints.metrics import EngineMetrics
 
-    tokenizer = load_tokenizer(config.model)
+    try:
+        tokenizer = load_tokenizer(config.model)
+    except (OSError, ValueError) as exc:
+        print(f"dsv4 engine: {exc}", file=sys.stderr)
+        return 1
     metrics = EngineMetrics(config.model_name)
     engine = AsyncLLM(config, tokenizer, metrics.on_event)
     try:
