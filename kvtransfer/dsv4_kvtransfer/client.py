@@ -165,13 +165,23 @@ class SidecarClient:
     def info(self) -> dict[str, Any]:
         return self.request("GET", "/v1/info")
 
-    def region(self) -> StagingRegion:
+    def region(self, tag: str | None = None) -> StagingRegion:
+        """The sidecar's staging region, mapped once. With ``tag`` (from a reservation or a
+        finished pull), a mapping of an older region (the sidecar restarted) is replaced: KV
+        must never be written into, or read from, a region the sidecar no longer serves."""
         with self._region_lock:
+            if self._region is not None and tag is not None and self._region.tag.hex() != tag:
+                self._region.close()
+                self._region = None
             if self._region is None:
                 info = self.info()
-                self._region = StagingRegion.attach(
+                region = StagingRegion.attach(
                     str(info["shm_name"]), self._shm_dir or str(info["shm_dir"])
                 )
+                if tag is not None and region.tag.hex() != tag:
+                    region.close()
+                    raise SidecarError(0, "restarted", "the KV sidecar restarted meanwhile")
+                self._region = region
             return self._region
 
     def view(self, placed: PlacedView) -> memoryview:
@@ -213,6 +223,7 @@ class SidecarClient:
         if lease_seconds is not None:
             body["lease_seconds"] = lease_seconds
         r = self.request("POST", "/v1/exports", body)
+        self.region(str(r["shm_tag"]))
         return Reservation(
             r["transfer_id"], int(r["total_bytes"]), _placed(r["buffers"]), r["lease_expires_at"]
         )
@@ -269,10 +280,10 @@ class SidecarClient:
             if left <= 0:
                 raise PullFailed("timeout", f"pull {pull_id} still pending after {timeout_s}s")
 
-    @staticmethod
-    def _finish(st: Mapping[str, Any]) -> PulledKV | None:
+    def _finish(self, st: Mapping[str, Any]) -> PulledKV | None:
         """A finished pull's KV, ``PullFailed`` for a failed one, ``None`` while pending."""
         if st["state"] == "done":
+            self.region(str(st["shm_tag"]))
             return PulledKV(
                 str(st["pull_id"]),
                 _placed(st["buffers"]),

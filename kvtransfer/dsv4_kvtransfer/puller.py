@@ -167,6 +167,7 @@ class Puller:
             out["reason"] = pull.reason
         if pull.state == "done" and pull.layout is not None and pull.offset is not None:
             out["shm_name"] = self.sc.region.name
+            out["shm_tag"] = self.sc.region.tag.hex()
             out["offset"] = pull.offset
             out["buffers"] = [
                 {**b.to_dict(), "offset": pull.offset + b.offset} for b in pull.layout.buffers

@@ -196,6 +196,7 @@ class Sidecar:
         return {
             "transfer_id": tid,
             "shm_name": self.region.name,
+            "shm_tag": self.region.tag.hex(),
             "offset": exp.offset,
             "total_bytes": layout.total_bytes,
             "buffers": [{**b.to_dict(), "offset": exp.offset + b.offset} for b in layout.buffers],
@@ -326,6 +327,7 @@ class Sidecar:
                 "advertise_host": self.cfg.advertise_host,
                 "port": self.port,
                 "shm_name": self.region.name,
+                "shm_tag": self.region.tag.hex(),
                 "shm_dir": self.cfg.shm_dir,
                 "header_bytes": HEADER_BYTES,
                 "staging_bytes": alloc.size,

@@ -256,7 +256,13 @@ def test_source_killed_mid_transfer_fails_the_pull_and_frees_the_decode_side(
     # a sidecar restarted under the dead one's name replaces its stale region, all free
     again = sidecars.start(shm_name=src.shm_name)
     assert again.free_bytes() == int(again.info()["staging_bytes"])  # type: ignore[call-overload]
+    # the engine's client still maps the dead sidecar's region: at its next reservation it
+    # must switch to the new one, or the KV it writes would never reach the sidecar
+    stale = src.client.region()
+    src.client.port = again.control_port  # the same URL, now served by the new sidecar
+    again.client = src.client
     params, data = export(again, v4_like_specs(1), 8)
+    assert src.client.region() is not stale
     pull_and_check(dst, params, v4_like_specs(1), data)
     assert dst.free_bytes() == free_dst
 
