@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--auth-token-file",
-        required=True,
-        help="file with the token shared by all sidecars of a deployment (>= 16 bytes)",
+        default=os.environ.get("DSV4_KV_AUTH_TOKEN_FILE"),
+        help="file with the token shared by all sidecars of a deployment (>= 16 bytes); "
+        "required (default $DSV4_KV_AUTH_TOKEN_FILE)",
     )
     p.add_argument("--control-host", default="127.0.0.1", help="bind address of the control API")
     p.add_argument(
@@ -121,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4 kv-sidecar: error: {msg}", file=sys.stderr)
         return 2
 
+    if not args.auth_token_file:
+        return fail("--auth-token-file is required: sidecars never run unauthenticated")
     try:
         token = load_token(args.auth_token_file)
     except AuthError as e:

@@ -350,6 +350,18 @@ def test_unavailable_transports_fail_fast_with_a_clear_message(
     assert "Traceback" not in proc.stderr
 
 
+def test_no_token_is_refused_at_start() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DSV4_KV_AUTH_TOKEN_FILE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4_serving.cli", "kv-sidecar", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2 and "--auth-token-file is required" in proc.stderr
+
+
 def test_short_token_is_refused_at_start(sidecars: SidecarFactory) -> None:
     proc = subprocess.run(
         [
