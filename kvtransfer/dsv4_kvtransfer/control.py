@@ -64,8 +64,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(status, {"error": {"message": message, "type": etype, "code": code}})
 
     def _body(self) -> dict[str, Any]:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise ApiError(400, "bad_request", "bad Content-Length") from None
+        if not 0 <= n <= MAX_BODY:
             raise ApiError(413, "too_large", f"request body over {MAX_BODY} bytes")
         raw = self.rfile.read(n) if n else b"{}"
         try:

@@ -31,6 +31,8 @@ from dsv4_kvtransfer.transports import Transport, make_transport
 # the manifest (layout + engine meta) travels in one frame header; keep it well under the limit
 MAX_MANIFEST_JSON = 512 << 10
 MAX_ENGINE_META_JSON = 16 << 10
+# block ids travel in the manifest too (a 1M-token prompt in 64-token blocks is 16K ids)
+MAX_BLOCK_IDS = 65536
 
 
 class ApiError(Exception):
@@ -211,10 +213,16 @@ class Sidecar:
         if not isinstance(engine_id, str) or not 0 < len(engine_id) <= 256:
             raise ApiError(400, "bad_request", "engine_id must be a non-empty string")
         block_ids = body.get("block_ids", [])
-        if not isinstance(block_ids, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
+        if (
+            not isinstance(block_ids, list)
+            or len(block_ids) > MAX_BLOCK_IDS
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids)
         ):
-            raise ApiError(400, "bad_request", "block_ids must be a list of non-negative integers")
+            raise ApiError(
+                400,
+                "bad_request",
+                f"block_ids must be a list of at most {MAX_BLOCK_IDS} non-negative integers",
+            )
         groups = body.get("cache_groups", {})
         if not isinstance(groups, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -15,7 +15,7 @@ import pytest
 
 from dsv4_kvtransfer.auth import proof
 from dsv4_kvtransfer.buffers import BufferSpec
-from dsv4_kvtransfer.client import PullFailed, SidecarError
+from dsv4_kvtransfer.client import PullFailed, SidecarClient, SidecarError
 from dsv4_kvtransfer.frames import HANDSHAKE_LIMITS, FrameType, encode, read_frame, send_frame
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from tests.helpers import wait_for
@@ -301,8 +301,12 @@ def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
 
 
 def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> None:
-    sc = sidecars.start(staging="16M")
+    sock = sidecars.tmp / "control.sock"
+    sc = sidecars.start("--control-socket", str(sock), staging="16M")
     free = sc.free_bytes()
+    # the same API on the unix socket
+    over_unix = SidecarClient(unix_socket=str(sock))
+    assert over_unix.info()["shm_name"] == sc.shm_name
     with pytest.raises(SidecarError) as e:
         sc.client.start_pull({"do_remote_prefill": True, "remote_port": "x"})
     assert e.value.status == 400 and "kv_transfer_params." in str(e.value)
@@ -315,6 +319,9 @@ def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> N
     with pytest.raises(SidecarError) as e:
         sc.client.pull_status("nope")
     assert e.value.status == 404
+    with pytest.raises(SidecarError) as e:
+        sc.client.reserve_export("r", [BufferSpec("x", "uint8", (1,))], block_ids=[0] * 70000)
+    assert e.value.status == 400 and "block_ids" in str(e.value)
     res = sc.client.reserve_export("r1", [BufferSpec("x", "float32", (1000,))])
     sc.client.abort_export(res.transfer_id)
     with pytest.raises(SidecarError) as e:
