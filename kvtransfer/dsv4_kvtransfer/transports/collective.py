@@ -79,13 +79,21 @@ def make_group(backend: str, store: Any, rank: int, timeout_s: float) -> Any:
 
 @dataclass(slots=True)
 class Channel:
-    """One side's half of a two-rank group, with a device bounce buffer when not on CPU."""
+    """One side's half of a two-rank group. With ``staged`` (any device but the CPU) bytes go
+    through a bounce buffer on ``device``, ``chunk`` bytes at a time: HCCL moves device memory
+    only, and a fixed bounce buffer bounds the device memory a transfer takes."""
 
     backend: str
     group: Any
     store: Any
     device: str
+    staged: bool | None = None
+    chunk: int = CHUNK
     bounce: Any = None
+
+    def __post_init__(self) -> None:
+        if self.staged is None:
+            self.staged = self.device != "cpu"
 
     def _tensor(self, view: memoryview) -> Any:
         import torch
@@ -93,9 +101,9 @@ class Channel:
         return torch.frombuffer(view, dtype=torch.uint8)
 
     def send(self, view: memoryview, peer: int) -> None:
-        for pos in range(0, len(view), CHUNK):
-            host = self._tensor(view[pos : pos + CHUNK])
-            if self.device == "cpu":
+        for pos in range(0, len(view), self.chunk):
+            host = self._tensor(view[pos : pos + self.chunk])
+            if not self.staged:
                 self.group.send([host], peer, 0).wait()
                 continue
             dev = self._bounce(host.numel())
@@ -103,9 +111,9 @@ class Channel:
             self.group.send([dev], peer, 0).wait()
 
     def recv(self, view: memoryview, peer: int, progress: Any) -> None:
-        for pos in range(0, len(view), CHUNK):
-            host = self._tensor(view[pos : pos + CHUNK])
-            if self.device == "cpu":
+        for pos in range(0, len(view), self.chunk):
+            host = self._tensor(view[pos : pos + self.chunk])
+            if not self.staged:
                 self.group.recv([host], peer, 0).wait()
             else:
                 dev = self._bounce(host.numel())
@@ -116,8 +124,8 @@ class Channel:
     def _bounce(self, n: int) -> Any:
         import torch
 
-        if self.bounce is None or self.bounce.numel() < n:
-            self.bounce = torch.empty(max(n, CHUNK), dtype=torch.uint8, device=self.device)
+        if self.bounce is None:
+            self.bounce = torch.empty(self.chunk, dtype=torch.uint8, device=self.device)
         return self.bounce[:n]
 
     def close(self) -> None:
