@@ -62,6 +62,12 @@ class MLAttention(nn.Module):
         c = self.kv_norm(kv_a[:, : self.kv_lora])
         k_pe = self._rope(kv_a[:, self.kv_lora :], cos, sin)
         latent = torch.cat((c, k_pe), dim=-1)
+        # absorbed form (as vLLM's MLA decode): fold wkv_b's key half into the query and its
+        # value half after the softmax, so attention runs over the cached latents directly
+        # instead of re-expanding every cached token through wkv_b at every step
+        w = self.wkv_b.weight.view(h, self.nope + self.v_dim, self.kv_lora)
+        w_uk, w_uv = w[:, : self.nope].float(), w[:, self.nope :].float()
+        q_lat = torch.einsum("thd,hdl->thl", q_nope.float(), w_uk)
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
         for i in range(meta.num_seqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -69,15 +75,14 @@ class MLAttention(nn.Module):
             row = meta.block_tables[i]
             pos = meta.positions[a:b]
             scatter_entries(latent_cache, row, pos, latent[a:b])
-            lat = gather_entries(latent_cache, row, ctx + n).to(x.dtype)
-            kv = self.wkv_b(lat[:, : self.kv_lora]).view(ctx + n, h, self.nope + self.v_dim)
-            k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
-            kpe = lat[:, self.kv_lora :]
-            s = torch.einsum("nhd,khd->hnk", q_nope[a:b].float(), k_nope.float())
-            s = s + torch.einsum("nhd,kd->hnk", q_pe[a:b].float(), kpe.float())
+            lat = gather_entries(latent_cache, row, ctx + n).float()
+            c_kv, kpe = lat[:, : self.kv_lora], lat[:, self.kv_lora :]
+            s = torch.einsum("nhl,kl->hnk", q_lat[a:b], c_kv)
+            s = s + torch.einsum("nhd,kd->hnk", q_pe[a:b].float(), kpe)
             kpos = torch.arange(ctx + n, device=x.device)
             s = s * self.scale
             s = s.masked_fill(kpos[None, None, :] > pos[None, :, None], -torch.inf)
             p = s.softmax(dim=-1)
-            out[a:b] = torch.einsum("hnk,khd->nhd", p, v.float()).to(x.dtype)
+            o_lat = torch.einsum("hnk,kl->nhl", p, c_kv)
+            out[a:b] = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).to(x.dtype)
         return self.wo(out.flatten(1))
