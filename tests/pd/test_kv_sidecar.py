@@ -267,6 +267,22 @@ def test_source_killed_mid_transfer_fails_the_pull_and_frees_the_decode_side(
     assert dst.free_bytes() == free_dst
 
 
+def test_decode_side_killed_mid_transfer_leaves_the_export_to_its_lease(
+    sidecars: SidecarFactory,
+) -> None:
+    src = sidecars.start("--send-rate", "8M", lease=2.0)
+    dst = sidecars.start("--streams", "1")
+    free_src = src.free_bytes()
+    params, _ = export(src, [BufferSpec("bulk", "uint8", (24 * MB,), "bulk")], 11)
+    pull_id = dst.client.start_pull(params, timeout_s=60)
+    wait_for("bytes arriving", lambda: dst.client.pull_status(pull_id)["bytes_done"] > 0, 20, 0.02)
+    dst.kill()
+    # the reader's pin goes with its connection; the lease then frees the export
+    wait_for("export freed by its lease", lambda: src.free_bytes() == free_src, 15, 0.1)
+    assert src.metric("dsv4_kv_lease_expiries_total", kind="export") == 1
+    assert src.alive()
+
+
 def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
     src = sidecars.start(lease=1.0)
     dst = sidecars.start(lease=2.0)
