@@ -13,9 +13,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError
 from dsv4_serving.gateway.config import GatewayConfig
@@ -149,11 +151,12 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
+def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> Starlette:
+    """A plain Starlette app: the hot path needs no request validation layer."""
     gw = Gateway(cfg, tokenizer)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(
             limit=4 * cfg.max_inflight, limit_per_host=0, keepalive_timeout=60
         )
@@ -189,19 +192,13 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
                 discovery.stop()
             await gw.proxy.client.close()
 
-    app = FastAPI(title="dsv4 gateway", lifespan=lifespan)
-    app.state.gateway = gw
-
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gw.handle(request, "/v1/completions", chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await gw.handle(request, "/v1/chat/completions", chat=True)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         assert gw.proxy.client is not None
         for role in ("decode", "both", "prefill"):
             for inst in gw.pool.of_role(role):  # type: ignore[arg-type]
@@ -222,8 +219,7 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
             )
         return error(503, "no engine is reachable", "service_unavailable")
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         ready = (gw.pool.of_role("prefill") and gw.pool.of_role("decode")) or gw.pool.of_role(
             "both"
         )
@@ -233,8 +229,7 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
             status_code=200 if ready else 503,
         )
 
-    @app.get("/instances")
-    async def instances() -> Response:
+    async def instances(request: Request) -> Response:
         """What the gateway routes to: role, health and its own load figures per instance."""
         return JSONResponse(
             [
@@ -250,8 +245,19 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> FastAPI:
             ]
         )
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app = Starlette(
+        lifespan=lifespan,
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/instances", instances, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+    )
+    app.state.gateway = gw
     return app

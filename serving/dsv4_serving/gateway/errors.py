@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse
 
 
 def error(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from fastapi.responses import Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError, decode_request, prefill_request
 from dsv4_serving.gateway.config import GatewayConfig
