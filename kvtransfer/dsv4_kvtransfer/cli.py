@@ -61,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--control-socket", default=None, help="also serve the control API here")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve only /health and /metrics on --metrics-host:PORT, for Prometheus and "
+        "probes from outside the pod (default: off; 0: any port)",
+    )
+    p.add_argument("--metrics-host", default="0.0.0.0", help="bind address of --metrics-port")
+    p.add_argument(
         "--staging-bytes", type=parse_size, default=1 << 30, help="staging region size (1G)"
     )
     p.add_argument("--shm-name", default=None, help="staging region name (dsv4-kv-PORT)")
@@ -172,7 +180,13 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     try:
         port = sidecar.start()
-        control = ControlServer(sidecar, cfg.control_host, cfg.control_port, cfg.control_socket)
+        control = ControlServer(
+            sidecar,
+            cfg.control_host,
+            cfg.control_port,
+            cfg.control_socket,
+            (args.metrics_host, args.metrics_port) if args.metrics_port is not None else None,
+        )
     except OSError as e:
         sidecar.stop()
         return fail(f"cannot listen: {e}")
@@ -186,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
                     "pid": os.getpid(),
                     "port": port,
                     "control_port": control.port,
+                    "metrics_port": control.metrics_port,
                     "shm_name": sidecar.region.name,
                     "shm_dir": cfg.shm_dir,
                 },

@@ -38,6 +38,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "dsv4-kv-sidecar"
     sidecar: Sidecar  # set on the subclass built per server
+    probes_only = False  # the metrics listener: /health and /metrics, nothing that changes state
 
     def setup(self) -> None:
         super().setup()
@@ -88,6 +89,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, sc.health())
             if method == "GET" and parts == ["metrics"]:
                 return self._send(200, sc.metrics.render(), CONTENT_TYPE_LATEST)
+            if self.probes_only:
+                return self._error(404, "not_found", "only /health and /metrics here")
             if method == "GET" and parts == ["v1", "info"]:
                 return self._json(200, sc.info())
             if parts[:2] == ["v1", "exports"]:
@@ -141,7 +144,12 @@ class ControlServer:
     """The control API on TCP (and optionally a unix socket), each served by a thread."""
 
     def __init__(
-        self, sidecar: Sidecar, host: str, port: int, unix_path: str | None = None
+        self,
+        sidecar: Sidecar,
+        host: str,
+        port: int,
+        unix_path: str | None = None,
+        metrics_addr: tuple[str, int] | None = None,
     ) -> None:
         handler = type("Handler", (_Handler,), {"sidecar": sidecar})
         self.http = ThreadingHTTPServer((host, port), handler)
@@ -153,20 +161,30 @@ class ControlServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(unix_path)
             self.unix = _UnixHTTPServer(unix_path, handler)
+        # /health and /metrics for Prometheus and probes from outside the pod; the control
+        # API itself stays on loopback (it is not authenticated)
+        self.metrics: ThreadingHTTPServer | None = None
+        self.metrics_port: int | None = None
+        if metrics_addr is not None:
+            probes = type("ProbeHandler", (_Handler,), {"sidecar": sidecar, "probes_only": True})
+            self.metrics = ThreadingHTTPServer(metrics_addr, probes)
+            self.metrics.daemon_threads = True
+            self.metrics_port = int(self.metrics.server_address[1])
         self._threads: list[threading.Thread] = []
 
+    def _servers(self) -> list[socketserver.BaseServer]:
+        return [s for s in (self.http, self.unix, self.metrics) if s is not None]
+
     def start(self) -> None:
-        for srv in (self.http, self.unix):
-            if srv is not None:
-                t = threading.Thread(target=srv.serve_forever, name="kv-control", daemon=True)
-                t.start()
-                self._threads.append(t)
+        for srv in self._servers():
+            t = threading.Thread(target=srv.serve_forever, name="kv-control", daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def stop(self) -> None:
-        for srv in (self.http, self.unix):
-            if srv is not None:
-                srv.shutdown()
-                srv.server_close()
+        for srv in self._servers():
+            srv.shutdown()
+            srv.server_close()
         if self.unix_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)

@@ -28,6 +28,7 @@ class SidecarProc:
     control_port: int
     shm_name: str
     log_path: Path
+    ready: dict[str, object] = field(default_factory=dict)
     client: SidecarClient = field(init=False)
 
     def __post_init__(self) -> None:
@@ -154,7 +155,7 @@ class SidecarFactory:
                 )
             time.sleep(0.02)
         r = json.loads(ready.read_text())
-        sc = SidecarProc(name, proc, r["port"], r["control_port"], r["shm_name"], log_path)
+        sc = SidecarProc(name, proc, r["port"], r["control_port"], r["shm_name"], log_path, r)
         self.procs.append(sc)
         return sc
 

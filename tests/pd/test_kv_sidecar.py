@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
@@ -318,11 +319,19 @@ def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
 
 def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> None:
     sock = sidecars.tmp / "control.sock"
-    sc = sidecars.start("--control-socket", str(sock), staging="16M")
+    sc = sidecars.start("--control-socket", str(sock), "--metrics-port", "0", staging="16M")
     free = sc.free_bytes()
     # the same API on the unix socket
     over_unix = SidecarClient(unix_socket=str(sock))
     assert over_unix.info()["shm_name"] == sc.shm_name
+    # the metrics listener serves probes and metrics, and nothing else
+    probes = SidecarClient(f"http://127.0.0.1:{sc.ready['metrics_port']}")
+    assert probes.request("GET", "/health")["status"] == "ok"
+    with urllib.request.urlopen(f"http://127.0.0.1:{sc.ready['metrics_port']}/metrics") as r:
+        assert b"dsv4_kv_staging_free_bytes" in r.read()
+    with pytest.raises(SidecarError) as e:
+        probes.reserve_export("r", [BufferSpec("x", "uint8", (1,))])
+    assert e.value.status == 404
     with pytest.raises(SidecarError) as e:
         sc.client.start_pull({"do_remote_prefill": True, "remote_port": "x"})
     assert e.value.status == 400 and "kv_transfer_params." in str(e.value)
