@@ -193,7 +193,12 @@ def _kv_transfer() -> Schema:
                 default="hccl",
                 enum=["hccl", "tcp", "rdma"],
             ),
-            "port": integer("KV sidecar port.", default=14579, minimum=1024, maximum=65535),
+            "port": integer(
+                "KV sidecar port (its control API uses port+1 on 127.0.0.1, its metrics port+2).",
+                default=14579,
+                minimum=1024,
+                maximum=65533,
+            ),
             "leaseSeconds": integer(
                 "How long prefill keeps KV blocks for a decode that has not pulled them.",
                 default=30,

@@ -90,7 +90,15 @@ def sidecar_command(spec: DeploymentSpec) -> list[str]:
         str(spec.kv["leaseSeconds"]),
         "--auth-token-file",
         f"{KV_AUTH_DIR}/token",
+        # the control API stays on 127.0.0.1 (the engine's); Prometheus scrapes this port only
+        "--metrics-port",
+        str(sidecar_metrics_port(spec)),
     ]
+
+
+def sidecar_metrics_port(spec: DeploymentSpec) -> int:
+    """KV port + 2 (the sidecar's control API takes port + 1)."""
+    return int(spec.kv["port"]) + 2
 
 
 def _engine_resources(spec: DeploymentSpec, role: RoleSpec) -> dict[str, Any]:
@@ -210,7 +218,10 @@ def pod_template(
         "imagePullPolicy": spec.image_pull_policy,
         "command": sidecar_command(spec),
         "env": [_downward("POD_IP", "status.podIP")],
-        "ports": [{"name": "kv", "containerPort": int(spec.kv["port"])}],
+        "ports": [
+            {"name": "kv", "containerPort": int(spec.kv["port"])},
+            {"name": "kv-metrics", "containerPort": sidecar_metrics_port(spec)},
+        ],
         "resources": spec.kv.get("sidecarResources") or {"requests": {"cpu": "1", "memory": "2Gi"}},
         "volumeMounts": [
             {"name": "shm", "mountPath": "/dev/shm"},

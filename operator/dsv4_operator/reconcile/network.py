@@ -87,6 +87,21 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
                     "from": [{"podSelector": engines_sel}],
                     "ports": [{"protocol": "TCP", "port": kv_port}],
                 },
+                # Prometheus (any namespace) scrapes the engine's and the sidecar's /metrics
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {},
+                            "podSelector": {
+                                "matchLabels": {"app.kubernetes.io/name": "prometheus"}
+                            },
+                        }
+                    ],
+                    "ports": [
+                        {"protocol": "TCP", "port": names.ENGINE_PORT},
+                        {"protocol": "TCP", "port": kv_port + 2},
+                    ],
+                },
                 # collectives inside a multi-node instance (rendezvous, HCCL host sockets)
                 *(
                     {
