@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dsv4_kvtransfer.cli",
         "run the KV-transfer sidecar beside an engine (staging region, leases, peer pulls)",
     ),
+    "up": (
+        "dsv4_serving.up",
+        "run the local stack (gateway, prefill and decode engines with KV sidecars) until Ctrl-C",
+    ),
     "bench": (
         "dsv4_serving.bench.cli",
         "load an OpenAI-compatible server; report TTFT, TPOT, ITL, E2E, throughput, goodput",

@@ -1,0 +1,332 @@
+"""``dsv4 up``: the whole stack on this machine, on the built-in tiny model.
+
+A gateway on 127.0.0.1:8000, one prefill and one decode engine, each with its KV sidecar,
+started in dependency order, checked healthy, and stopped together on Ctrl-C (or when any of
+them dies: its log tail is printed). Process supervision only; every piece is the real command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="dsv4-tiny", help="preset or checkpoint directory (default dsv4-tiny)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
+    p.add_argument("--no-pd", action="store_true", help="one engine doing both, no sidecars")
+    p.add_argument(
+        "--kv-transport",
+        choices=["tcp", "shm"],
+        default="tcp",
+        help="how decode pulls KV (default tcp)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="dummy",
+        help="engine --load-format (default dummy: random weights)",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra engine argument (repeatable)",
+    )
+    p.add_argument(
+        "--log-dir", type=Path, default=None, help="where each process logs (default: a temp dir)"
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for everything to become healthy",
+    )
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    health_url: str
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return int(r.status) == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        ok = True
+        for k in range(n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", base + k))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
+    """The processes, in start order (sidecars, engines, gateway)."""
+    dsv4 = [sys.executable, "-m", "dsv4_serving.cli"]
+    token = run_dir / "kv-token"
+    token.write_text(secrets.token_urlsafe(32))
+    token.chmod(0o600)
+    engine = [
+        *dsv4,
+        "engine",
+        "--model",
+        args.model,
+        "--load-format",
+        args.load_format,
+        "--host",
+        "127.0.0.1",
+    ]
+    children: list[Child] = []
+    roles = (
+        [("engine", "both")]
+        if args.no_pd
+        else [*(("prefill", "prefill"),) * args.prefill, *(("decode", "decode"),) * args.decode]
+    )
+    gateway_args: list[str] = []
+    for i, (kind, role) in enumerate(roles):
+        name = (
+            f"{kind}-{i}"
+            if kind == "engine"
+            else f"{kind}-{sum(1 for k, _ in roles[:i] if k == kind)}"
+        )
+        if role == "both":
+            port = _free_ports(1)
+            children.append(
+                Child(
+                    name,
+                    [*engine, "--port", str(port), *args.engine_arg],
+                    f"http://127.0.0.1:{port}/health",
+                    run_dir / f"{name}.log",
+                )
+            )
+            gateway_args += ["--engine", f"http://127.0.0.1:{port}"]
+            continue
+        base = _free_ports(4)  # engine, sidecar peer, sidecar control (+1), sidecar metrics (+2)
+        port, kv = base, base + 1
+        children.append(
+            Child(
+                f"{name}-sidecar",
+                [
+                    *dsv4,
+                    "kv-sidecar",
+                    "--transport",
+                    args.kv_transport,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(kv),
+                    "--control-port",
+                    str(kv + 1),
+                    "--metrics-port",
+                    str(kv + 2),
+                    "--metrics-host",
+                    "127.0.0.1",
+                    "--engine-url",
+                    f"http://127.0.0.1:{port}",
+                    "--auth-token-file",
+                    str(token),
+                    "--shm-name",
+                    f"dsv4-up-{os.getpid()}-{name}",
+                    "--staging-bytes",
+                    str(256 << 20),
+                ],
+                f"http://127.0.0.1:{kv + 2}/health",
+                run_dir / f"{name}-sidecar.log",
+            )
+        )
+        children.append(
+            Child(
+                name,
+                [
+                    *engine,
+                    "--role",
+                    role,
+                    "--port",
+                    str(port),
+                    "--kv-sidecar",
+                    f"http://127.0.0.1:{kv + 1}",
+                    *args.engine_arg,
+                ],
+                f"http://127.0.0.1:{port}/health",
+                run_dir / f"{name}.log",
+            )
+        )
+        gateway_args += [f"--{role}", f"http://127.0.0.1:{port}"]
+    children.append(
+        Child(
+            "gateway",
+            [
+                *dsv4,
+                "gateway",
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--log-level",
+                "warning",
+                *gateway_args,
+            ],
+            f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/health",
+            run_dir / "gateway.log",
+        )
+    )
+    return children
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if value < 1:
+            raise SystemExit(f"dsv4 up: error: {flag} must be >= 1, got {value}")
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"dsv4 up: error: --port must be in 1..65535, got {args.port}")
+    if not _port_free(args.host, args.port):
+        raise SystemExit(
+            f"dsv4 up: error: {args.host}:{args.port} is in use; pick another with --port"
+        )
+    run_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-up-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    children = plan(args, run_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def shutdown(code: int) -> int:
+        print("stopping ...", flush=True)
+        for child in reversed(children):
+            child.stop()
+        print("stopped.", flush=True)
+        return code
+
+    print(f"starting {len(children)} processes (logs in {run_dir}) ...", flush=True)
+    deadline = time.monotonic() + args.startup_timeout
+    # sidecars first, engines next (they load in parallel), the gateway last
+    for group in (
+        [c for c in children if c.name.endswith("sidecar")],
+        [c for c in children if not c.name.endswith("sidecar") and c.name != "gateway"],
+        [c for c in children if c.name == "gateway"],
+    ):
+        for c in group:
+            c.start()
+        pending = list(group)
+        while pending:
+            if stop.is_set():
+                return shutdown(130)
+            for c in list(pending):
+                if not c.alive():
+                    print(
+                        f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
+                        file=sys.stderr,
+                    )
+                    return shutdown(1)
+                if c.healthy():
+                    print(f"  {c.name} ready", flush=True)
+                    pending.remove(c)
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                print(
+                    f"\n{names} not healthy after {args.startup_timeout:.0f}s; last log lines:\n"
+                    + "\n".join(c.tail(15) for c in pending),
+                    file=sys.stderr,
+                )
+                return shutdown(1)
+            time.sleep(0.3)
+
+    url = f"http://{args.host}:{args.port}"
+    model = Path(args.model).name if os.sep in args.model else args.model
+    print(
+        f"\ndsv4 is up: {url}  (model {model}; {'one engine' if args.no_pd else f'{args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport}'})\n\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f'       -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'\n\n'
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
+    while not stop.wait(1.0):
+        for c in children:
+            if not c.alive():
+                print(
+                    f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
+                    file=sys.stderr,
+                )
+                return shutdown(1)
+    return shutdown(0)
