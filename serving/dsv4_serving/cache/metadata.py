@@ -50,6 +50,11 @@ class AttentionMetadata:
         idx = [q - 1 for q in self.query_start_loc[1:]]
         return torch.tensor(idx, dtype=torch.long, device=self.positions.device)
 
+    def query_start_loc_tensor(self, seqs: Sequence[int]) -> torch.Tensor:
+        """Flat index of the first token of each of ``seqs``."""
+        idx = [self.query_start_loc[i] for i in seqs]
+        return torch.tensor(idx, dtype=torch.long, device=self.positions.device)
+
     @classmethod
     def build(
         cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu"

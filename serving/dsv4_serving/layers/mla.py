@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.paged import gather_entries, scatter_entries
+from dsv4_serving.cache.paged import gather_entries
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.rope import Rotary, rotate_halves, rotate_tail_interleaved
 from dsv4_serving.models.config import DeepseekV3Config
@@ -69,20 +69,60 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope].float(), w[:, self.nope :].float()
         q_lat = torch.einsum("thd,hdl->thl", q_nope.float(), w_uk)
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
+        # write every new latent first: one scatter into the flattened pool
+        bs, width = latent_cache.shape[1], latent_cache.shape[2]
+        flat = latent_cache.view(-1, width)
+        lens = torch.tensor(
+            [q1 - q0 for q0, q1 in zip(meta.query_start_loc[:-1], meta.query_start_loc[1:], strict=True)],
+            device=x.device,
+        )  # fmt: skip
+        seq_of = torch.repeat_interleave(torch.arange(meta.num_seqs, device=x.device), lens)
+        pos = meta.positions
+        slots = meta.block_tables[seq_of, pos // bs] * bs + pos % bs
+        flat[slots] = latent.to(flat.dtype)
+        single = [i for i in range(meta.num_seqs) if lens[i] == 1]
+        if single:
+            out[meta.query_start_loc_tensor(single)] = self._decode(
+                q_lat, q_pe, meta, single, flat, bs, w_uv
+            ).to(x.dtype)
         for i in range(meta.num_seqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             ctx, n = meta.context_lens[i], b - a
-            row = meta.block_tables[i]
-            pos = meta.positions[a:b]
-            scatter_entries(latent_cache, row, pos, latent[a:b])
-            lat = gather_entries(latent_cache, row, ctx + n).float()
+            if n == 1:
+                continue
+            lat = gather_entries(latent_cache, meta.block_tables[i], ctx + n).float()
             c_kv, kpe = lat[:, : self.kv_lora], lat[:, self.kv_lora :]
             s = torch.einsum("nhl,kl->hnk", q_lat[a:b], c_kv)
             s = s + torch.einsum("nhd,kd->hnk", q_pe[a:b].float(), kpe)
             kpos = torch.arange(ctx + n, device=x.device)
             s = s * self.scale
-            s = s.masked_fill(kpos[None, None, :] > pos[None, :, None], -torch.inf)
+            s = s.masked_fill(kpos[None, None, :] > pos[a:b][None, :, None], -torch.inf)
             p = s.softmax(dim=-1)
             o_lat = torch.einsum("hnk,kl->nhl", p, c_kv)
             out[a:b] = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).to(x.dtype)
         return self.wo(out.flatten(1))
+
+    def _decode(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        meta: AttentionMetadata,
+        seqs: list[int],
+        flat: torch.Tensor,
+        bs: int,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query per sequence, all sequences at once over their padded latents."""
+        dev = q_lat.device
+        rows = meta.query_start_loc_tensor(seqs)
+        klen = torch.tensor([meta.context_lens[i] + 1 for i in seqs], device=dev)
+        kpos = torch.arange(int(klen.max()), device=dev)
+        posc = torch.minimum(kpos[None, :], (klen - 1)[:, None])  # padding repeats the last row
+        table = meta.block_tables[torch.tensor(seqs, device=dev)]
+        lat = flat[table.gather(1, posc // bs) * bs + posc % bs].float()  # [B, K, W]
+        c_kv, kpe = lat[..., : self.kv_lora], lat[..., self.kv_lora :]
+        s = torch.einsum("bhl,bkl->bhk", q_lat[rows], c_kv)
+        s = s + torch.einsum("bhd,bkd->bhk", q_pe[rows].float(), kpe)
+        s = (s * self.scale).masked_fill(kpos[None, None, :] >= klen[:, None, None], -torch.inf)
+        o_lat = torch.einsum("bhk,bkl->bhl", s.softmax(dim=-1), c_kv)
+        return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)

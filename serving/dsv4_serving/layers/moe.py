@@ -41,26 +41,30 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [T, D], ``idx``/``weights`` [T, k] -> [T, D]."""
-        out = torch.zeros_like(x)
+        t, k = idx.shape
         flat_idx = idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
-        token_of = order // idx.shape[1]
+        token_of = order // k
         w_flat = weights.reshape(-1)[order]
+        # each (token, choice) pair's output in expert order, then back to [T, k] and summed
+        # over the k choices in a fixed order (no index_add_: slower on CPU, order-dependent)
+        ys = x.new_empty((t * k, x.shape[1]))
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            rows = token_of[start : start + c]
-            xs = x[rows]
+            xs = x[token_of[start : start + c]]
             gate, up = xs @ self.w1[e].t(), xs @ self.w3[e].t()
             if self.limit > 0:
                 gate = gate.clamp(max=self.limit)
                 up = up.clamp(min=-self.limit, max=self.limit)
             y = (F.silu(gate) * up) @ self.w2[e].t()
-            out.index_add_(0, rows, (y * w_flat[start : start + c, None]).to(out.dtype))
+            ys[start : start + c] = (y * w_flat[start : start + c, None]).to(ys.dtype)
             start += c
-        return out
+        unsorted = torch.empty_like(ys)
+        unsorted[order] = ys
+        return unsorted.view(t, k, -1).sum(dim=1)
 
 
 class V4Gate(nn.Module):
