@@ -154,6 +154,9 @@ def run_vllm(
 
     with tempfile.TemporaryDirectory(prefix="dsv4-vllm-") as d:
         model = write_preset(preset, Path(d) / preset)
+        cfg = json.loads((model / "config.json").read_text())
+        cfg.setdefault("hidden_act", "silu")  # DeepSeek's own configs carry it; vLLM reads it
+        (model / "config.json").write_text(json.dumps(cfg))
         script = Path(d) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
         args = {"model": str(model), "prompts": prompts, "output": output,
@@ -169,8 +172,14 @@ def run_vllm(
         for line in r.stdout.splitlines():
             if line.startswith("RESULT "):
                 return dict(json.loads(line[7:]))
-        tail = (r.stderr or r.stdout).strip().splitlines()[-6:]
-        return {"error": f"exit {r.returncode}: " + " | ".join(tail)}
+        lines = (r.stderr + r.stdout).strip().splitlines()
+        # the root cause, not the launcher's summary: the first error line vLLM printed
+        cause = [
+            x.strip() for x in lines
+            if ("Error:" in x or "Error(" in x) and "raise " not in x
+            and "Engine core initialization" not in x
+        ]  # fmt: skip
+        return {"error": f"exit {r.returncode}: " + " | ".join((cause or lines)[:2])[:400]}
 
 
 def main() -> None:
