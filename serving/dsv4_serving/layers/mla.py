@@ -67,7 +67,8 @@ class MLAttention(nn.Module):
         # instead of re-expanding every cached token through wkv_b at every step
         w = self.wkv_b.weight.view(h, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w[:, : self.nope].float(), w[:, self.nope :].float()
-        q_lat = torch.einsum("thd,hdl->thl", q_nope.float(), w_uk)
+        # [latent query | rope query] against [latent | rope key]: one product per score
+        q_lat = torch.cat((torch.einsum("thd,hdl->thl", q_nope.float(), w_uk), q_pe.float()), -1)
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
         # write every new latent first: one scatter into the flattened pool
         bs, width = latent_cache.shape[1], latent_cache.shape[2]
@@ -83,7 +84,7 @@ class MLAttention(nn.Module):
         single = [i for i in range(meta.num_seqs) if lens[i] == 1]
         if single:
             out[meta.query_start_loc_tensor(single)] = self._decode(
-                q_lat, q_pe, meta, single, flat, bs, w_uv
+                q_lat, meta, single, flat, bs, w_uv
             ).to(x.dtype)
         for i in range(meta.num_seqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -91,21 +92,18 @@ class MLAttention(nn.Module):
             if n == 1:
                 continue
             lat = gather_entries(latent_cache, meta.block_tables[i], ctx + n).float()
-            c_kv, kpe = lat[:, : self.kv_lora], lat[:, self.kv_lora :]
-            s = torch.einsum("nhl,kl->hnk", q_lat[a:b], c_kv)
-            s = s + torch.einsum("nhd,kd->hnk", q_pe[a:b].float(), kpe)
+            s = torch.einsum("nhl,kl->hnk", q_lat[a:b], lat)
             kpos = torch.arange(ctx + n, device=x.device)
             s = s * self.scale
             s = s.masked_fill(kpos[None, None, :] > pos[a:b][None, :, None], -torch.inf)
             p = s.softmax(dim=-1)
-            o_lat = torch.einsum("hnk,kl->nhl", p, c_kv)
+            o_lat = torch.einsum("hnk,kl->nhl", p, lat)[..., : self.kv_lora]
             out[a:b] = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).to(x.dtype)
         return self.wo(out.flatten(1))
 
     def _decode(
         self,
         q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
         meta: AttentionMetadata,
         seqs: list[int],
         flat: torch.Tensor,
@@ -120,9 +118,7 @@ class MLAttention(nn.Module):
         posc = torch.minimum(kpos[None, :], (klen - 1)[:, None])  # padding repeats the last row
         table = meta.block_tables[torch.tensor(seqs, device=dev)]
         lat = flat[table.gather(1, posc // bs) * bs + posc % bs].float()  # [B, K, W]
-        c_kv, kpe = lat[..., : self.kv_lora], lat[..., self.kv_lora :]
-        s = torch.einsum("bhl,bkl->bhk", q_lat[rows], c_kv)
-        s = s + torch.einsum("bhd,bkd->bhk", q_pe[rows].float(), kpe)
+        s = torch.bmm(q_lat[rows], lat.transpose(1, 2))
         s = (s * self.scale).masked_fill(kpos[None, None, :] >= klen[:, None, None], -torch.inf)
-        o_lat = torch.einsum("bhk,bkl->bhl", s.softmax(dim=-1), c_kv)
+        o_lat = torch.bmm(s.softmax(dim=-1), lat)[..., : self.kv_lora]
         return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
