@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,34 @@ class Proxy:
     def _fail(self, inst: Instance) -> None:
         mark_failure(inst, self.metrics, self.cfg.eject_after_failures)
 
+    def _attempts(self, role: Role, req: RouteRequest, tried: set[str]) -> Iterator[Choice]:
+        """Up to 1 + retries choices of ``role``, never the same instance twice."""
+        for attempt in range(self.cfg.retries + 1):
+            choice = self._choose(role, req, tried)
+            if choice is None:
+                return
+            tried.add(choice.instance.url)
+            if attempt:
+                self.metrics.retries.labels(role).inc()
+            self.metrics.routed.labels(role, choice.instance.url).inc()
+            yield choice
+
+    @staticmethod
+    def _exhausted(role: Role, tried: set[str], last: str, request_id: str) -> UpstreamFailed:
+        """503 when no instance could be tried, 502 when every one tried failed."""
+        if not tried:
+            return UpstreamFailed(
+                error(
+                    503,
+                    f"no healthy {role} instance",
+                    "service_unavailable",
+                    headers={"x-request-id": request_id},
+                )
+            )
+        return UpstreamFailed(
+            error(502, last, "upstream_error", headers={"x-request-id": request_id})
+        )
+
     # ---- stages --------------------------------------------------------------------------
 
     async def prefill(
@@ -113,18 +141,11 @@ class Proxy:
         """The prefill answer (JSON) and who gave it; retried on another instance on failure."""
         assert self.client is not None
         tried: set[str] = set()
-        last = "no healthy prefill instance"
-        for attempt in range(self.cfg.retries + 1):
-            choice = self._choose("prefill", req, tried)
-            if choice is None:
-                break
+        last = ""
+        for choice in self._attempts("prefill", req, tried):
             inst = choice.instance
-            tried.add(inst.url)
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
             routed = Routed(inst, choice.rank, req.prompt_tokens - choice.cached_tokens)
             inst.begin(routed.rank, routed.tokens)
-            self.metrics.routed.labels("prefill", inst.url).inc()
             try:
                 async with self.client.post(
                     inst.url + path,
@@ -155,15 +176,7 @@ class Proxy:
                 last = f"prefill on {inst.url} answered invalid JSON"
                 continue
             return answer, inst
-        status = 503 if not tried else 502
-        raise UpstreamFailed(
-            error(
-                status,
-                last,
-                "upstream_error" if tried else "service_unavailable",
-                headers={"x-request-id": request_id},
-            )
-        )
+        raise self._exhausted("prefill", tried, last, request_id)
 
     async def forward(
         self,
@@ -179,18 +192,11 @@ class Proxy:
         until the first byte. ``timer.done()`` runs once when the answer is finished or abandoned."""
         assert self.client is not None
         tried: set[str] = set()
-        last = f"no healthy {role} instance"
-        for attempt in range(self.cfg.retries + 1):
-            choice = self._choose(role, req, tried)
-            if choice is None:
-                break
+        last = ""
+        for choice in self._attempts(role, req, tried):
             inst = choice.instance
-            tried.add(inst.url)
-            if attempt:
-                self.metrics.retries.labels(role).inc()
             routed = Routed(inst, choice.rank, req.prompt_tokens)
             inst.begin(routed.rank, routed.tokens)
-            self.metrics.routed.labels(role, inst.url).inc()
             try:
                 resp = await asyncio.wait_for(
                     self.client.post(
@@ -242,15 +248,7 @@ class Proxy:
                 media_type=resp.headers.get("content-type", "text/event-stream"),
                 headers={"x-request-id": request_id, "cache-control": "no-cache"},
             )
-        status = 503 if not tried else 502
-        raise UpstreamFailed(
-            error(
-                status,
-                last,
-                "upstream_error" if tried else "service_unavailable",
-                headers={"x-request-id": request_id},
-            )
-        )
+        raise self._exhausted(role, tried, last, request_id)
 
     async def _relay(
         self, resp: aiohttp.ClientResponse, routed: Routed, inst: Instance, timer: RequestTimer
