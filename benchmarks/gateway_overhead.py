@@ -159,15 +159,10 @@ def main() -> int:
         decodes = [f"http://127.0.0.1:{ports[n]}" for n in ("d0", "d1")]
         for url in prefills + decodes:
             wait_http(f"{url}/health")
-        gw = [
-            "--prefill",
-            prefills[0],
-            "--prefill",
-            prefills[1],
-            "--decode",
-            decodes[0],
-            "--decode",
-            decodes[1],
+        # both routers take the same flags for their upstreams
+        upstreams = [
+            *(a for u in prefills for a in ("--prefill", u)),
+            *(a for u in decodes for a in ("--decode", u)),
         ]
         spawn(
             "gateway",
@@ -180,7 +175,7 @@ def main() -> int:
                 str(ports["gateway"]),
                 "--log-level",
                 "warning",
-                *gw,
+                *upstreams,
             ],
         )
         wait_http(f"http://127.0.0.1:{ports['gateway']}/health")
@@ -195,22 +190,12 @@ def main() -> int:
         )
         router = ensure_vllm_router()
         if router:
-            vr = [
-                "--prefill",
-                prefills[0],
-                "--prefill",
-                prefills[1],
-                "--decode",
-                decodes[0],
-                "--decode",
-                decodes[1],
-            ]
             spawn(
                 "vllm-router",
                 [
                     str(router),
                     "--vllm-pd-disaggregation",
-                    *vr,
+                    *upstreams,
                     "--host",
                     "127.0.0.1",
                     "--port",
