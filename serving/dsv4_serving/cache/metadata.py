@@ -21,6 +21,9 @@ class SeqChunk(NamedTuple):
     num_new: int  # tokens in this step
     block_ids: Sequence[int]  # paged blocks covering positions [0, context_len + num_new)
     state_slot: int  # row of the per-sequence state tensors (window ring, compressor state)
+    # (boundary, slot): also write the state as of position boundary - 1 into that slot, for
+    # boundaries inside this chunk (prefix caching of per-sequence state)
+    snapshots: Sequence[tuple[int, int]] = ()
 
 
 @dataclass(slots=True)
@@ -31,6 +34,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     num_blocks: list[int]  # B, blocks in use per sequence
     state_slots: list[int]  # B
+    snapshots: list[Sequence[tuple[int, int]]] | None = None  # B, or None when there are none
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +79,9 @@ class AttentionMetadata:
                     f"sequence at slot {c.state_slot} needs {need} blocks of {block_size} tokens "
                     f"for length {c.context_len + c.num_new}, has {len(c.block_ids)}"
                 )
+            for boundary, _ in c.snapshots:
+                if not c.context_len < boundary < c.context_len + c.num_new:
+                    raise ValueError(f"snapshot at {boundary} is not inside the chunk")
             qsl.append(qsl[-1] + c.num_new)
             pos.extend(range(c.context_len, c.context_len + c.num_new))
         width = max(1, max(len(c.block_ids) for c in chunks))
@@ -89,4 +96,5 @@ class AttentionMetadata:
             block_tables=table.to(device),
             num_blocks=[len(c.block_ids) for c in chunks],
             state_slots=slots,
+            snapshots=[c.snapshots for c in chunks] if any(c.snapshots for c in chunks) else None,
         )

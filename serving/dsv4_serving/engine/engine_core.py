@@ -78,7 +78,6 @@ class EngineCore:
                 max_model_len=lm.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 num_speculative_tokens=k,
-                align_chunks_to_blocks=caching and (has_state or k > 0),
             ),
             self.kv,
         )

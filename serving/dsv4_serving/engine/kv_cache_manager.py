@@ -7,12 +7,12 @@ Two kinds of cache memory, as the model layer defines them:
 Both are sized at start-up and freed on finish, abort and preemption.
 
 Prefix caching over a hybrid cache: paged blocks are shared by chained hash, but a sequence's
-state (window ring, unfinished compressor block) cannot be rebuilt from them. So when a request's
-computed length lands exactly on a block boundary, its state is snapshotted into a spare slot
-keyed by that boundary, and a later request can only hit prefixes whose boundary has a snapshot
-(the scheduler ends prefill chunks on block boundaries to make that the normal case). With MTP on,
-the draft layer's row at the boundary's last position depends on the token after the boundary,
-so the key includes that token. Snapshots are evicted LRU, independently of blocks.
+state (window ring, unfinished compressor block) cannot be rebuilt from them. So states are
+snapshotted into spare slots at block boundaries: boundaries inside a chunk are written by the
+model during the forward (``plan_snapshots``), a chunk ending exactly on a boundary is copied
+after the step. A later request can only hit prefixes whose boundary has a snapshot. With MTP
+on, the draft layer's row at the boundary's last position depends on the token after the
+boundary, so the key includes that token. Snapshots are evicted LRU, independently of blocks.
 """
 
 from __future__ import annotations
@@ -59,11 +59,14 @@ class KVCacheManager:
         self._free_snapshots = snap[::-1]
         self.num_snapshot_slots = len(snap)
         self._boundaries: OrderedDict[BoundaryKey, int | None] = OrderedDict()  # LRU first
-        self._boundary_capacity = self.num_snapshot_slots if has_state else 2 * num_blocks
+        self._boundary_capacity = 2 * num_blocks  # stateless models: keys only
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_slot: dict[str, int] = {}
         self._num_cached: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []  # (src slot, dst slot), in order
+        # boundaries being snapshotted by the step in flight: published after it ran
+        self._pending: dict[str, list[tuple[BoundaryKey, int | None]]] = {}
+        self._pending_keys: set[BoundaryKey] = set()
 
     @property
     def num_slots(self) -> int:
@@ -162,10 +165,36 @@ class KVCacheManager:
 
     # ---- after a step --------------------------------------------------------------------
 
+    def plan_snapshots(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """Boundaries strictly inside ``[start, end)`` (a chunk of known tokens) that have no
+        snapshot yet: (boundary, snapshot slot) for the model to write during the forward."""
+        if not (self.enable_caching and self._needs_boundary()):
+            return []
+        hashes = req.update_block_hashes(self.block_size)
+        out = []
+        for b in range(start // self.block_size + 1, -(-end // self.block_size)):
+            if b > len(hashes):
+                break
+            key = self._key(req, b)
+            if key is None or key in self._boundaries or key in self._pending_keys:
+                continue
+            slot = self._take_snapshot_slot() if self.has_state else None
+            if self.has_state and slot is None:
+                break
+            self._pending.setdefault(req.request_id, []).append((key, slot))
+            self._pending_keys.add(key)
+            if slot is not None:
+                out.append((b * self.block_size, slot))
+        return out
+
     def cache_blocks(self, req: Request) -> None:
-        """Publish the request's newly completed blocks; snapshot state at a block boundary."""
+        """Publish the request's newly completed blocks and the snapshots its step wrote; at a
+        block boundary reached exactly, snapshot its state slot."""
         if not self.enable_caching:
             return
+        for key, slot in self._pending.pop(req.request_id, []):
+            self._pending_keys.discard(key)
+            self._publish(key, slot)
         hashes = req.update_block_hashes(self.block_size)
         blocks = self.req_blocks[req.request_id]
         n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
@@ -179,23 +208,26 @@ class KVCacheManager:
             and req.num_computed_tokens == n_full * self.block_size
         ):
             key = self._key(req, n_full)
-            if key is not None and key not in self._boundaries:
-                self._add_boundary(key, self.req_slot[req.request_id])
+            if key is not None and key not in self._boundaries and key not in self._pending_keys:
+                slot = self._take_snapshot_slot() if self.has_state else None
+                if slot is not None:
+                    self._copies.append((self.req_slot[req.request_id], slot))
+                if slot is not None or not self.has_state:
+                    self._publish(key, slot)
 
-    def _add_boundary(self, key: BoundaryKey, seq_slot: int) -> None:
-        if self._boundary_capacity == 0:
-            return
-        snap: int | None = None
-        if self.has_state:
-            if self._free_snapshots:
-                snap = self._free_snapshots.pop()
-            else:
-                _, snap = self._boundaries.popitem(last=False)
-            assert snap is not None
-            self._copies.append((seq_slot, snap))
-        elif len(self._boundaries) >= self._boundary_capacity:
+    def _take_snapshot_slot(self) -> int | None:
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        while self._boundaries:
+            _, slot = self._boundaries.popitem(last=False)  # evict the least recently used
+            if slot is not None:
+                return slot
+        return None
+
+    def _publish(self, key: BoundaryKey, slot: int | None) -> None:
+        if not self.has_state and len(self._boundaries) >= self._boundary_capacity:
             self._boundaries.popitem(last=False)
-        self._boundaries[key] = snap
+        self._boundaries[key] = slot
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """State-slot copies (src, dst) the runner must do, in order, before the next forward."""
@@ -203,6 +235,10 @@ class KVCacheManager:
         return out
 
     def free(self, req: Request) -> None:
+        for key, slot in self._pending.pop(req.request_id, []):
+            self._pending_keys.discard(key)
+            if slot is not None:
+                self._free_snapshots.append(slot)
         blocks = self.req_blocks.pop(req.request_id, [])
         self.pool.free_blocks(reversed(blocks))
         self._num_cached.pop(req.request_id, None)

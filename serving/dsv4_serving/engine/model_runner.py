@@ -57,7 +57,9 @@ class ModelRunner:
         chunks = []
         for s in sched:
             ids.extend(s.token_ids)
-            chunks.append(SeqChunk(s.context_len, len(s.token_ids), s.block_ids, s.state_slot))
+            chunks.append(
+                SeqChunk(s.context_len, len(s.token_ids), s.block_ids, s.state_slot, s.snapshots)
+            )
         meta = AttentionMetadata.build(chunks, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.cache)
@@ -107,7 +109,9 @@ class ModelRunner:
             if last is None:  # cannot happen: a chunk that does not sample knows its next token
                 raise AssertionError(f"no next token for {s.request_id}")
             a = meta.query_start_loc[i]
-            chunks.append(SeqChunk(s.context_len, n, s.block_ids, s.state_slot))
+            # the MTP layer's state goes into the same snapshots (its rows are part of them)
+            snaps = s.snapshots if n == len(s.token_ids) else ()
+            chunks.append(SeqChunk(s.context_len, n, s.block_ids, s.state_slot, snaps))
             next_ids.extend(s.token_ids[1:n])
             next_ids.append(last)
             rows.extend(range(a, a + n))

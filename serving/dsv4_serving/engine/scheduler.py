@@ -26,8 +26,6 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
-    # end prefill chunks on block boundaries (so state snapshots can be taken there)
-    align_chunks_to_blocks: bool = False
 
 
 @dataclass(slots=True)
@@ -42,6 +40,7 @@ class ScheduledRequest:
     next_token: int | None  # token at context_len + len(token_ids) when known (prefill chunk)
     sampling_params: SamplingParams
     num_output_tokens: int  # before this step (for seeded sampling positions)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (boundary, slot) in-chunk
 
 
 @dataclass(slots=True)
@@ -128,16 +127,6 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _chunk(self, req: Request, start: int, num_new: int) -> int:
-        """With state snapshots, end a chunk of known tokens on its last block boundary (a
-        prompt's tail then runs as one more short chunk), so the state there can be saved."""
-        bs = self.kv.block_size
-        end = start + num_new
-        if not self.config.align_chunks_to_blocks or end > req.num_tokens or end % bs == 0:
-            return num_new
-        aligned = end // bs * bs - start
-        return aligned if aligned > 0 else num_new
-
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
@@ -151,7 +140,6 @@ class Scheduler:
             ctx = req.num_computed_tokens
             want = req.num_tokens + len(req.spec_token_ids) - ctx
             num_new = min(want, budget, cfg.max_model_len - ctx)
-            num_new = self._chunk(req, ctx, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -176,7 +164,7 @@ class Scheduler:
             num_new = req.num_tokens - computed.num_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = self._chunk(req, computed.num_tokens, min(num_new, budget))
+            num_new = min(num_new, budget)
             sample = computed.num_tokens + num_new >= req.num_tokens
             if not self.kv.allocate_slots(req, num_new, computed, k if sample else 0):
                 break
@@ -217,6 +205,7 @@ class Scheduler:
             next_token=req.all_token_ids[end] if end < req.num_tokens else None,
             sampling_params=req.sampling_params,
             num_output_tokens=req.num_output_tokens,
+            snapshots=self.kv.plan_snapshots(req, ctx, end) if not num_spec else [],
         )
 
     def update_from_output(

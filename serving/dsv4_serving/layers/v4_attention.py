@@ -12,6 +12,8 @@ low-rank projection mixes the heads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -170,12 +172,17 @@ class V4Attention(nn.Module):
         prev_pos = torch.arange(prev_start, ctx, device=dev)
         keys = torch.cat((cache.window[slot, prev_pos % ring], kv), dim=0)
         kpos = torch.cat((prev_pos, qpos))
+        snaps = meta.snapshots[i] if meta.snapshots else ()
+        for boundary, dst in snaps:
+            # the ring as it stood after position boundary - 1, for a later prefix-cache hit
+            ps = torch.arange(max(0, boundary - w_len + 1), boundary, device=dev)
+            cache.window[dst, ps % ring] = keys[ps - prev_start].to(cache.window.dtype)
         comp = idx_keys = None
         if self.compressor is not None:
             assert comp_proj is not None
             block_row = meta.block_tables[i]
             comp, idx_keys = self._compress_step(
-                i, a, b, ctx, n, slot, block_row, comp_proj, idx_proj, cache
+                i, a, b, ctx, n, slot, block_row, comp_proj, idx_proj, cache, snaps
             )
         self._write_window(cache, slot, ctx, kv)
 
@@ -236,6 +243,7 @@ class V4Attention(nn.Module):
         comp_proj: torch.Tensor,
         idx_proj: torch.Tensor | None,
         cache: V4LayerCache,
+        snaps: Sequence[tuple[int, int]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pool the blocks this step completes, store them, return all entries so far."""
         assert self.compressor is not None and cache.comp is not None
@@ -245,14 +253,14 @@ class V4Attention(nn.Module):
         n_win = total - first_w
         comp = self._advance(
             self.compressor, cache.comp, cache.comp_state, slot, block_row, ctx, n,
-            comp_proj[a:b], first_w, n_win, total,
+            comp_proj[a:b], first_w, n_win, total, snaps,
         )  # fmt: skip
         idx_keys = None
         if self.indexer is not None:
             assert idx_proj is not None and cache.index is not None
             idx_keys = self._advance(
                 self.indexer.compressor, cache.index, cache.index_state, slot, block_row, ctx,
-                n, idx_proj[a:b], first_w, n_win, total,
+                n, idx_proj[a:b], first_w, n_win, total, snaps,
             )  # fmt: skip
         return comp, idx_keys
 
@@ -269,6 +277,7 @@ class V4Attention(nn.Module):
         first_w: int,
         n_win: int,
         total: int,
+        snaps: Sequence[tuple[int, int]] = (),
     ) -> torch.Tensor:
         assert state is not None
         # the ring may be longer than the compressor needs (room for speculative rows)
@@ -277,6 +286,11 @@ class V4Attention(nn.Module):
         base = max(0, (first_w - 1) * r) if comp.overlap else first_w * r
         old_pos = torch.arange(base, ctx, device=dev)
         rows = torch.cat((state[slot, old_pos % s_len].to(proj.dtype), proj), dim=0)
+        for boundary, dst in snaps:
+            # the rows a step starting at ``boundary`` reads (none for HCA: blocks end there)
+            lo = max(0, (boundary // r - 1) * r) if comp.overlap else boundary // r * r
+            ps = torch.arange(lo, boundary, device=dev)
+            state[dst, ps % s_len] = rows[ps - base].to(state.dtype)
         if n_win > 0:
             pooled = comp.pool(rows, base, first_w, n_win, self.rotary_comp)
             scatter_entries(store, block_row, torch.arange(first_w, total, device=dev), pooled)

@@ -187,17 +187,23 @@ def test_prefix_hit_shares_blocks_and_skips_their_prefill() -> None:
 
 def test_prefix_hit_on_a_stateful_model_needs_a_snapshot_at_the_boundary() -> None:
     kv = KVCacheManager(32, BS, 2, enable_caching=True, has_state=True, num_snapshot_slots=2)
-    sched = Scheduler(SchedulerConfig(2, 6, 256, True, 0, align_chunks_to_blocks=True), kv)
+    sched = Scheduler(SchedulerConfig(2, 6, 256, True, 0), kv)
     shared = list(range(1, 13))
     add(sched, "a", [*shared, 50], 1)
     runner = FakeRunner()
     out = sched.schedule()
-    assert [len(s.token_ids) for s in out.scheduled] == [4]  # budget 6 aligned down to 4
+    (s,) = out.scheduled
+    # chunk 0-6: the model writes the state at boundary 4 into spare slot 2 during the forward
+    assert (len(s.token_ids), s.snapshots) == (6, [(4, 2)])
     sched.update_from_output(out, runner.execute(out))
-    drive(sched, runner)
-    # chunks ended at 4, 8, 12 (the tail 12-13 ran alone): snapshots of slot 0 went to the
-    # spare slots 2, 3, then 2 again (LRU)
-    assert [n for step in runner.steps for _, n in step] == [4, 4, 4, 1]
+    out = sched.schedule()
+    assert out.scheduled[0].snapshots == [(8, 3)]  # chunk 6-12: boundary 8 inside it
+    sched.update_from_output(out, runner.execute(out))
+    # the chunk ended exactly on 12: its slot is copied into the LRU snapshot slot (2, was 4)
+    out = sched.schedule()
+    assert out.state_copies == [(0, 2)] and len(out.scheduled[0].token_ids) == 1
+    sched.update_from_output(out, runner.execute(out))
+    assert not sched.has_unfinished_requests()
     add(sched, "b", [*shared, 60], 1)
     out = sched.schedule()
     (s,) = out.scheduled
