@@ -84,7 +84,7 @@ class MLAttention(nn.Module):
         single = [i for i in range(meta.num_seqs) if lens[i] == 1]
         if single:
             out[meta.query_start_loc_tensor(single)] = self._decode(
-                q_lat, meta, single, flat, bs, w_uv
+                q_lat, meta, single, latent_cache, bs, w_uv
             ).to(x.dtype)
         for i in range(meta.num_seqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -106,7 +106,7 @@ class MLAttention(nn.Module):
         q_lat: torch.Tensor,
         meta: AttentionMetadata,
         seqs: list[int],
-        flat: torch.Tensor,
+        pool: torch.Tensor,
         bs: int,
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
@@ -114,10 +114,11 @@ class MLAttention(nn.Module):
         dev = q_lat.device
         rows = meta.query_start_loc_tensor(seqs)
         klen = torch.tensor([meta.context_lens[i] + 1 for i in seqs], device=dev)
-        kpos = torch.arange(int(klen.max()), device=dev)
-        posc = torch.minimum(kpos[None, :], (klen - 1)[:, None])  # padding repeats the last row
-        table = meta.block_tables[torch.tensor(seqs, device=dev)]
-        lat = flat[table.gather(1, posc // bs) * bs + posc % bs].float()  # [B, K, W]
+        nb = -(-int(klen.max()) // bs)
+        # whole blocks (contiguous copies); rows past a sequence's length are masked below
+        table = meta.block_tables[torch.tensor(seqs, device=dev), :nb]
+        lat = torch.index_select(pool, 0, table.reshape(-1)).view(len(seqs), nb * bs, -1).float()
+        kpos = torch.arange(nb * bs, device=dev)
         s = torch.bmm(q_lat[rows], lat.transpose(1, 2))
         s = (s * self.scale).masked_fill(kpos[None, None, :] >= klen[:, None, None], -torch.inf)
         o_lat = torch.bmm(s.softmax(dim=-1), lat)[..., : self.kv_lora]
