@@ -205,6 +205,18 @@ def _kv_transfer() -> Schema:
                 minimum=1,
                 maximum=3600,
             ),
+            "failurePolicy": string(
+                "What decode does when a KV pull fails or times out: recompute the prompt locally, "
+                "or fail the request with a clear error.",
+                default="recompute",
+                enum=["recompute", "fail"],
+            ),
+            "pullTimeoutSeconds": integer(
+                "How long decode waits for a KV pull before the failure policy applies.",
+                default=30,
+                minimum=1,
+                maximum=3600,
+            ),
             "sidecarImage": string("KV sidecar image; default the engine image.", max_length=512),
             "sidecarResources": resources("CPU/memory for the KV sidecar container."),
         },

@@ -71,6 +71,15 @@ def engine_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         "--device",
         "npu" if role.on_npu else "cpu",
     ]
+    cmd += [
+        # the sidecar's control API listens on 127.0.0.1 at the KV port + 1 (same pod)
+        "--kv-sidecar",
+        f"http://127.0.0.1:{int(spec.kv['port']) + 1}",
+        "--kv-failure-policy",
+        str(spec.kv["failurePolicy"]),
+        "--kv-pull-timeout",
+        str(spec.kv["pullTimeoutSeconds"]),
+    ]
     if role.on_npu:
         cmd += ["--rank-table", "$(RANK_TABLE_FILE)"]
     return cmd + role.engine_args

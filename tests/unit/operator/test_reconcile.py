@@ -81,6 +81,8 @@ def test_multi_node_instance_statefulset(npu_spec: DeploymentSpec) -> None:
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
     assert cmd[cmd.index("--data-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--role") + 1] == "prefill"
+    assert cmd[cmd.index("--kv-sidecar") + 1] == "http://127.0.0.1:14580"
+    assert cmd[cmd.index("--kv-failure-policy") + 1] == "recompute"
     env = {e["name"]: e for e in engine["env"]}
     assert env["DSV4_MASTER_ADDR"]["value"] == "v4-prefill-1-0.v4-prefill"
     assert env["RANK_TABLE_FILE"]["value"] == "/etc/dsv4/ranktable/hccl.json"
