@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,26 +24,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.gateway.vllm_router import ROUTER_VERSION, ensure_vllm_router  # noqa: E402
+
 from dsv4_operator.devcluster.process import ManagedProcess, free_port  # noqa: E402
-
-ROUTER_VENV = Path.home() / ".cache" / "dsv4" / "vllm-router-venv"
-ROUTER_VERSION = "0.1.17"
-
-
-def ensure_vllm_router() -> Path | None:
-    exe = ROUTER_VENV / "bin" / "vllm-router"
-    if exe.exists():
-        return exe
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(ROUTER_VENV)], check=True)
-        subprocess.run(
-            [str(ROUTER_VENV / "bin" / "pip"), "install", "-q", f"vllm-router=={ROUTER_VERSION}"],
-            check=True,
-        )
-    except subprocess.CalledProcessError as e:
-        print(f"vllm-router could not be installed ({e}); comparing without it", file=sys.stderr)
-        return None
-    return exe if exe.exists() else None
 
 
 def wait_http(url: str, timeout_s: float = 60) -> None:

@@ -120,3 +120,31 @@ def routed_counts(gateway_url: str) -> dict[str, float]:
             if s.name == "dsv4_gateway_routed_total":
                 out[s.labels["instance"]] = out.get(s.labels["instance"], 0.0) + s.value
     return out
+
+
+class SidecarService(Service):
+    """`dsv4 kv-sidecar` for an engine; healthy when its metrics listener answers /health."""
+
+    def __init__(self, name: str, engine_port: int, token_file: Path) -> None:
+        base = free_port()
+        self.kv_port, self.control_port, self.metrics_port = base, free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.metrics_port}"
+        self.port = self.metrics_port
+        argv = [
+            sys.executable, "-m", "dsv4_serving.cli", "kv-sidecar", "--transport", "tcp",
+            "--host", "127.0.0.1", "--port", str(self.kv_port), "--control-port", str(self.control_port),
+            "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
+            "--engine-url", f"http://127.0.0.1:{engine_port}", "--auth-token-file", str(token_file),
+            "--shm-name", f"dsv4-test-{name}-{base}", "--staging-bytes", str(64 << 20),
+        ]  # fmt: skip
+        self.proc = ManagedProcess(name, argv, LOG_DIR / f"{name}-{base}.log")
+
+
+def pd_pair(
+    name: str, role: str, token_file: Path, *engine_args: str
+) -> tuple[SidecarService, Service]:
+    """A sidecar and its engine (not started)."""
+    eng = engine(name, "--role", role, *engine_args)
+    side = SidecarService(f"{name}-sidecar", eng.port, token_file)
+    eng.proc.argv += ["--kv-sidecar", f"http://127.0.0.1:{side.control_port}"]
+    return side, eng
