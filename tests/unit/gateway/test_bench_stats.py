@@ -16,8 +16,12 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 def test_summary_counts_tpot_goodput_and_failures() -> None:
     recs = [
-        RequestRecord(ok=True, prompt_tokens=10, output_tokens=11, ttft=0.1, e2e=1.1, itl=[0.1] * 10),  # tpot 0.1
-        RequestRecord(ok=True, prompt_tokens=10, output_tokens=11, ttft=0.5, e2e=0.7, itl=[0.02] * 10),  # tpot 0.02
+        RequestRecord(
+            ok=True, prompt_tokens=10, output_tokens=11, ttft=0.1, e2e=1.1, itl=[0.1] * 10
+        ),  # tpot 0.1
+        RequestRecord(
+            ok=True, prompt_tokens=10, output_tokens=11, ttft=0.5, e2e=0.7, itl=[0.02] * 10
+        ),  # tpot 0.02
         RequestRecord(ok=True, prompt_tokens=10, output_tokens=1, ttft=0.05, e2e=0.05),  # no tpot
         RequestRecord(ok=False, error="HTTP 503: x"),
     ]
