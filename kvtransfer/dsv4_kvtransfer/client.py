@@ -208,7 +208,10 @@ class SidecarClient:
         engine_meta: Mapping[str, Any] | None = None,
         engine_id: str | None = None,
         lease_seconds: float | None = None,
+        params_extra: Mapping[str, Any] | None = None,
     ) -> Reservation:
+        """An extent for ``buffers``. ``params_extra``: fields to add to the ``kv_transfer_params``
+        that ``commit_export`` returns (what the decode side checks before it pulls)."""
         body: dict[str, Any] = {
             "request_id": request_id,
             "buffers": [b.to_dict() for b in buffers],
@@ -222,6 +225,8 @@ class SidecarClient:
             body["engine_id"] = engine_id
         if lease_seconds is not None:
             body["lease_seconds"] = lease_seconds
+        if params_extra:
+            body["params_extra"] = dict(params_extra)
         r = self.request("POST", "/v1/exports", body)
         self.region(str(r["shm_tag"]))
         return Reservation(
@@ -279,6 +284,11 @@ class SidecarClient:
                 return done
             if left <= 0:
                 raise PullFailed("timeout", f"pull {pull_id} still pending after {timeout_s}s")
+
+    def pull_result(self, st: Mapping[str, Any]) -> PulledKV | None:
+        """For a status from ``pull_status``/``start_pull_status``: the KV when done,
+        ``PullFailed`` when failed or expired, ``None`` while pending."""
+        return self._finish(st)
 
     def _finish(self, st: Mapping[str, Any]) -> PulledKV | None:
         """A finished pull's KV, ``PullFailed`` for a failed one, ``None`` while pending."""

@@ -234,6 +234,17 @@ class Sidecar:
             raise ApiError(400, "bad_request", "engine_meta must be an object")
         if len(json.dumps(engine_meta)) > MAX_ENGINE_META_JSON:
             raise ApiError(400, "bad_request", f"engine_meta is over {MAX_ENGINE_META_JSON} bytes")
+        # fields the engine wants in kv_transfer_params (e.g. what the decode side must check
+        # before pulling); the protocol's own fields cannot be overridden
+        params_extra = body.get("params_extra", {})
+        if not isinstance(params_extra, dict) or any(
+            not isinstance(k, str) or k in RemotePrefillParams.KNOWN for k in params_extra
+        ):
+            raise ApiError(
+                400, "bad_request", "params_extra must be an object of non-protocol fields"
+            )
+        if len(json.dumps(params_extra)) > MAX_ENGINE_META_JSON:
+            raise ApiError(400, "bad_request", f"params_extra is over {MAX_ENGINE_META_JSON} bytes")
         return {
             "request_id": request_id,
             "engine_id": engine_id,
@@ -242,6 +253,7 @@ class Sidecar:
             "state_slot": _opt_int(body, "state_slot"),
             "cache_groups": groups,
             "engine_meta": engine_meta,
+            "params_extra": params_extra,
         }
 
     def commit_export(self, tid: str) -> dict[str, Any]:
@@ -269,6 +281,7 @@ class Sidecar:
                 remote_total_bytes=exp.layout.total_bytes,
                 remote_state_slot=m["state_slot"],
                 remote_cache_groups=dict(m["cache_groups"]),
+                extra=dict(m.get("params_extra") or {}),
             )
         return {"transfer_id": tid, "kv_transfer_params": params.to_dict()}
 

@@ -17,9 +17,27 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_pd_roles_fail_clearly_until_the_connector_exists() -> None:
+def test_pd_roles_without_a_sidecar_fail_clearly() -> None:
     r = _run("--model", "dsv4-tiny", "--role", "prefill")
-    assert r.returncode == 2 and "KV connector" in r.stderr
+    assert r.returncode == 2 and "--role prefill needs --kv-sidecar URL" in r.stderr
+
+
+def test_an_unreachable_sidecar_fails_the_start_clearly() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _run("--model", "dsv4-tiny", "--role", "decode", "--kv-sidecar",
+             f"http://127.0.0.1:{port}", "--kv-sidecar-wait", "0.3")  # fmt: skip
+    assert r.returncode == 2
+    assert f"KV sidecar at --kv-sidecar http://127.0.0.1:{port} does not answer" in r.stderr
+
+
+def test_a_bad_failure_policy_is_refused() -> None:
+    r = _run("--model", "dsv4-tiny", "--role", "decode", "--kv-sidecar", "http://x:1",
+             "--kv-failure-policy", "retry")  # fmt: skip
+    assert r.returncode == 2 and "invalid choice: 'retry'" in r.stderr
 
 
 def test_parallel_sizes_on_cpu_fail_fast() -> None:

@@ -49,6 +49,12 @@ class MLAKVCache:
     def state_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def named_paged_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return [(f"layers.{i}.latent", "latent", t) for i, t in enumerate(self.latent)]
+
+    def named_state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return []
+
     def copy_slot(self, src: int, dst: int) -> None:
         pass  # no per-sequence state
 

@@ -101,6 +101,26 @@ class V4KVCache:
         return [t for lc in self.layers for t in (lc.window, lc.comp_state, lc.index_state)
                 if t is not None]  # fmt: skip
 
+    def named_paged_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``paged_tensors`` as (name, cache group, tensor), for KV export and import."""
+        out = []
+        for i, lc in enumerate(self.layers):
+            if lc.comp is not None:
+                out.append((f"layers.{i}.comp", f"comp{lc.ratio}", lc.comp))
+            if lc.index is not None:
+                out.append((f"layers.{i}.index", "index", lc.index))
+        return out
+
+    def named_state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``state_tensors`` as (name, cache group, tensor), for KV export and import."""
+        out = []
+        for i, lc in enumerate(self.layers):
+            for name, t in (("window", lc.window), ("comp_state", lc.comp_state),
+                            ("index_state", lc.index_state)):  # fmt: skip
+                if t is not None:
+                    out.append((f"layers.{i}.{name}", name, t))
+        return out
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one sequence's state rows (snapshot for prefix caching, or restore one)."""
         for t in self.state_tensors():

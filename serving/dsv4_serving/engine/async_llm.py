@@ -35,6 +35,14 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class KVTransferError(RuntimeError):
+    """A PD request's KV could not be exported (prefill) or pulled (decode, policy fail)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One increment of a request, as the API layer streams it."""
@@ -49,6 +57,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's, for the remote decode
 
 
 @dataclass(slots=True)
@@ -160,14 +169,21 @@ class AsyncLLM:
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Increments until the request finishes; closing the iterator early aborts it."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
         st = _State(len(prompt_token_ids), params, IncrementalDetokenizer(self.tokenizer))
         self._states[request_id] = st
-        self._in.put(("add", EngineCoreRequest(request_id, list(prompt_token_ids), params)))
+        req = EngineCoreRequest(
+            request_id, list(prompt_token_ids), params, kv_transfer_params=kv_transfer_params
+        )
+        self._in.put(("add", req))
         try:
             while True:
                 item = await st.q.get()
@@ -217,6 +233,12 @@ class AsyncLLM:
         if st is None:
             return  # aborted here already
         now = time.monotonic()
+        if o.error is not None:
+            st.finished = True
+            del self._states[o.request_id]
+            self.on_event("kv_error", reason=o.error[0])
+            st.q.put_nowait(KVTransferError(*o.error))
+            return
         if st.last_token is None:
             self.on_event("first_token", seconds=now - st.arrival, prompt_tokens=st.prompt_len)
         else:
@@ -247,6 +269,7 @@ class AsyncLLM:
             finished=finish is not None,
             finish_reason=finish,
             stop_reason=stop_reason,
+            kv_transfer_params=o.kv_transfer_params,
         )
         if finish is not None:
             st.finished = True

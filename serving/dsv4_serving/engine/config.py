@@ -9,6 +9,7 @@ from typing import Any, Literal
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+KVFailurePolicy = Literal["fail", "recompute"]
 
 
 class ConfigError(ValueError):
@@ -22,7 +23,19 @@ class EngineConfig:
     served_model_name: str | None = None
     """The name clients use in ``model``; defaults to ``model``."""
     role: Role = "both"
-    """Prefill/decode disaggregation role; only ``both`` exists until the PD connector lands."""
+    """Prefill/decode disaggregation role: ``prefill`` computes prompts for remote decodes,
+    ``decode`` continues from KV pulled from a prefill engine, ``both`` serves whole requests
+    (and PD requests of either kind when it has a sidecar)."""
+    kv_sidecar: str | None = None
+    """The local ``dsv4 kv-sidecar``'s control API (http://127.0.0.1:14580); required for
+    ``prefill`` and ``decode``."""
+    kv_failure_policy: KVFailurePolicy = "recompute"
+    """Decode, when a pull fails or times out: ``fail`` the request (HTTP 503 naming the
+    reason) or ``recompute`` its prompt locally."""
+    kv_pull_timeout: float = 30.0
+    """Seconds a decode request waits for its KV before the failure policy applies."""
+    kv_sidecar_wait: float = 10.0
+    """Seconds to wait at start-up for the sidecar to answer before giving up."""
     device: str = "auto"
     """cpu | cuda | npu | auto."""
     dtype: DType = "auto"
@@ -80,6 +93,21 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.role != "both" and not self.kv_sidecar:
+            raise ConfigError(
+                f"--role {self.role} needs --kv-sidecar URL: the control API of the local "
+                "`dsv4 kv-sidecar` (e.g. http://127.0.0.1:14580)"
+            )
+        if self.kv_sidecar and not self.kv_sidecar.startswith(("http://", "unix:")):
+            raise ConfigError(f"--kv-sidecar must be an http:// URL, got {self.kv_sidecar!r}")
+        if self.kv_failure_policy not in ("fail", "recompute"):
+            raise ConfigError(
+                f"kv_failure_policy must be fail or recompute, got {self.kv_failure_policy!r}"
+            )
+        if not 0 < self.kv_pull_timeout <= 3600:
+            raise ConfigError(f"kv_pull_timeout must be in (0, 3600], got {self.kv_pull_timeout}")
+        if self.kv_sidecar_wait < 0:
+            raise ConfigError("kv_sidecar_wait must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
 

@@ -15,11 +15,14 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.kv_connector.compat import KVCompat
+from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
+from dsv4_serving.engine.kv_connector.validation import check_kv_request
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
@@ -37,18 +40,17 @@ class EngineInfo:
     num_kv_blocks: int
     num_speculative_tokens: int
     architecture: str
+    kv_dtype: str = "float32"
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
         from dsv4_serving.engine.model_loader import load_model, num_kv_blocks
         from dsv4_serving.engine.model_runner import ModelRunner
 
-        if config.role != "both":
-            raise ConfigError(
-                f"role {config.role!r} needs the prefill/decode KV connector, which this engine "
-                "does not have yet; run with --role both"
-            )
+        if config.role != "both" and not config.kv_sidecar:
+            raise ConfigError(f"role {config.role!r} needs --kv-sidecar URL (the local sidecar)")
         self.config = config
         lm = load_model(config)
         k = config.num_speculative_tokens
@@ -71,6 +73,9 @@ class EngineCore:
             n_blocks, lm.block_size, config.max_num_seqs, caching, has_state, snaps,
             key_next_token=k > 0,
         )  # fmt: skip
+        self.kv_scheduler: SidecarConnectorScheduler | None = None
+        if config.kv_sidecar:
+            self.kv_scheduler = SidecarConnectorScheduler(config.kv_failure_policy)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -80,8 +85,19 @@ class EngineCore:
                 num_speculative_tokens=k,
             ),
             self.kv,
+            self.kv_scheduler,
         )
         self.runner = ModelRunner(lm, n_blocks, self.kv.num_slots, k, config.seed)
+        self.kv_worker: Any = None  # SidecarConnectorWorker (imports torch)
+        if config.kv_sidecar and self.kv_scheduler is not None:
+            self.kv_worker = SidecarConnectorWorker(
+                config.kv_sidecar,
+                KVCompat(lm.hf_config["architectures"][0], lm.block_size, k,
+                         str(lm.dtype).removeprefix("torch.")),
+                self.kv_scheduler.stats,
+                config.kv_pull_timeout,
+            )  # fmt: skip
+            self.kv_worker.register_kv_caches(self.runner.cache)
         eos = lm.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.info = EngineInfo(
@@ -92,6 +108,7 @@ class EngineCore:
             num_kv_blocks=n_blocks,
             num_speculative_tokens=k,
             architecture=lm.hf_config["architectures"][0],
+            kv_dtype=str(lm.dtype).removeprefix("torch."),
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -106,7 +123,16 @@ class EngineCore:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.info.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.info.vocab_size}): {bad[:5]}")
+        p = req.kv_transfer_params
+        if p and (p.get("do_remote_decode") or p.get("do_remote_prefill")):
+            check_kv_request(self.config.role, self.kv_worker is not None, p)
+            if p.get("do_remote_decode"):
+                # the export is the prompt's KV: the prefill stops at the first token
+                sp = req.sampling_params
+                req.sampling_params = replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1))
         self.scheduler.add_request(Request(req, self.eos_token_id))
+
+    last_step_idle = False
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         return self.scheduler.abort_requests(request_ids)
@@ -115,9 +141,34 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        w = self.kv_worker
+        if w is not None:
+            self._sync_kv(w)  # cancels of aborted loads first, then what finished
+            self.scheduler.update_from_connector(w.get_finished())
         out = self.scheduler.schedule()
+        if w is not None:
+            self._sync_kv(w)  # start the pulls of requests parked just now
         results = self.runner.execute(out)
-        return self.scheduler.update_from_output(out, results)
+        outputs = self.scheduler.update_from_output(out, results)
+        if w is not None and self.kv_scheduler is not None:
+            saves = self.kv_scheduler.take_saves()
+            if saves:
+                self.scheduler.saves_done(w.save_kv(saves), outputs)
+            self.last_step_idle = not out.scheduled and not outputs
+        return outputs
+
+    def _sync_kv(self, w: Any) -> None:
+        assert self.kv_scheduler is not None
+        w.start_load_kv(self.kv_scheduler.build_connector_meta())
+
+    def wait_for_kv(self, timeout_s: float) -> None:
+        """Nothing ran last step (every request waits for its KV): sleep until a pull ends."""
+        if self.kv_worker is not None:
+            self.kv_worker.wait_for_event(timeout_s)
+
+    def close(self) -> None:
+        if self.kv_worker is not None:
+            self.kv_worker.close()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.snapshot_stats()
@@ -134,6 +185,13 @@ def run_engine_core(config: EngineConfig, in_q: Any, out_q: Any) -> None:
         log.debug("engine core failed to start:\n%s", traceback.format_exc())
         return
     out_q.put(("ready", core.info))
+    try:
+        _loop(core, in_q, out_q, parent)
+    finally:
+        core.close()
+
+
+def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
     stats_due = True
     while True:
         msgs = []
@@ -160,6 +218,9 @@ def run_engine_core(config: EngineConfig, in_q: Any, out_q: Any) -> None:
             t = time.perf_counter()
             outputs = core.step()
             log.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t), len(outputs))
+            if core.last_step_idle and not stats_due:
+                core.wait_for_kv(0.02)  # only parked requests: no busy loop, no message flood
+                continue
             out_q.put(("outputs", outputs, core.stats()))
             stats_due = False
         elif stats_due:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from dsv4_serving.engine.prefix_hash import BlockHash, hash_block_tokens
 from dsv4_serving.engine.sampling_params import SamplingParams
@@ -12,11 +13,13 @@ from dsv4_serving.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, its KV being pulled
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model length
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. its remote KV could not be had (failure policy fail)
 
     @property
     def finished(self) -> bool:
@@ -24,6 +27,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -35,6 +39,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's PD protocol, as the client sent it
 
 
 @dataclass(slots=True)
@@ -54,6 +59,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    kv_transfer_params: dict[str, Any] | None = None  # prefill for a remote decode: where its KV is
+    error: tuple[str, str] | None = None  # (reason, message) of finish_reason "error"
 
 
 class Request:
@@ -65,6 +72,8 @@ class Request:
         "arrival_time",
         "block_hashes",
         "eos_token_id",
+        "kv_load_failed",
+        "kv_transfer_params",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -91,6 +100,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._hashed_tokens = 0
         self.stop_token_id: int | None = None
+        self.kv_transfer_params = req.kv_transfer_params
+        self.kv_load_failed = False  # its remote KV could not be had: computed locally
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
+from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, KVLoadFailure
+from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
 from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
 
@@ -73,16 +76,27 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     num_preemptions: int = 0
+    kv_transfer: KVConnectorStats | None = None  # with a KV connector (PD roles)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # blocks + slot allocated, KV on its way from a prefill engine: never scheduled
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        self._saving: dict[str, Request] = {}  # finished, blocks kept until their KV is saved
         self._finished_ids: list[str] = []
+        self._extra_outputs: list[EngineCoreOutput] = []  # produced outside a forward
         self.stats = SchedulerStats(num_total_blocks=kv.pool.num_blocks)
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -101,6 +115,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_for_remote_kv[rid]
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -112,9 +128,78 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
-        del self.requests[req.request_id]
-        self._finished_ids.append(req.request_id)
+        rid = req.request_id
+        if self.connector is not None and self.connector.request_finished(
+            req, status, self.kv.block_ids(rid), self.kv.req_slot.get(rid)
+        ):
+            self._saving[rid] = req  # freed by saves_done, in this same engine step
+        else:
+            self.kv.free(req)
+        del self.requests[rid]
+        self._finished_ids.append(rid)
+
+    # ---- the KV connector (PD) ----------------------------------------------------------------
+
+    def update_from_connector(self, out: KVConnectorOutput) -> None:
+        """Loads the worker side finished: the KV is in the request's blocks and slot."""
+        if self.connector is None:
+            return
+        self.connector.update_connector_output(out)
+        for rid in out.loaded:
+            req = self.waiting_for_remote_kv.pop(rid, None)
+            if req is None:
+                continue
+            # every prompt token's KV is there; the last one is computed again for its logits
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = 0
+            req.status = RequestStatus.RUNNING
+            req.kv_transfer_params = None  # a local request from now on (e.g. if preempted)
+            self.running.append(req)
+            self.kv.cache_blocks(req)
+        for rid, failure in out.failed.items():
+            req = self.waiting_for_remote_kv.pop(rid, None)
+            if req is not None:
+                self._load_failed(req, failure)
+
+    def _load_failed(self, req: Request, failure: KVLoadFailure) -> None:
+        assert self.connector is not None
+        if self.connector.on_load_failed(req, failure):
+            # prefill it here instead: nothing was written to its blocks, start from scratch
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+            return
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        self._extra_outputs.append(
+            EngineCoreOutput(req.request_id, [], finish_reason="error",
+                             error=(failure.reason, failure.message))
+        )  # fmt: skip
+
+    def saves_done(
+        self, results: dict[str, dict[str, object] | KVLoadFailure], outputs: list[EngineCoreOutput]
+    ) -> None:
+        """The worker side saved (or failed to save) the KV of finished prefills: free their
+        blocks and put the ``kv_transfer_params`` (or the error) into their last output."""
+        by_id = {o.request_id: o for o in outputs}
+        for rid, res in results.items():
+            req = self._saving.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+            o = by_id.get(rid)
+            if o is None:
+                continue
+            if isinstance(res, KVLoadFailure):
+                o.error = (res.reason, res.message)
+            else:
+                o.kv_transfer_params = dict(res)
+        for rid in [r for r in self._saving if r not in results]:  # never left behind
+            self.kv.free(self._saving.pop(rid))
+
+    def take_extra_outputs(self) -> list[EngineCoreOutput]:
+        out, self._extra_outputs = self._extra_outputs, []
+        return out
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -157,9 +242,18 @@ class Scheduler:
                 i += 1
 
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.waiting_for_remote_kv) < cfg.max_num_seqs
         ):
             req = self.waiting[0]
+            if self.connector is not None:
+                parked = self._park_for_remote_kv(req)
+                if parked:
+                    continue
+                if parked is not None:
+                    break  # its blocks cannot be had yet: FCFS, it stays first in line
             computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - computed.num_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -187,6 +281,24 @@ class Scheduler:
             finished_ids=finished,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
+
+    def _park_for_remote_kv(self, req: Request) -> bool | None:
+        """A request whose prompt KV comes from a prefill engine gets blocks for its whole
+        prompt (+ lookahead) and a slot, then waits parked until the KV is in them: True.
+        False: such a request whose blocks cannot be had now; None: a local request."""
+        assert self.connector is not None
+        if self.connector.get_num_new_matched_tokens(req) is None:
+            return None
+        if not self.kv.allocate_slots(
+            req, req.num_tokens, None, self.config.num_speculative_tokens
+        ):
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[req.request_id] = req
+        rid = req.request_id
+        self.connector.update_state_after_alloc(req, self.kv.block_ids(rid), self.kv.req_slot[rid])
+        return True
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
         ctx = req.num_computed_tokens
@@ -249,6 +361,7 @@ class Scheduler:
                 out_.finish_reason = status.value
                 out_.stop_token_id = req.stop_token_id
             outputs.append(out_)
+        outputs.extend(self.take_extra_outputs())
         self._refresh_stats()
         return outputs
 
@@ -269,10 +382,13 @@ class Scheduler:
     def _refresh_stats(self) -> None:
         st = self.stats
         st.num_running = len(self.running)
-        st.num_waiting = len(self.waiting)
+        st.num_waiting = len(self.waiting) + len(self.waiting_for_remote_kv)
         st.kv_usage = self.kv.usage()
         st.num_free_blocks = self.kv.num_free_blocks
 
     def snapshot_stats(self) -> SchedulerStats:
         self._refresh_stats()
-        return SchedulerStats(**{f: getattr(self.stats, f) for f in SchedulerStats.__slots__})
+        out = SchedulerStats(**{f: getattr(self.stats, f) for f in SchedulerStats.__slots__})
+        if self.connector is not None:
+            out.kv_transfer = self.connector.stats.take()
+        return out

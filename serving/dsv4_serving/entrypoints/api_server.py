@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -16,7 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError, KVTransferError
+from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
+from dsv4_serving.engine.kv_connector.validation import check_kv_request
+from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.tokenizer import Tokenizer
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.entrypoints.protocol import (
@@ -95,6 +100,18 @@ def build_app(
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _err(str(exc), 503, "ServiceUnavailableError")
 
+    @app.exception_handler(KVIncompatible)
+    async def _incompatible(_: Request, exc: KVIncompatible) -> JSONResponse:
+        log.error("refused a decode request: %s", exc)
+        return _err(f"KV transfer refused (reason=incompatible): {exc}", 500,
+                    "KVTransferError", "kv_transfer_params")  # fmt: skip
+
+    @app.exception_handler(KVTransferError)
+    async def _kv_failed(_: Request, exc: KVTransferError) -> JSONResponse:
+        status = 500 if exc.reason == "incompatible" else 503
+        return _err(f"KV transfer failed (reason={exc.reason}): {exc}", status,
+                    "KVTransferError", "kv_transfer_params")  # fmt: skip
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
@@ -120,18 +137,37 @@ def build_app(
         if bad:
             raise BadRequest(f"token ids out of range [0, {info.vocab_size}): {bad[:5]}", "prompt")
 
+    compat = KVCompat(info.architecture, info.block_size, info.num_speculative_tokens,
+                      info.kv_dtype)  # fmt: skip
+    has_connector = bool(engine.config.kv_sidecar)
+
+    def check_kv(body: Any, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The PD side of a request: refuse what this engine cannot do, before any work."""
+        try:
+            parsed = check_kv_request(engine.config.role, has_connector, body.kv_transfer_params)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "kv_transfer_params") from exc
+        if isinstance(parsed, PrefillRequestParams):
+            if body.stream:
+                raise BadRequest("a prefill for a remote decode (kv_transfer_params."
+                                 "do_remote_decode) must not stream", "stream")  # fmt: skip
+            # the export is the prompt's KV: one token, no stop strings cutting it short
+            return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
+        if isinstance(parsed, RemotePrefillParams):
+            try:
+                compat.check(body.kv_transfer_params, ids)
+            except KVPromptMismatch as exc:
+                raise BadRequest(str(exc), "kv_transfer_params") from exc
+        return params
+
     async def respond(request: Request, ids: list[int], params: Any, body: Any, chat: bool) -> Any:
         check_len(ids, params.max_tokens)
-        if body.kv_transfer_params and (
-            body.kv_transfer_params.get("do_remote_decode")
-            or body.kv_transfer_params.get("do_remote_prefill")
-        ):
-            raise BadRequest("kv_transfer_params: this engine has no KV connector (role both)")
+        params = check_kv(body, ids, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        work = serving.completion(ids, params, body.stream, include_usage, chat,
+                                  body.kv_transfer_params, body.return_token_ids)  # fmt: skip
         try:
-            result = await _until_disconnect(
-                request, serving.completion(ids, params, body.stream, include_usage, chat)
-            )
+            result = await _until_disconnect(request, work)
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         if result is None:  # client gone; nobody reads this

@@ -25,6 +25,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory or preset name (dsv4-tiny, dsv3-small)")
     p.add_argument("--served-model-name", help="name clients pass as `model` (default: --model)")
     p.add_argument("--role", choices=["both", "prefill", "decode"], help="PD role (default both)")
+    p.add_argument("--kv-sidecar", metavar="URL",
+                   help="the local dsv4 kv-sidecar's control API, e.g. http://127.0.0.1:14580 "
+                        "(required for --role prefill|decode)")  # fmt: skip
+    p.add_argument("--kv-failure-policy", choices=["fail", "recompute"],
+                   help="decode, when a KV pull fails: fail the request or prefill it here "
+                        "(default recompute)")  # fmt: skip
+    p.add_argument("--kv-pull-timeout", type=float, metavar="SECONDS",
+                   help="decode: seconds to wait for a request's KV (default 30)")  # fmt: skip
+    p.add_argument(
+        "--kv-sidecar-wait",
+        type=float,
+        metavar="SECONDS",
+        help="seconds to wait at start for the sidecar to answer (default 10)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", help="cpu | cuda | npu | auto")
@@ -76,6 +90,7 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
         "num_speculative_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
         "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "num_prefix_state_snapshots", "enable_prefix_caching", "enable_chunked_prefill",
+        "kv_sidecar", "kv_failure_policy", "kv_pull_timeout", "kv_sidecar_wait",
     ):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
@@ -87,15 +102,31 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_dict(values)
 
 
+def check_sidecar(url: str, wait_s: float) -> None:
+    """Fail fast (with the reason) unless the local KV sidecar answers within ``wait_s``."""
+    import time
+
+    from dsv4_kvtransfer.client import SidecarClient, SidecarError
+
+    client = SidecarClient(url, timeout_s=2.0)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.info()
+            return
+        except SidecarError as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"the KV sidecar at --kv-sidecar {url} does not answer ({exc}); start "
+                    "`dsv4 kv-sidecar` first (its --control-port) or fix the URL"
+                ) from None
+        time.sleep(0.2)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         config = build_config(args)
-        if config.role != "both":
-            raise ConfigError(
-                f"--role {config.role} needs the prefill/decode KV connector, which this engine "
-                "does not have yet; use --role both"
-            )
         from dsv4_serving.presets.configs import PRESETS
 
         if config.model not in PRESETS and not Path(config.model).exists():
@@ -107,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             config.check_parallel("cpu")
         if config.rank_table and not Path(config.rank_table).is_file():
             raise ConfigError(f"rank table {config.rank_table} does not exist")
+        if config.kv_sidecar:
+            check_sidecar(config.kv_sidecar, config.kv_sidecar_wait)
     except (ConfigError, OSError, json.JSONDecodeError, TypeError) as exc:
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 2

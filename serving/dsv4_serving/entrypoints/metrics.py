@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
 from dsv4_serving.engine.scheduler import SchedulerStats
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -54,6 +55,36 @@ class EngineMetrics:
         self.free_blocks = g("dsv4_kv_cache_free_blocks", "Free paged KV blocks.")
         self.total_blocks = g("dsv4_kv_cache_total_blocks", "Paged KV blocks in the pool.")
         self.aborts = c("dsv4_requests_aborted", "Requests aborted (client gone or stop string).")
+        # PD: this engine's side of KV transfers (its sidecar has the wire-level ones)
+        kv_labels = ["model_name", "reason"]
+        self.kv_pull_failures = Counter(
+            "dsv4_kv_pull_failures", "Decode requests whose KV pull failed, by reason.",
+            kv_labels, registry=r,
+        )  # fmt: skip
+        self.kv_recomputes = c(
+            "dsv4_kv_recomputes", "Decode requests prefilled locally after a failed KV pull."
+        )
+        self.kv_transfers = Counter(
+            "dsv4_kv_engine_transfers", "KV exports (prefill) and pulls (decode) that finished.",
+            ["model_name", "direction", "outcome"], registry=r,
+        )  # fmt: skip
+        self.kv_bytes = Counter(
+            "dsv4_kv_engine_bytes", "KV bytes copied between the cache and the staging region.",
+            ["model_name", "direction"], registry=r,
+        )  # fmt: skip
+        self.kv_seconds = Histogram(
+            "dsv4_kv_engine_transfer_seconds",
+            "Engine-side KV transfer latency: export = reserve + copy + commit on the prefill "
+            "engine; pull = decode request parked until its KV is in its blocks.",
+            ["model_name", "direction"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.kv_waiting = g(
+            "dsv4_kv_requests_waiting_for_remote_kv", "Decode requests waiting for their KV."
+        )
+        self.kv_errors = Counter(
+            "dsv4_kv_request_errors", "Requests failed for their KV (HTTP 5xx), by reason.",
+            kv_labels, registry=r,
+        )  # fmt: skip
         self._last = SchedulerStats()
 
     def on_event(self, kind: str, **v: Any) -> None:
@@ -69,6 +100,8 @@ class EngineMetrics:
             self.success.labels(finished_reason=v["reason"], **self._label).inc()
         elif kind == "abort":
             self.aborts.inc()
+        elif kind == "kv_error":
+            self.kv_errors.labels(reason=v["reason"], **self._label).inc()
         elif kind == "stats":
             self._stats(v["stats"])
 
@@ -87,7 +120,39 @@ class EngineMetrics:
         self.spec_accepted.inc(max(0, s.spec_accepted_tokens - last.spec_accepted_tokens))
         if s.spec_draft_tokens:
             self.spec_rate.set(s.spec_accepted_tokens / s.spec_draft_tokens)
+        if s.kv_transfer is not None:
+            self._kv(s.kv_transfer, last.kv_transfer)
         self._last = s
+
+    def _kv(self, k: KVConnectorStats, last: KVConnectorStats | None) -> None:
+        last = last or KVConnectorStats()
+        lab = self._label
+        self.kv_waiting.set(k.num_waiting_for_remote_kv)
+        for reason, n in k.pull_failures.items():
+            d = n - last.pull_failures.get(reason, 0)
+            if d > 0:
+                self.kv_pull_failures.labels(reason=reason, **lab).inc(d)
+        self.kv_recomputes.inc(max(0, k.recomputes - last.recomputes))
+        for direction, outcome, now, before in (
+            ("pull", "ok", k.pulls_ok, last.pulls_ok),
+            ("pull", "failed", sum(k.pull_failures.values()), sum(last.pull_failures.values())),
+            ("export", "ok", k.exports_ok, last.exports_ok),
+            ("export", "failed", k.export_failures, last.export_failures),
+        ):
+            if now > before:
+                self.kv_transfers.labels(direction=direction, outcome=outcome, **lab).inc(
+                    now - before
+                )
+        for direction, now, before in (
+            ("pull", k.bytes_pulled, last.bytes_pulled),
+            ("export", k.bytes_exported, last.bytes_exported),
+        ):
+            if now > before:
+                self.kv_bytes.labels(direction=direction, **lab).inc(now - before)
+        for direction, obs in (("pull", k.pull_seconds), ("export", k.export_seconds)):
+            h = self.kv_seconds.labels(direction=direction, **lab)
+            for x in obs:
+                h.observe(x)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

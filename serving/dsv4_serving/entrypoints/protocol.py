@@ -29,8 +29,10 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     seed: int | None = None
     min_tokens: int = 0
-    # the PD protocol (vLLM's); honoured once the KV connector exists
+    # the PD protocol (vLLM's): a prefill for a remote decode, or a decode of remote KV
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's extension: the generated token ids in each choice
+    return_token_ids: bool = False
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:

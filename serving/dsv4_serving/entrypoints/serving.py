@@ -70,22 +70,30 @@ class OpenAIServing:
         self.model_name = model_name
 
     async def completion(
-        self, ids: list[int], params: SamplingParams, stream: bool, include_usage: bool, chat: bool
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
+        chat: bool,
+        kv_transfer_params: dict[str, Any] | None = None,
+        return_token_ids: bool = False,
     ) -> AsyncIterator[str] | dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
-        gen = self.engine.generate(ids, params, rid)
+        gen = self.engine.generate(ids, params, rid, kv_transfer_params)
         created = int(time.time())
         lp = _Logprobs(self.tokenizer, chat)
         if stream:
             # pull the first increment now so a rejected request becomes an HTTP error, not a
             # broken stream
             first = await gen.__anext__()
-            return self._stream(gen, first, rid, created, lp, include_usage, chat)
-        text, lps, last = [], [], None
+            return self._stream(gen, first, rid, created, lp, include_usage, chat, return_token_ids)
+        text, lps, last, token_ids = [], [], None, []
         async for o in gen:
             text.append(o.delta_text)
             lps.extend(o.delta_logprobs or [])
+            token_ids.extend(o.delta_token_ids)
             last = o
         assert last is not None
         logprobs = lp.render(lps) if params.logprobs is not None else None
@@ -99,7 +107,9 @@ class OpenAIServing:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
             choice["text"] = "".join(text)
-        return {
+        if return_token_ids:  # vLLM's extension
+            choice["token_ids"] = token_ids
+        body: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
@@ -107,6 +117,9 @@ class OpenAIServing:
             "choices": [choice],
             "usage": _usage(last),
         }
+        if kv_transfer_params is not None:  # PD (vLLM's protocol): what the decode side needs
+            body["kv_transfer_params"] = last.kv_transfer_params
+        return body
 
     async def _stream(
         self,
@@ -117,6 +130,7 @@ class OpenAIServing:
         lp: _Logprobs,
         include_usage: bool,
         chat: bool,
+        return_token_ids: bool = False,
     ) -> AsyncIterator[str]:
         base = {
             "id": rid,
@@ -144,6 +158,8 @@ class OpenAIServing:
                     choice["delta"] = {"content": o.delta_text}
                 else:
                     choice["text"] = o.delta_text
+                if return_token_ids:
+                    choice["token_ids"] = o.delta_token_ids
                 yield _sse({**base, "choices": [choice]})
                 o = None if o.finished else await gen.__anext__()
             if include_usage:

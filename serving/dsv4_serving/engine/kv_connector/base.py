@@ -1,0 +1,84 @@
+"""The two halves of a KV connector, as vLLM's ``KVConnectorBase_V1`` splits it.
+
+The scheduler side runs inside ``Scheduler`` (pure Python, no I/O): it says which requests
+take their prompt's KV from elsewhere and how much, records where that KV must land once blocks
+are allocated, and decides what a finished request's blocks are for. The worker side owns the
+bytes: it sees the model's cache tensors and moves KV between them and the transfer layer.
+The engine core calls both each step, always between forwards (the cache is never touched
+while the model runs).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from dsv4_serving.engine.kv_connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoadFailure,
+    SaveSpec,
+)
+from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
+from dsv4_serving.engine.request import Request, RequestStatus
+
+
+class KVConnectorScheduler(ABC):
+    stats: KVConnectorStats
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, req: Request) -> int | None:
+        """Tokens of ``req``'s prompt whose KV will arrive from elsewhere (loaded
+        asynchronously: the request waits, parked, until it has); None for a local request."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], slot: int) -> None:
+        """Blocks and slot were allocated for a request that loads remote KV: load into them."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """What the worker side must start (or cancel) now; resets the pending lists."""
+
+    @abstractmethod
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        """Account for loads the worker side finished."""
+
+    @abstractmethod
+    def on_load_failed(self, req: Request, failure: KVLoadFailure) -> bool:
+        """A load failed: True to prefill the request locally instead (the failure policy)."""
+
+    @abstractmethod
+    def request_finished(
+        self, req: Request, status: RequestStatus, block_ids: list[int], slot: int | None
+    ) -> bool:
+        """``req`` finished: True to keep its blocks and slot until its KV was saved
+        (``take_saves`` / the worker's ``save_kv``), False to free them now."""
+
+    @abstractmethod
+    def take_saves(self) -> list[SaveSpec]:
+        """Saves due since the last call."""
+
+
+class KVConnectorWorker(ABC):
+    @abstractmethod
+    def register_kv_caches(self, cache: Any) -> None:
+        """The model's cache object (``paged`` and ``state`` tensors)."""
+
+    @abstractmethod
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        """Start the loads of ``meta`` (asynchronously) and cancel those it names."""
+
+    @abstractmethod
+    def get_finished(self) -> KVConnectorOutput:
+        """Loads finished since the last call; successful ones are already in their blocks."""
+
+    @abstractmethod
+    def save_kv(self, saves: list[SaveSpec]) -> dict[str, dict[str, Any] | KVLoadFailure]:
+        """Export each request's KV; -> its ``kv_transfer_params`` or why it failed."""
+
+    @abstractmethod
+    def wait_for_event(self, timeout_s: float) -> None:
+        """Block until a load finishes or ``timeout_s`` passes (an idle engine's wait)."""
+
+    @abstractmethod
+    def close(self) -> None: ...

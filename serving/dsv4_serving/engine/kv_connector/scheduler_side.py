@@ -1,0 +1,109 @@
+"""The scheduler side of the sidecar connector: pure bookkeeping, no I/O.
+
+Decode: a request whose ``kv_transfer_params`` say ``do_remote_prefill`` gets blocks for its
+whole prompt (+ MTP lookahead) and a state slot, then waits parked (``WAITING_FOR_REMOTE_KV``,
+skipped by ``schedule()``) while the worker side pulls. It imports every exported token and
+then recomputes the last prompt token, as vLLM does, so its first step produces the logits of
+the first output token exactly as a local prefill's last chunk would.
+
+Prefill: a request with ``do_remote_decode`` keeps its blocks past its finish until the worker
+side copied them into the sidecar's staging region (in the same engine step); the staging copy
+then lives under the sidecar's lease and the engine's blocks are freed at once, so an engine
+never leaks blocks to a decode that does not come.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
+from dsv4_serving.engine.kv_connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoadFailure,
+    LoadSpec,
+    SaveSpec,
+)
+from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
+from dsv4_serving.engine.request import Request, RequestStatus
+
+FailurePolicy = Literal["fail", "recompute"]
+
+
+def wants_remote_decode(req: Request) -> bool:
+    p = req.kv_transfer_params
+    return bool(p and p.get("do_remote_decode"))
+
+
+def wants_remote_prefill(req: Request) -> bool:
+    p = req.kv_transfer_params
+    return bool(p and p.get("do_remote_prefill"))
+
+
+class SidecarConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, failure_policy: FailurePolicy = "recompute") -> None:
+        self.failure_policy = failure_policy
+        self.stats = KVConnectorStats()
+        self._loading: set[str] = set()  # parked, load started or due
+        self._meta = KVConnectorMetadata()
+        self._saves: list[SaveSpec] = []
+
+    def get_num_new_matched_tokens(self, req: Request) -> int | None:
+        if not wants_remote_prefill(req) or req.kv_load_failed:
+            return None
+        # every prompt token's KV arrives; the last one is computed again for its logits
+        return req.num_prompt_tokens - 1
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], slot: int) -> None:
+        assert req.kv_transfer_params is not None
+        self._loading.add(req.request_id)
+        self._meta.loads.append(
+            LoadSpec(req.request_id, dict(req.kv_transfer_params), list(block_ids), slot,
+                     req.num_prompt_tokens)
+        )  # fmt: skip
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        self.stats.num_waiting_for_remote_kv = len(self._loading)
+        return meta
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        for rid in out.loaded:
+            self._loading.discard(rid)
+        self.stats.pulls_ok += len(out.loaded)
+        self.stats.pull_seconds.extend(out.pull_seconds)
+        self.stats.bytes_pulled += out.bytes_pulled
+        for rid, f in out.failed.items():
+            self._loading.discard(rid)
+            self.stats.pull_failures[f.reason] = self.stats.pull_failures.get(f.reason, 0) + 1
+        self.stats.num_waiting_for_remote_kv = len(self._loading)
+
+    def on_load_failed(self, req: Request, failure: KVLoadFailure) -> bool:
+        if self.failure_policy == "recompute" and not failure.always_fails:
+            req.kv_load_failed = True
+            self.stats.recomputes += 1
+            return True
+        return False
+
+    def request_finished(
+        self, req: Request, status: RequestStatus, block_ids: list[int], slot: int | None
+    ) -> bool:
+        rid = req.request_id
+        if rid in self._loading:  # aborted while its KV was on the way
+            self._loading.discard(rid)
+            self._meta.cancelled.append(rid)
+            self.stats.num_waiting_for_remote_kv = len(self._loading)
+        if status == RequestStatus.FINISHED_ABORTED or not wants_remote_decode(req):
+            return False
+        if slot is None or not block_ids:
+            return False
+        self._saves.append(
+            SaveSpec(rid, list(block_ids), slot, req.num_prompt_tokens,
+                     req.all_token_ids[: req.num_prompt_tokens],
+                     req.all_token_ids[req.num_prompt_tokens] if req.num_output_tokens else None)
+        )  # fmt: skip
+        return True
+
+    def take_saves(self) -> list[SaveSpec]:
+        out, self._saves = self._saves, []
+        return out

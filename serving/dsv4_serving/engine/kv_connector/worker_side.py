@@ -1,0 +1,219 @@
+"""The worker side of the sidecar connector: KV bytes between the model's cache and the local
+``dsv4 kv-sidecar`` (its control API and its shared-memory staging region).
+
+Loads run on one thread per pull (HTTP long-polls of the sidecar, never the engine loop); the
+copy into the cache happens in ``get_finished``, which the engine core calls between forwards.
+A pull's staging extent is released as soon as it was copied, failed or its request went
+away. Saves are synchronous: reserve, copy, commit, in the step that finished the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_kvtransfer.buffers import LayoutError
+from dsv4_kvtransfer.client import PulledKV, PullFailed, SidecarClient, SidecarError
+from dsv4_serving.engine.kv_connector.base import KVConnectorWorker
+from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible
+from dsv4_serving.engine.kv_connector.kv_layout import KVLayout
+from dsv4_serving.engine.kv_connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoadFailure,
+    LoadSpec,
+    SaveSpec,
+)
+from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5  # one long-poll of the sidecar; also how fast a cancelled pull lets go
+
+
+@dataclass(slots=True)
+class _Pull:
+    spec: LoadSpec
+    started: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class SidecarConnectorWorker(KVConnectorWorker):
+    def __init__(
+        self,
+        url: str,
+        compat: KVCompat,
+        stats: KVConnectorStats,
+        pull_timeout_s: float = 30.0,
+    ) -> None:
+        self.client = SidecarClient(url)
+        self.compat = compat
+        self.stats = stats  # export counters (the scheduler side counts the pulls)
+        self.pull_timeout_s = pull_timeout_s
+        self.layout: KVLayout | None = None
+        self._pulls: dict[str, _Pull] = {}
+        self._done: queue.SimpleQueue[tuple[_Pull, str | None, PulledKV | KVLoadFailure]] = (
+            queue.SimpleQueue()
+        )
+        self._event = threading.Event()
+        self._closed = False
+
+    def register_kv_caches(self, cache: Any) -> None:
+        self.layout = KVLayout(cache)
+
+    # ---- decode: pulls -------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        for rid in meta.cancelled:
+            p = self._pulls.get(rid)
+            if p is not None:
+                p.cancelled.set()
+        for spec in meta.loads:
+            p = _Pull(spec)
+            self._pulls[spec.request_id] = p
+            threading.Thread(
+                target=self._pull, args=(p,), name=f"kv-pull-{spec.request_id}", daemon=True
+            ).start()
+
+    def _pull(self, p: _Pull) -> None:
+        c = self.client
+        pull_id: str | None = None
+        result: PulledKV | KVLoadFailure
+        # the sidecar gives up at pull_timeout_s; this bounds us if it stops answering
+        deadline = p.started + self.pull_timeout_s + 5.0
+        try:
+            st = c.start_pull_status(p.spec.params, timeout_s=self.pull_timeout_s, wait_s=POLL_S)
+            pull_id = str(st["pull_id"])
+            while True:
+                kv = c.pull_result(st)
+                if kv is not None:
+                    result = kv
+                    break
+                if p.cancelled.is_set() or self._closed:
+                    result = KVLoadFailure("cancelled", "the request went away")
+                    break
+                if time.monotonic() > deadline:
+                    result = KVLoadFailure(
+                        "timeout", f"KV pull not done after {self.pull_timeout_s:g}s"
+                    )
+                    break
+                st = c.pull_status(pull_id, wait_s=POLL_S)
+        except PullFailed as e:
+            result = KVLoadFailure(e.reason or "unknown", f"KV pull failed ({e.reason}): {e}")
+            pull_id = None  # the sidecar freed it already
+        except SidecarError as e:
+            reason = "bad_params" if e.status == 400 else "sidecar"
+            result = KVLoadFailure(reason, f"local KV sidecar: {e}")
+        except Exception as e:  # a bug here must fail the request, not hang it
+            log.exception("KV pull of %s", p.spec.request_id)
+            result = KVLoadFailure("internal", f"{type(e).__name__}: {e}")
+        if isinstance(result, KVLoadFailure) and pull_id is not None:
+            self._release(pull_id)
+            pull_id = None
+        self._done.put((p, pull_id, result))
+        self._event.set()
+
+    def _release(self, pull_id: str) -> None:
+        with contextlib.suppress(SidecarError):
+            self.client.release_pull(pull_id)
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        while True:
+            try:
+                p, pull_id, result = self._done.get_nowait()
+            except queue.Empty:
+                break
+            rid = p.spec.request_id
+            if self._pulls.get(rid) is p:
+                del self._pulls[rid]
+            if p.cancelled.is_set():
+                if pull_id is not None:
+                    self._release(pull_id)
+                continue
+            if isinstance(result, KVLoadFailure):
+                log.warning("request %s: %s", rid, result.message)
+                out.failed[rid] = result
+                continue
+            assert pull_id is not None
+            try:
+                out.bytes_pulled += self._import(p.spec, result)
+                out.loaded.append(rid)
+                out.pull_seconds.append(time.monotonic() - p.started)
+            except KVIncompatible as e:
+                log.error("request %s: %s", rid, e)
+                out.failed[rid] = KVLoadFailure("incompatible", str(e))
+            except (SidecarError, LayoutError, KeyError) as e:
+                out.failed[rid] = KVLoadFailure("import", f"KV import failed: {e}")
+            finally:
+                self._release(pull_id)
+        return out
+
+    def _import(self, spec: LoadSpec, kv: PulledKV) -> int:
+        assert self.layout is not None
+        remote_tokens = kv.remote_meta.get("num_tokens")
+        if remote_tokens != spec.num_tokens:
+            raise KVIncompatible(
+                f"the prefill engine exported {remote_tokens} tokens of KV, this request's "
+                f"prompt has {spec.num_tokens}"
+            )
+        n = self.layout.num_blocks(spec.num_tokens)
+        self.layout.check(kv.buffers, n)
+        if time.time() > kv.lease_expires_at - 0.5:  # the sidecar may reuse the extent
+            raise SidecarError(0, "expired", "the pulled KV's lease ran out before the import")
+        return self.layout.load(self.client, kv.buffers, spec.block_ids[:n], spec.state_slot)
+
+    def wait_for_event(self, timeout_s: float) -> None:
+        if self._event.wait(timeout_s):
+            self._event.clear()
+
+    # ---- prefill: exports ----------------------------------------------------------------
+
+    def save_kv(self, saves: list[SaveSpec]) -> dict[str, dict[str, Any] | KVLoadFailure]:
+        out: dict[str, dict[str, Any] | KVLoadFailure] = {}
+        for s in saves:
+            t0 = time.monotonic()
+            try:
+                out[s.request_id] = self._save(s)
+                self.stats.exports_ok += 1
+                self.stats.export_seconds.append(time.monotonic() - t0)
+            except (SidecarError, LayoutError) as e:
+                log.warning("request %s: KV export failed: %s", s.request_id, e)
+                self.stats.export_failures += 1
+                out[s.request_id] = KVLoadFailure("export_failed", f"KV export failed: {e}")
+        return out
+
+    def _save(self, s: SaveSpec) -> dict[str, Any]:
+        assert self.layout is not None
+        lay = self.layout
+        n = lay.num_blocks(s.num_tokens)
+        extra = self.compat.params_extra(s.prompt_token_ids)
+        res = self.client.reserve_export(
+            s.request_id,
+            lay.specs(n),
+            block_ids=s.block_ids[:n],
+            num_tokens=s.num_tokens,
+            state_slot=s.state_slot if lay.state else None,
+            cache_groups=lay.cache_groups(n),
+            engine_meta={**extra, "first_token": s.first_token},
+            params_extra=extra,
+        )
+        try:
+            lay.export(self.client, res.buffers, s.block_ids[:n], s.state_slot)
+            params = self.client.commit_export(res.transfer_id)
+        except BaseException:
+            with contextlib.suppress(SidecarError):
+                self.client.abort_export(res.transfer_id)
+            raise
+        self.stats.bytes_exported += res.total_bytes
+        return params
+
+    def close(self) -> None:
+        self._closed = True
+        for p in self._pulls.values():
+            p.cancelled.set()
+        self.client.close()
