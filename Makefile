@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS := operator,serving,gateway,test,dev
 
-.PHONY: install k8s-binaries lint format test test-unit test-k8s clean
+.PHONY: install k8s-binaries lint format test test-unit test-k8s up clean
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ test-unit: install
 
 test-k8s: install
 	DSV4_K8S_BIN_DIR="$$(scripts/k8s-test-binaries | tail -n 1)" $(BIN)/pytest -m k8s $(PYTEST_ARGS)
+
+# The local stack on the built-in tiny model: gateway on 127.0.0.1:8000, one prefill and one
+# decode engine with their KV sidecars. Ctrl-C stops it. UP_ARGS='--port 9000' etc. pass through.
+up: install
+	$(BIN)/dsv4 up $(UP_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,245 @@
+"""PD through the gateway, and through vLLM's own router, on real engines and sidecars: the same
+tokens as one engine doing both (greedy); `dsv4 up` end to end; load and a dying decode engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from dsv4_operator.devcluster.process import ManagedProcess, free_port
+from tests.gateway.conftest import LOG_DIR, Service, engine, gateway, pd_pair, routed_counts
+from tests.gateway.vllm_router import ensure_vllm_router
+
+PROMPTS = [
+    "hello world",
+    "a",
+    "The quick brown fox jumps over the lazy dog. " * 7,  # past the 128-token window
+    "0123456789" * 25,
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Service]:
+    ref = engine("engine-reference").start()
+    yield ref
+    ref.stop()
+
+
+class Up:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = Path(tempfile.mkdtemp(prefix="dsv4-up-test-"))
+        argv = [
+            sys.executable,
+            "-m",
+            "dsv4_serving.cli",
+            "up",
+            "--port",
+            str(self.port),
+            "--log-dir",
+            str(self.log_dir),
+        ]
+        self.proc = ManagedProcess("dsv4-up", argv, LOG_DIR / f"dsv4-up-{self.port}.log")
+
+    def failure_report(self) -> str:
+        logs = "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
+        return f"----- dsv4 up\n{self.proc.tail(40)}\n{logs}"
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[Up]:
+    stack = Up()
+    stack.proc.start(env={"PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 240
+    while "dsv4 is up" not in stack.proc.tail(60):
+        assert stack.proc.running(), stack.failure_report()
+        assert time.monotonic() < deadline, stack.failure_report()
+        time.sleep(0.5)
+    yield stack
+    stack.proc.stop(timeout_s=60)
+    assert stack.proc.exit_code() == 0, stack.failure_report()
+    assert "stopped." in stack.proc.tail(5)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
+
+
+def _complete(url: str, prompt: str, stream: bool, max_tokens: int = 16) -> str:
+    c = _client(url)
+    if stream:
+        return "".join(
+            ch.choices[0].text
+            for ch in c.completions.create(
+                model="dsv4-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            )
+            if ch.choices
+        )
+    return (
+        c.completions.create(model="dsv4-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        .choices[0]
+        .text
+    )
+
+
+def test_up_serves_pd_with_the_same_tokens(up: Up, reference: Service) -> None:
+    roles = {i["role"] for i in httpx.get(f"{up.url}/instances", timeout=10).json()}
+    assert roles == {"prefill", "decode"}
+    for prompt in PROMPTS:
+        want = _complete(reference.url, prompt, stream=False)
+        assert _complete(up.url, prompt, stream=False) == want
+        assert _complete(up.url, prompt, stream=True) == want
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    want = (
+        _client(reference.url)
+        .chat.completions.create(model="dsv4-tiny", messages=msgs, max_tokens=12, temperature=0)
+        .choices[0]
+        .message.content
+    )  # type: ignore[arg-type]
+    got = (
+        _client(up.url)
+        .chat.completions.create(model="dsv4-tiny", messages=msgs, max_tokens=12, temperature=0)
+        .choices[0]
+        .message.content
+    )  # type: ignore[arg-type]
+    assert got == want
+    counts = routed_counts(up.url)
+    assert len(counts) == 2 and all(v > 0 for v in counts.values())
+
+
+def test_vllm_router_drives_our_engines(up: Up, reference: Service) -> None:
+    router = ensure_vllm_router()
+    if router is None:
+        pytest.fail("vllm-router could not be installed from PyPI")
+    insts = httpx.get(f"{up.url}/instances", timeout=10).json()
+    prefill = next(i["url"] for i in insts if i["role"] == "prefill")
+    decode = next(i["url"] for i in insts if i["role"] == "decode")
+    port = free_port()
+    proc = ManagedProcess(
+        "vllm-router",
+        [
+            str(router),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        LOG_DIR / f"vllm-router-{port}.log",
+    )
+    proc.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.running() and time.monotonic() < deadline, proc.tail(30)
+            time.sleep(0.3)
+        for prompt in PROMPTS:
+            want = _complete(reference.url, prompt, stream=False)
+            assert _complete(url, prompt, stream=False) == want, proc.tail(30)
+            assert _complete(url, prompt, stream=True) == want, proc.tail(30)
+    finally:
+        proc.stop()
+
+
+def test_pd_under_load_survives_a_dead_decode_engine(reference: Service) -> None:
+    token = Path(tempfile.mkdtemp()) / "token"
+    token.write_text(secrets.token_urlsafe(24))
+    pairs = [pd_pair(f"p{i}", "prefill", token) for i in range(2)] + [
+        pd_pair(f"d{i}", "decode", token) for i in range(2)
+    ]
+    services = [s for pair in pairs for s in pair]
+    for s in services:
+        s.launch()
+    g = None
+    try:
+        for s in services:
+            s.wait_ready(180)
+        args = [
+            a
+            for (_, e), role in zip(pairs, ["prefill", "prefill", "decode", "decode"], strict=True)
+            for a in (f"--{role}", e.url)
+        ]
+        g = gateway("gateway-pd", *args).start()
+
+        async def load(n: int, kill_at: float | None) -> list[tuple[int, str, float]]:
+            async with httpx.AsyncClient(timeout=180) as c:
+                sem = asyncio.Semaphore(8)
+
+                async def one(i: int) -> tuple[int, str, float]:
+                    async with sem:
+                        t = time.monotonic()
+                        body = {
+                            "model": "dsv4-tiny",
+                            "prompt": f"load {i} " * (1 + i % 5),
+                            "max_tokens": 24,
+                            "ignore_eos": True,
+                            "stream": True,
+                        }
+                        text = ""
+                        async with c.stream("POST", f"{g.url}/v1/completions", json=body) as r:
+                            async for line in r.aiter_lines():
+                                text += line
+                            return r.status_code, text, time.monotonic() - t
+
+                tasks = [asyncio.create_task(one(i)) for i in range(n)]
+                if kill_at is not None:
+                    await asyncio.sleep(kill_at)
+                    pairs[3][1].proc.stop(timeout_s=1)  # decode engine d1 dies under load
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(load(32, None))
+        assert all(s == 200 and "[DONE]" in t for s, t, _ in results)
+        counts = routed_counts(g.url)
+        for role in ("prefill", "decode"):
+            mine = [
+                counts.get(e.url, 0.0)
+                for (_, e), r in zip(pairs, ["prefill", "prefill", "decode", "decode"], strict=True)
+                if r == role
+            ]
+            assert min(mine) >= 0.25 * sum(mine), (
+                counts
+            )  # both instances of each role take a real share
+
+        results = asyncio.run(load(24, 1.5))
+        for status, text, took in results:
+            assert took < 120
+            assert status in (200, 502, 503) and ("[DONE]" in text or "error" in text)
+        ok = sum(1 for s, t, _ in results if s == 200 and '"error"' not in t)
+        assert ok >= len(results) // 2
+        for i in range(4):
+            r = httpx.post(
+                f"{g.url}/v1/completions",
+                json={"model": "dsv4-tiny", "prompt": f"after {i}", "max_tokens": 4},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        if g:
+            g.stop()
+        for s in reversed(services):
+            s.stop()
+        os.unlink(token)
