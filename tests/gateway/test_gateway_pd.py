@@ -243,3 +243,41 @@ def test_pd_under_load_survives_a_dead_decode_engine(reference: Service) -> None
         for s in reversed(services):
             s.stop()
         os.unlink(token)
+
+
+def test_selective_pd_sends_short_prompts_to_decode_alone(reference: Service) -> None:
+    token = Path(tempfile.mkdtemp()) / "token"
+    token.write_text(secrets.token_urlsafe(24))
+    (ps, pe), (ds, de) = pd_pair("sp", "prefill", token), pd_pair("sd", "decode", token)
+    services = [ps, pe, ds, de]
+    for s in services:
+        s.launch()
+    g = None
+    try:
+        for s in services:
+            s.wait_ready(180)
+        g = gateway(
+            "gateway-selective",
+            "--prefill",
+            pe.url,
+            "--decode",
+            de.url,
+            "--selective-pd-tokens",
+            "64",
+        ).start()
+        short, long = "hi there", "x" * 200
+        for prompt in (short, long):
+            assert _complete(g.url, prompt, stream=False) == _complete(
+                reference.url, prompt, stream=False
+            )
+        counts = routed_counts(g.url)
+        assert counts[pe.url] == 1  # only the long prompt was prefilled remotely
+        assert counts[de.url] == 2
+        metrics = httpx.get(f"{g.url}/metrics", timeout=5).text
+        assert "dsv4_gateway_selective_pd_total 1.0" in metrics
+    finally:
+        if g:
+            g.stop()
+        for s in reversed(services):
+            s.stop()
+        os.unlink(token)
