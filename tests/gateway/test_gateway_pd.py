@@ -237,6 +237,18 @@ def test_pd_under_load_survives_a_dead_decode_engine(reference: Service) -> None
                 timeout=120,
             )
             assert r.status_code == 200, r.text
+
+        # a prefill engine dies too: its requests are retried on the other prefill engine
+        pairs[1][1].proc.stop(timeout_s=1)
+        results = asyncio.run(load(8, None))
+        assert all(s == 200 and "[DONE]" in t and '"error"' not in t for s, t, _ in results), (
+            results
+        )
+        metrics = httpx.get(f"{g.url}/metrics", timeout=5).text
+        assert (
+            'dsv4_gateway_retries_total{stage="prefill"}' in metrics
+            or "dsv4_gateway_ejections_total{" in metrics
+        )
     finally:
         if g:
             g.stop()
