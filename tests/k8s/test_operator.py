@@ -14,6 +14,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
 CHILD_KINDS = "statefulsets,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies"
 
 
+def _npu_cr(name: str, **spec: Any) -> dict[str, Any]:
+    """A DeepSeekV4Deployment on NPU nodes (the defaults: 8 NPUs per node) with ``spec`` added."""
+    return {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"path": "/data/v4", "servedName": "v4"}, **spec},
+    }
+
+
 def _children(cluster: Any, ns: str, name: str) -> dict[str, dict[str, Any]]:
     items = kubectl_json(
         cluster, "get", CHILD_KINDS, "-n", ns, "-l", f"app.kubernetes.io/instance={name}"
@@ -167,16 +177,7 @@ def test_tiny_example_lifecycle(
 
 def test_npu_pods_are_scheduled_and_rank_table_completes(k8s_cluster, operator, namespace) -> None:
     cluster, ns = k8s_cluster, namespace
-    cr = {
-        "apiVersion": "serving.dsv4.io/v1alpha1",
-        "kind": "DeepSeekV4Deployment",
-        "metadata": {"name": "npu"},
-        "spec": {
-            "model": {"path": "/data/v4", "servedName": "v4"},
-            "prefill": {"parallelism": {"tp": 8}},
-            "decode": {"parallelism": {"tp": 8}},
-        },
-    }
+    cr = _npu_cr("npu", prefill={"parallelism": {"tp": 8}}, decode={"parallelism": {"tp": 8}})
     apply_yaml(cluster, json.dumps(cr), ns)
 
     def running_engine_pods() -> list[dict[str, Any]] | None:
@@ -227,16 +228,11 @@ def test_npu_pods_are_scheduled_and_rank_table_completes(k8s_cluster, operator, 
 
 def test_pod_larger_than_any_node_degrades_the_deployment(k8s_cluster, operator, namespace) -> None:
     cluster, ns = k8s_cluster, namespace
-    cr = {
-        "apiVersion": "serving.dsv4.io/v1alpha1",
-        "kind": "DeepSeekV4Deployment",
-        "metadata": {"name": "huge"},
-        "spec": {
-            "model": {"path": "/data/v4", "servedName": "v4"},
-            "prefill": {"npusPerNode": 16, "parallelism": {"tp": 16}},
-            "decode": {"npusPerNode": 16, "parallelism": {"tp": 16}},
-        },
-    }
+    cr = _npu_cr(
+        "huge",
+        prefill={"npusPerNode": 16, "parallelism": {"tp": 16}},
+        decode={"npusPerNode": 16, "parallelism": {"tp": 16}},
+    )
     apply_yaml(cluster, json.dumps(cr), ns)
     st = wait_for(
         "phase Degraded", lambda: _phase_is(cluster, ns, "huge", "Degraded"), timeout_s=90
@@ -337,16 +333,11 @@ LWS_CRD = {
 
 def test_leaderworkerset_only_when_its_crd_is_installed(k8s_cluster, operator, namespace) -> None:
     cluster, ns = k8s_cluster, namespace
-    cr = {
-        "apiVersion": "serving.dsv4.io/v1alpha1",
-        "kind": "DeepSeekV4Deployment",
-        "metadata": {"name": "lws"},
-        "spec": {
-            "model": {"path": "/data/v4", "servedName": "v4"},
-            "prefill": {"nodesPerInstance": 2, "parallelism": {"tp": 8, "dp": 2}},
-            "scheduling": {"workload": "LeaderWorkerSet"},
-        },
-    }
+    cr = _npu_cr(
+        "lws",
+        prefill={"nodesPerInstance": 2, "parallelism": {"tp": 8, "dp": 2}},
+        scheduling={"workload": "LeaderWorkerSet"},
+    )
     apply_yaml(cluster, json.dumps(cr), ns)
     st = wait_for("Degraded without the LWS CRD", lambda: _phase_is(cluster, ns, "lws", "Degraded"))
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
