@@ -135,7 +135,16 @@ class EngineCore:
     last_step_idle = False
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        return self.scheduler.abort_requests(request_ids)
+        aborted = self.scheduler.abort_requests(request_ids)
+        if self.kv_worker is not None:
+            self._sync_kv(self.kv_worker)  # their pulls let go now, not at the next step
+        return aborted
+
+    def kv_housekeeping(self) -> None:
+        """An idle engine still finishes what its pulls left (cancelled ones release)."""
+        if self.kv_worker is not None:
+            self._sync_kv(self.kv_worker)
+            self.scheduler.update_from_connector(self.kv_worker.get_finished())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -223,8 +232,10 @@ def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
                 continue
             out_q.put(("outputs", outputs, core.stats()))
             stats_due = False
-        elif stats_due:
-            out_q.put(("outputs", [], core.stats()))
-            stats_due = False
-        elif os.getppid() != parent:
-            return  # the front end died without telling us
+        else:
+            core.kv_housekeeping()
+            if stats_due:
+                out_q.put(("outputs", [], core.stats()))
+                stats_due = False
+            elif os.getppid() != parent:
+                return  # the front end died without telling us

@@ -111,7 +111,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
         except Exception as e:  # a bug here must fail the request, not hang it
             log.exception("KV pull of %s", p.spec.request_id)
             result = KVLoadFailure("internal", f"{type(e).__name__}: {e}")
-        if isinstance(result, KVLoadFailure) and pull_id is not None:
+        if pull_id is not None and (isinstance(result, KVLoadFailure) or p.cancelled.is_set()):
             self._release(pull_id)
             pull_id = None
         self._done.put((p, pull_id, result))
