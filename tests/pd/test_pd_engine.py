@@ -127,7 +127,8 @@ def assert_all_free(engines: list[EngineProc], sidecars: list[SidecarProc]) -> N
         wait_for(f"{e.name}'s blocks free", lambda e=e: e.free_blocks() == e.total_blocks, 20)
     for sc in sidecars:
         total = int(sc.info()["staging_bytes"])  # type: ignore[call-overload]
-        wait_for(f"sidecar {sc.name}'s staging free", lambda sc=sc: sc.free_bytes() == total, 20)
+        wait_for(f"sidecar {sc.name}'s staging free",
+                 lambda sc=sc, total=total: sc.free_bytes() == total, 20)  # fmt: skip
 
 
 def restart(stack: Stack, pair: Pair, which: str, *extra: str, lease: float = 30.0,
