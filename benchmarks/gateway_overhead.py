@@ -88,17 +88,27 @@ async def measure(call: Any, base: str, requests: int, concurrency: int) -> dict
             await call(client, base)
             lat.append(time.perf_counter() - t)
         sem = asyncio.Semaphore(concurrency)
+        errors = 0
 
         async def one() -> None:
+            nonlocal errors
             async with sem:
-                await call(client, base)
+                try:
+                    await call(client, base)
+                except (httpx.HTTPError, RuntimeError):  # counted and shown, never fatal
+                    errors += 1
 
         n = requests * 4
         t = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n)))
-        rps = n / (time.perf_counter() - t)
+        rps = (n - errors) / (time.perf_counter() - t)
     lat.sort()
-    return {"p50": statistics.median(lat), "p99": lat[int(0.99 * (len(lat) - 1))], "rps": rps}
+    return {
+        "p50": statistics.median(lat),
+        "p99": lat[int(0.99 * (len(lat) - 1))],
+        "rps": rps,
+        "errors": errors,
+    }
 
 
 def main() -> int:
@@ -112,10 +122,11 @@ def main() -> int:
         help="sequential requests for latency (x4 for throughput)",
     )
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if args.requests < 10 or args.concurrency < 1:
-        p.error("--requests must be >= 10 and --concurrency >= 1")
+    if args.requests < 10 or args.concurrency < 1 or args.rounds < 1:
+        p.error("--requests must be >= 10, --concurrency and --rounds >= 1")
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv4-gw-bench-{os.getpid()}"
     procs: list[ManagedProcess] = []
@@ -161,15 +172,6 @@ def main() -> int:
             ],
         )
         wait_http(f"http://127.0.0.1:{ports['gateway']}/health")
-        rows: dict[str, dict[str, float]] = {}
-        rows["direct (client does P then D)"] = asyncio.run(
-            measure(direct(prefills, decodes), "", args.requests, args.concurrency)
-        )
-        rows["dsv4 gateway"] = asyncio.run(
-            measure(
-                via_router, f"http://127.0.0.1:{ports['gateway']}", args.requests, args.concurrency
-            )
-        )
         router = ensure_vllm_router()
         if router:
             spawn(
@@ -185,17 +187,28 @@ def main() -> int:
                 ],
             )
             wait_http(f"http://127.0.0.1:{ports['router']}/health")
-            try:
-                rows[f"vllm-router {ROUTER_VERSION}"] = asyncio.run(
-                    measure(
-                        via_router,
-                        f"http://127.0.0.1:{ports['router']}",
-                        args.requests,
-                        args.concurrency,
-                    )
+        paths: dict[str, tuple[Any, str]] = {
+            "direct (client does P then D)": (direct(prefills, decodes), ""),
+            "dsv4 gateway": (via_router, f"http://127.0.0.1:{ports['gateway']}"),
+        }
+        if router:
+            paths[f"vllm-router {ROUTER_VERSION}"] = (
+                via_router,
+                f"http://127.0.0.1:{ports['router']}",
+            )
+        # interleave the paths round by round and keep the median: this machine's noise (other
+        # processes, 2 cores) moves single runs by more than the differences being measured
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+        for _ in range(args.rounds):
+            for name, (call, base_url) in paths.items():
+                runs[name].append(
+                    asyncio.run(measure(call, base_url, args.requests, args.concurrency))
                 )
-            except RuntimeError as e:
-                print(f"vllm-router failed: {e}", file=sys.stderr)
+        rows = {
+            name: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "rps")}
+            | {"errors": sum(r["errors"] for r in rs)}
+            for name, rs in runs.items()
+        }
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -205,12 +218,14 @@ def main() -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(
-        f"\nGateway overhead, PD requests (prefill + decode, 16 tokens), fast upstreams on 127.0.0.1, {os.cpu_count()} CPUs\n"
+        f"\nGateway overhead, PD requests (prefill + decode, 16 tokens), fast upstreams on 127.0.0.1, {os.cpu_count()} CPUs, median of {args.rounds} interleaved rounds\n"
     )
-    print(f"{'path':<32}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}")
+    print(
+        f"{'path':<32}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}{'errors':>8}"
+    )
     for name, r in rows.items():
         print(
-            f"{name:<32}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}{(r['p50'] - base['p50']) * 1e3:>11.2f}{(r['p99'] - base['p99']) * 1e3:>11.2f}{r['rps']:>9.0f}"
+            f"{name:<32}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}{(r['p50'] - base['p50']) * 1e3:>11.2f}{(r['p99'] - base['p99']) * 1e3:>11.2f}{r['rps']:>9.0f}{r['errors']:>8.0f}"
         )
     ours = rows["dsv4 gateway"]
     theirs = next((v for k, v in rows.items() if k.startswith("vllm-router")), None)
