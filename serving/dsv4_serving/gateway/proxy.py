@@ -72,6 +72,15 @@ def _client_response(resp: aiohttp.ClientResponse, content: bytes, request_id: s
     )
 
 
+def _kv_transfer_error(content: bytes) -> bool:
+    """Whether an engine's 5xx body is its KV-transfer error (the engine itself is fine)."""
+    try:
+        err = json.loads(content).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("type") == "KVTransferError"
+
+
 def decode_body(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict[str, Any]:
     """Our engines' params are checked strictly; another engine's (vLLM's) pass through as-is."""
     try:
@@ -220,7 +229,10 @@ class Proxy:
                 content = await resp.read()
                 resp.release()
                 routed.release()
-                self._fail(inst)
+                if not _kv_transfer_error(content):
+                    # a failed KV pull is usually the prefill side's fault: retry elsewhere
+                    # (the export stays until its lease ends) without holding it against this one
+                    self._fail(inst)
                 last = f"{role} on {inst.url} answered {resp.status}: {content[:200]!r}"
                 continue
             mark_success(inst)

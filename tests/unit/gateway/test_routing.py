@@ -175,3 +175,13 @@ def test_config_errors_name_the_flag() -> None:
         GatewayConfig(both_urls=["a:1"])
     with pytest.raises(ValueError, match="--port"):
         GatewayConfig(both_urls=["http://a:1"], port=0)
+
+
+def test_kv_transfer_errors_are_not_held_against_the_decode_engine() -> None:
+    from dsv4_serving.gateway.proxy import _kv_transfer_error
+
+    body = b'{"error": {"type": "KVTransferError", "message": "KV transfer failed (reason=timeout)", "code": 503}}'
+    assert _kv_transfer_error(body)
+    assert not _kv_transfer_error(b'{"error": {"type": "InternalServerError"}}')
+    assert not _kv_transfer_error(b"<html>bad gateway</html>")
+    assert not _kv_transfer_error(b"[1, 2]")
