@@ -8,6 +8,8 @@ them dies: its log tail is printed). Process supervision only; every piece is th
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import os
 import secrets
 import signal
@@ -87,21 +89,22 @@ class Child:
         try:
             with urllib.request.urlopen(self.health_url, timeout=2) as r:
                 return int(r.status) == 200
-        except OSError:
+        except (OSError, http.client.HTTPException, ValueError):
             return False
 
     def stop(self, timeout_s: float = 15.0) -> None:
-
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the whole process group, wait for the leader, then SIGKILL whatever of the
+        group is left (an engine's workers outlive a leader that already died)."""
+        if self.proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout_s)
-        except ProcessLookupError:
-            pass
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -110,13 +113,14 @@ class Child:
             return ""
 
 
-def _free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
+def _free_ports(n: int, taken: set[int]) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1, none of them in ``taken``
+    (which it extends: nothing is listening yet, so the OS alone would hand out overlaps)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + n > 65535:
+        if base + n > 65535 or taken & set(range(base, base + n)):
             continue
         ok = True
         for k in range(n):
@@ -127,6 +131,7 @@ def _free_ports(n: int) -> int:
                     ok = False
                     break
         if ok:
+            taken.update(range(base, base + n))
             return base
     raise RuntimeError("no free ports")
 
@@ -144,6 +149,7 @@ def _port_free(host: str, port: int) -> bool:
 def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     """The processes, in start order (sidecars, engines, gateway)."""
     dsv4 = [sys.executable, "-m", "dsv4_serving.cli"]
+    taken: set[int] = {args.port}
     token = run_dir / "kv-token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
@@ -171,7 +177,7 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
             else f"{kind}-{sum(1 for k, _ in roles[:i] if k == kind)}"
         )
         if role == "both":
-            port = _free_ports(1)
+            port = _free_ports(1, taken)
             children.append(
                 Child(
                     name,
@@ -182,7 +188,9 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
             )
             gateway_args += ["--engine", f"http://127.0.0.1:{port}"]
             continue
-        base = _free_ports(4)  # engine, sidecar peer, sidecar control (+1), sidecar metrics (+2)
+        base = _free_ports(
+            4, taken
+        )  # engine, sidecar peer, sidecar control (+1), sidecar metrics (+2)
         port, kv = base, base + 1
         children.append(
             Child(
@@ -271,62 +279,67 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
-    def shutdown(code: int) -> int:
+    def shutdown() -> None:
         print("stopping ...", flush=True)
         for child in reversed(children):
             child.stop()
         print("stopped.", flush=True)
-        return code
 
-    print(f"starting {len(children)} processes (logs in {run_dir}) ...", flush=True)
-    deadline = time.monotonic() + args.startup_timeout
-    # sidecars first, engines next (they load in parallel), the gateway last
-    for group in (
-        [c for c in children if c.name.endswith("sidecar")],
-        [c for c in children if not c.name.endswith("sidecar") and c.name != "gateway"],
-        [c for c in children if c.name == "gateway"],
-    ):
-        for c in group:
-            c.start()
-        pending = list(group)
-        while pending:
-            if stop.is_set():
-                return shutdown(130)
-            for c in list(pending):
+    def supervise() -> int:
+        print(f"starting {len(children)} processes (logs in {run_dir}) ...", flush=True)
+        deadline = time.monotonic() + args.startup_timeout
+        # sidecars first, engines next (they load in parallel), the gateway last
+        for group in (
+            [c for c in children if c.name.endswith("sidecar")],
+            [c for c in children if not c.name.endswith("sidecar") and c.name != "gateway"],
+            [c for c in children if c.name == "gateway"],
+        ):
+            for c in group:
+                c.start()
+            pending = list(group)
+            while pending:
+                if stop.is_set():
+                    return 130
+                for c in list(pending):
+                    if not c.alive():
+                        print(
+                            f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
+                            file=sys.stderr,
+                        )
+                        return 1
+                    if c.healthy():
+                        print(f"  {c.name} ready", flush=True)
+                        pending.remove(c)
+                if time.monotonic() > deadline:
+                    names = ", ".join(c.name for c in pending)
+                    print(
+                        f"\n{names} not healthy after {args.startup_timeout:.0f}s; last log lines:\n"
+                        + "\n".join(c.tail(15) for c in pending),
+                        file=sys.stderr,
+                    )
+                    return 1
+                time.sleep(0.3)
+
+        url = f"http://{args.host}:{args.port}"
+        model = Path(args.model).name if os.sep in args.model else args.model
+        print(
+            f"\ndsv4 is up: {url}  (model {model}; {'one engine' if args.no_pd else f'{args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport}'})\n\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f'       -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'\n\n'
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            for c in children:
                 if not c.alive():
                     print(
                         f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
                         file=sys.stderr,
                     )
-                    return shutdown(1)
-                if c.healthy():
-                    print(f"  {c.name} ready", flush=True)
-                    pending.remove(c)
-            if time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
-                print(
-                    f"\n{names} not healthy after {args.startup_timeout:.0f}s; last log lines:\n"
-                    + "\n".join(c.tail(15) for c in pending),
-                    file=sys.stderr,
-                )
-                return shutdown(1)
-            time.sleep(0.3)
+                    return 1
+        return 0
 
-    url = f"http://{args.host}:{args.port}"
-    model = Path(args.model).name if os.sep in args.model else args.model
-    print(
-        f"\ndsv4 is up: {url}  (model {model}; {'one engine' if args.no_pd else f'{args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport}'})\n\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-        f'       -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'\n\n'
-        "Ctrl-C stops everything.",
-        flush=True,
-    )
-    while not stop.wait(1.0):
-        for c in children:
-            if not c.alive():
-                print(
-                    f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
-                    file=sys.stderr,
-                )
-                return shutdown(1)
-    return shutdown(0)
+    try:
+        return supervise()
+    finally:  # whatever ended it (Ctrl-C, a dead child, an exception): stop every child
+        shutdown()

@@ -40,7 +40,8 @@ def members_from_slices(slices: list[dict[str, Any]]) -> dict[Role, set[str]]:
         if port is None:
             continue
         for ep in s.get("endpoints") or []:
-            if not (ep.get("conditions") or {}).get("ready", False):
+            # an unset "ready" means unknown, which consumers are to treat as ready
+            if (ep.get("conditions") or {}).get("ready") is False:
                 continue
             pod = (ep.get("targetRef") or {}).get("name", "")
             if _FOLLOWER.search(pod):

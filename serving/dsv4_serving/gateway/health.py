@@ -85,8 +85,11 @@ async def health_loop(
     eject_after: int,
 ) -> None:
     while True:
-        instances = pool.all()
-        await asyncio.gather(*(check_once(client, i, metrics, eject_after) for i in instances))
-        for role in ("prefill", "decode", "both"):
-            metrics.healthy.labels(role).set(len(pool.of_role(role)))  # type: ignore[arg-type]
+        try:
+            instances = pool.all()
+            await asyncio.gather(*(check_once(client, i, metrics, eject_after) for i in instances))
+            for role in ("prefill", "decode", "both"):
+                metrics.healthy.labels(role).set(len(pool.of_role(role)))  # type: ignore[arg-type]
+        except Exception:  # the loop must outlive any one bad answer, or nobody is re-admitted
+            log.exception("health check round failed")
         await asyncio.sleep(interval_s)

@@ -40,13 +40,15 @@ class Policy(Protocol):
 
 
 class _Rotating:
-    """Shared tie-breaking: the starting point advances on every decision."""
+    """Shared tie-breaking: the starting point advances on every decision, separately per stage
+    (one counter for prefill and decode would pair p0 with d1 forever)."""
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._counters: dict[str, itertools.count[int]] = {}
 
-    def _order(self, n: int) -> list[int]:
-        start = next(self._counter) % n if n else 0
+    def _order(self, n: int, stage: str) -> list[int]:
+        counter = self._counters.setdefault(stage, itertools.count())
+        start = next(counter) % n if n else 0
         return [(start + k) % n for k in range(n)]
 
 
@@ -57,7 +59,7 @@ class RoundRobin(_Rotating):
         slots = [(inst, r) for inst in candidates for r in range(inst.dp_size)]
         if not slots:
             return None
-        inst, rank = slots[self._order(len(slots))[0]]
+        inst, rank = slots[self._order(len(slots), req.stage)[0]]
         return Choice(inst, rank)
 
 
@@ -69,7 +71,7 @@ class LeastLoad(_Rotating):
         if not slots:
             return None
         best: tuple[float, Instance, int] | None = None
-        for k in self._order(len(slots)):
+        for k in self._order(len(slots), req.stage):
             inst, r = slots[k]
             load = inst.ranks[r]
             score = load.inflight_requests + load.waiting
@@ -92,7 +94,7 @@ class DPLB(_Rotating):
         if not slots:
             return None
         best: tuple[float, Instance, int, int] | None = None
-        for k in self._order(len(slots)):
+        for k in self._order(len(slots), req.stage):
             inst, r = slots[k]
             load = inst.ranks[r]
             cached = 0

@@ -38,8 +38,8 @@ def _text_of_messages(messages: Any) -> str:
             continue
         content = m.get("content")
         if isinstance(content, list):  # content parts
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"{m.get('role', '')}\n{content or ''}\n")
+            content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+        parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
     return "".join(parts)
 
 

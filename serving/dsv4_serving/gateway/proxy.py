@@ -180,9 +180,11 @@ class Proxy:
             mark_success(inst)
             inst.prefix.add(req.block_hashes)
             try:
-                answer: dict[str, Any] = json.loads(content)
+                answer = json.loads(content)
             except ValueError:
-                last = f"prefill on {inst.url} answered invalid JSON"
+                answer = None
+            if not isinstance(answer, dict):
+                last = f"prefill on {inst.url} answered something other than a JSON object"
                 continue
             return answer, inst
         raise self._exhausted("prefill", tried, last, request_id)
@@ -206,60 +208,67 @@ class Proxy:
             inst = choice.instance
             routed = Routed(inst, choice.rank, req.prompt_tokens)
             inst.begin(routed.rank, routed.tokens)
+            resp: aiohttp.ClientResponse | None = None
+            handed_over = False  # once a RelayResponse owns resp and routed, it cleans up
             try:
-                resp = await asyncio.wait_for(
-                    self.client.post(
-                        inst.url + path,
-                        data=json.dumps(body),
-                        headers=self._headers(request_id, choice),
-                        timeout=aiohttp.ClientTimeout(
-                            total=None,
-                            sock_connect=self.cfg.connect_timeout_s,
-                            sock_read=self.cfg.stream_idle_timeout_s,
-                        ),
-                    ),
-                    self.cfg.first_byte_timeout_s,
-                )
-            except (aiohttp.ClientError, TimeoutError) as e:
-                routed.release()
-                self._fail(inst)
-                last = f"{role} on {inst.url} failed: {type(e).__name__}: {e}"
-                continue
-            if resp.status >= 500:
-                content = await resp.read()
-                resp.release()
-                routed.release()
-                if not _kv_transfer_error(content):
-                    # a failed KV pull is usually the prefill side's fault: retry elsewhere
-                    # (the export stays until its lease ends) without holding it against this one
-                    self._fail(inst)
-                last = f"{role} on {inst.url} answered {resp.status}: {content[:200]!r}"
-                continue
-            mark_success(inst)
-            if role != "decode":
-                inst.prefix.add(req.block_hashes)
-            if not stream or resp.status != 200:
                 try:
-                    content = await resp.read()
+                    resp = await asyncio.wait_for(
+                        self.client.post(
+                            inst.url + path,
+                            data=json.dumps(body),
+                            headers=self._headers(request_id, choice),
+                            timeout=aiohttp.ClientTimeout(
+                                total=None,
+                                sock_connect=self.cfg.connect_timeout_s,
+                                sock_read=self.cfg.stream_idle_timeout_s,
+                            ),
+                        ),
+                        self.cfg.first_byte_timeout_s,
+                    )
                 except (aiohttp.ClientError, TimeoutError) as e:
                     self._fail(inst)
-                    return error(
-                        502,
-                        f"{role} on {inst.url} broke off: {e}",
-                        "upstream_error",
-                        headers={"x-request-id": request_id},
-                    )
-                finally:
-                    resp.release()
-                    routed.release()
+                    last = f"{role} on {inst.url} failed: {type(e).__name__}: {e}"
+                    continue
+                if resp.status >= 500:
+                    content = await resp.read()
+                    if not _kv_transfer_error(content):
+                        # a failed KV pull is usually the prefill side's fault: retry elsewhere
+                        # (the export stays until its lease ends) without holding it against this one
+                        self._fail(inst)
+                    last = f"{role} on {inst.url} answered {resp.status}: {content[:200]!r}"
+                    continue
+                mark_success(inst)
+                if role != "decode":
+                    inst.prefix.add(req.block_hashes)
+                if not stream or resp.status != 200:
+                    try:
+                        content = await resp.read()
+                    except (aiohttp.ClientError, TimeoutError) as e:
+                        self._fail(inst)
+                        timer.done(ok=False)
+                        return error(
+                            502,
+                            f"{role} on {inst.url} broke off: {e}",
+                            "upstream_error",
+                            headers={"x-request-id": request_id},
+                        )
                     timer.done(ok=resp.status == 200)
-                return _client_response(resp, content, request_id)
-            return StreamingResponse(
-                self._relay(resp, routed, inst, timer),
-                status_code=200,
-                media_type=resp.headers.get("content-type", "text/event-stream"),
-                headers={"x-request-id": request_id, "cache-control": "no-cache"},
-            )
+                    return _client_response(resp, content, request_id)
+                handed_over = True
+                return RelayResponse(
+                    self._relay(resp, routed, inst, timer),
+                    on_close=lambda resp=resp, routed=routed: _abandon(resp, routed, timer),
+                    status_code=200,
+                    media_type=resp.headers.get("content-type", "text/event-stream"),
+                    headers={"x-request-id": request_id, "cache-control": "no-cache"},
+                )
+            finally:
+                # every way out of an attempt (errors, retries, cancellation when the client
+                # leaves) gives back the instance's load and the connection, unless handed over
+                if not handed_over:
+                    if resp is not None:
+                        resp.close()
+                    routed.release()
         raise self._exhausted(role, tried, last, request_id)
 
     async def _relay(
@@ -283,7 +292,8 @@ class Proxy:
                     }
                 }
             )
-            yield f"data: {msg}\n\ndata: [DONE]\n\n".encode()
+            # a leading blank line ends any event the upstream left half-sent
+            yield f"\n\ndata: {msg}\n\ndata: [DONE]\n\n".encode()
         finally:
             # close (not release) when cut short: dropping the connection aborts the engine's request
             if ok:
@@ -292,6 +302,31 @@ class Proxy:
                 resp.close()
             routed.release()
             timer.done(ok=ok)
+
+
+def _abandon(resp: aiohttp.ClientResponse, routed: Routed, timer: RequestTimer) -> None:
+    """Clean-up for a relay whose body iterator may never have run (client gone before the first
+    send): idempotent with the iterator's own ``finally``."""
+    if not resp.closed:
+        resp.close()
+    routed.release()
+    timer.done(ok=False)
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that always runs ``on_close``, even if its iterator never starts."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class RequestTimer:
@@ -339,3 +374,5 @@ async def race_disconnect(
         return None
     finally:
         watcher.cancel()
+        if not task.done():  # this coroutine itself was cancelled
+            task.cancel()

@@ -185,3 +185,15 @@ def test_kv_transfer_errors_are_not_held_against_the_decode_engine() -> None:
     assert not _kv_transfer_error(b'{"error": {"type": "InternalServerError"}}')
     assert not _kv_transfer_error(b"<html>bad gateway</html>")
     assert not _kv_transfer_error(b"[1, 2]")
+
+
+@pytest.mark.parametrize("name", ["round_robin", "dplb"])
+def test_prefill_and_decode_rotate_independently(name: str) -> None:
+    policy = make_policy(name)  # type: ignore[arg-type]
+    prefills, decodes = _pool(2, "prefill"), _pool(2, "decode")
+    pairs = Counter()
+    for _ in range(8):
+        p = policy.choose(prefills, RouteRequest(prompt_tokens=10))
+        d = policy.choose(decodes, RouteRequest(prompt_tokens=10, stage="decode"))
+        pairs[(p.instance.url, d.instance.url)] += 1  # type: ignore[union-attr]
+    assert len({p for p, _ in pairs}) == 2 and len({d for _, d in pairs}) == 2
