@@ -137,6 +137,12 @@ class Controller:
             created, rejected = [], []
             for obj in desired:
                 key = (obj["kind"], obj["metadata"]["name"])
+                if key not in existing and self._foreign(obj):
+                    # never adopt (and later prune) an object someone else made under our name
+                    rejected.append(
+                        f"{key[0]} {key[1]} already exists and is not owned by this DeepSeekV4Deployment"
+                    )
+                    continue
                 try:
                     self.kube.apply(obj)
                 except KubeError as e:
@@ -175,6 +181,16 @@ class Controller:
                 self.event(
                     body, status["phase"], f"phase {status['phase']}: {detail}", warning=degraded
                 )
+
+    def _foreign(self, obj: dict[str, Any]) -> bool:
+        """Whether an object of that kind and name exists without our controller reference."""
+        meta = obj["metadata"]
+        current = self.kube.get(obj["kind"], meta["namespace"], meta["name"])
+        if current is None:
+            return False
+        ours = meta["ownerReferences"][0]["uid"]
+        refs = current["metadata"].get("ownerReferences") or []
+        return not any(r.get("uid") == ours for r in refs)
 
     def _existing(self, namespace: str, name: str, uid: str, lws: bool) -> set[tuple[str, str]]:
         """Children of this CR that exist now (owned by its uid, so a same-named successor is safe)."""

@@ -26,6 +26,12 @@ CHILD_RESOURCES = [
     ("", "v1", "pods"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    ("", "v1", "secrets"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    # kopf skips a resource its cluster does not serve; the CRD watch below resyncs when it appears
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
 ]
 MANAGED = {"app.kubernetes.io/managed-by": names.MANAGER}
 

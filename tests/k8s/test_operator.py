@@ -365,3 +365,29 @@ def test_leaderworkerset_only_when_its_crd_is_installed(k8s_cluster, operator, n
         cluster.kubectl("delete", "dsv4", "lws", "-n", ns, "--wait=true")
     finally:
         cluster.kubectl("delete", "crd", "leaderworkersets.leaderworkerset.x-k8s.io", "--wait=true")
+
+
+def test_objects_it_does_not_own_are_never_adopted(k8s_cluster, operator, namespace) -> None:
+    cluster, ns = k8s_cluster, namespace
+    cluster.kubectl("create", "configmap", "mine-engine", "-n", ns, "--from-literal=owner=user")
+    apply_yaml(cluster, json.dumps(_npu_cr("mine", prefill={"parallelism": {"tp": 8}})), ns)
+    st = wait_for(
+        "Degraded because of the foreign ConfigMap",
+        lambda: _phase_is(cluster, ns, "mine", "Degraded"),
+    )
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidChild"
+    assert "ConfigMap mine-engine already exists and is not owned" in degraded["message"]
+    cm = kubectl_json(cluster, "get", "configmap", "mine-engine", "-n", ns)
+    assert cm["data"] == {"owner": "user"} and not cm["metadata"].get("ownerReferences")
+    # a deleted child the operator does own (a Secret) comes back
+    wait_for("the KV secret", lambda: "Secret/mine-kv-auth" in _children(cluster, ns, "mine"))
+    cluster.kubectl("delete", "secret", "mine-kv-auth", "-n", ns)
+    wait_for(
+        "the KV secret recreated", lambda: "Secret/mine-kv-auth" in _children(cluster, ns, "mine")
+    )
+    cluster.kubectl("delete", "dsv4", "mine", "-n", ns, "--wait=true")
+    wait_for("children collected", lambda: not _children(cluster, ns, "mine"), timeout_s=60)
+    assert kubectl_json(cluster, "get", "configmap", "mine-engine", "-n", ns)["data"] == {
+        "owner": "user"
+    }

@@ -86,8 +86,14 @@ def compute_status(
         _condition(
             "Ready",
             all_ready and not degraded,
-            "AllInstancesReady" if all_ready else "InstancesNotReady",
-            "every instance and the gateway are ready" if all_ready else f"waiting for {waiting}",
+            "Degraded" if degraded else ("AllInstancesReady" if all_ready else "InstancesNotReady"),
+            message
+            if degraded
+            else (
+                "every instance and the gateway are ready"
+                if all_ready
+                else f"waiting for {waiting}"
+            ),
             g,
             prev_conditions,
             now,
