@@ -8,20 +8,19 @@ them dies: its log tail is printed). Process supervision only; every piece is th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
+
+from dsv4_operator.devcluster.process import ManagedProcess
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,28 +61,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass
 class Child:
-    name: str
-    argv: list[str]
-    health_url: str
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
+    """One process of the stack: a ManagedProcess (own group, dies with us, logs to a file) and
+    the URL that says it is healthy."""
+
+    def __init__(self, name: str, argv: list[str], health_url: str, log: Path) -> None:
+        self.name = name
+        self.health_url = health_url
+        self.proc = ManagedProcess(name, argv, log)
 
     def start(self) -> None:
-
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+        self.proc.start(env={"PYTHONUNBUFFERED": "1"})
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc.running()
 
     def healthy(self) -> bool:
         try:
@@ -92,25 +83,11 @@ class Child:
         except (OSError, http.client.HTTPException, ValueError):
             return False
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the whole process group, wait for the leader, then SIGKILL whatever of the
-        group is left (an engine's workers outlive a leader that already died)."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=timeout_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=timeout_s)
+    def stop(self) -> None:
+        self.proc.stop(timeout_s=15.0)
 
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+    def exited(self) -> str:
+        return f"\n{self.name} exited with status {self.proc.exit_code()}; its log ({self.proc.log_path}):\n{self.proc.tail(30)}"
 
 
 def _free_ports(n: int, taken: set[int]) -> int:
@@ -302,10 +279,7 @@ def run(args: argparse.Namespace) -> int:
                     return 130
                 for c in list(pending):
                     if not c.alive():
-                        print(
-                            f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
-                            file=sys.stderr,
-                        )
+                        print(c.exited(), file=sys.stderr)
                         return 1
                     if c.healthy():
                         print(f"  {c.name} ready", flush=True)
@@ -314,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
                     names = ", ".join(c.name for c in pending)
                     print(
                         f"\n{names} not healthy after {args.startup_timeout:.0f}s; last log lines:\n"
-                        + "\n".join(c.tail(15) for c in pending),
+                        + "\n".join(c.proc.tail(15) for c in pending),
                         file=sys.stderr,
                     )
                     return 1
@@ -332,10 +306,7 @@ def run(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             for c in children:
                 if not c.alive():
-                    print(
-                        f"\n{c.name} exited with status {c.proc.returncode if c.proc else '?'}; its log ({c.log}):\n{c.tail()}",
-                        file=sys.stderr,
-                    )
+                    print(c.exited(), file=sys.stderr)
                     return 1
         return 0
 

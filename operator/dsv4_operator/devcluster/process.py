@@ -62,18 +62,18 @@ class ManagedProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL what is left after ``timeout_s``."""
+        """SIGTERM the whole process group, wait for the leader, then SIGKILL whatever of the
+        group is left: children (an engine's workers) can outlive a leader that already exited."""
         proc = self._proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
 
     def tail(self, lines: int = 40) -> str:
         try:
