@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import sys
 import tempfile
 import time
@@ -102,11 +104,8 @@ class Stack:
 @pytest.fixture(scope="module")
 def two_engines() -> Iterator[tuple[Service, Service]]:
     a, b = engine("engine-a"), engine("engine-b")
-    a.launch(), b.launch()  # load both at once
-    a.wait_ready(), b.wait_ready()
-    yield a, b
-    a.stop()
-    b.stop()
+    with running(a, b):
+        yield a, b
 
 
 def routed_counts(gateway_url: str) -> dict[str, float]:
@@ -138,6 +137,28 @@ class SidecarService(Service):
             "--shm-name", f"dsv4-test-{name}-{base}", "--staging-bytes", str(64 << 20),
         ]  # fmt: skip
         self.proc = ManagedProcess(name, argv, LOG_DIR / f"{name}-{base}.log")
+
+
+@contextlib.contextmanager
+def running(*services: Service, timeout_s: float = 180.0) -> Iterator[tuple[Service, ...]]:
+    """Launch all (they load in parallel), wait until each is healthy, stop all on the way out."""
+    try:
+        for s in services:
+            s.launch()
+        for s in services:
+            s.wait_ready(timeout_s)
+        yield services
+    finally:
+        for s in reversed(services):
+            s.stop()
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    """The KV sidecars' shared secret."""
+    path = tmp_path / "kv-token"
+    path.write_text(secrets.token_urlsafe(24))
+    return path
 
 
 def pd_pair(

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Service, engine, gateway, routed_counts
+from tests.gateway.conftest import Service, engine, gateway, routed_counts, running
 
 PROMPTS = [
     "hello world",
@@ -207,10 +207,8 @@ def test_client_disconnect_aborts_the_engine_request(two_engines) -> None:  # ty
 
 def test_dead_engine_is_ejected_and_nothing_hangs() -> None:
     a, b = engine("engine-x"), engine("engine-y")
-    a.launch(), b.launch()
-    a.wait_ready(), b.wait_ready()
-    g = gateway("gateway-failover", "--engine", a.url, "--engine", b.url, "--retries", "1").start()
-    try:
+    failover = gateway("gateway-failover", "--engine", a.url, "--engine", b.url, "--retries", "1")
+    with running(a, b), running(failover) as (g,):
 
         async def load() -> list[tuple[int, str, float]]:
             async with httpx.AsyncClient(timeout=120) as c:
@@ -252,28 +250,16 @@ def test_dead_engine_is_ejected_and_nothing_hangs() -> None:
         health = httpx.get(f"{g.url}/health", timeout=5).json()
         assert health["healthy"]["both"] == 1
         assert "dsv4_gateway_ejections_total" in httpx.get(f"{g.url}/metrics", timeout=5).text
-    finally:
-        g.stop()
-        a.stop()
-        b.stop()
 
 
 def test_slowed_engine_receives_clearly_less() -> None:
     fast, slow = engine("engine-fast"), engine("engine-slow", "--max-num-seqs", "1")
-    fast.launch(), slow.launch()
-    fast.wait_ready(), slow.wait_ready()
-    g = gateway(
-        "gateway-dplb", "--engine", fast.url, "--engine", slow.url, "--policy", "dplb"
-    ).start()
-    try:
+    dplb = gateway("gateway-dplb", "--engine", fast.url, "--engine", slow.url, "--policy", "dplb")
+    with running(fast, slow), running(dplb) as (g,):
         with ThreadPoolExecutor(12) as pool:
             list(pool.map(lambda i: _complete(g.url, f"req {i}", max_tokens=24), range(48)))
         counts = routed_counts(g.url)
         assert counts[slow.url] < 0.6 * counts[fast.url], counts
-    finally:
-        g.stop()
-        fast.stop()
-        slow.stop()
 
 
 def test_gateway_cli_errors_name_the_flag() -> None:

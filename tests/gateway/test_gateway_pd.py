@@ -4,8 +4,6 @@ tokens as one engine doing both (greedy); `dsv4 up` end to end; load and a dying
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import sys
 import tempfile
 import time
@@ -17,7 +15,15 @@ import openai
 import pytest
 
 from dsv4_operator.devcluster.process import ManagedProcess, free_port
-from tests.gateway.conftest import LOG_DIR, Service, engine, gateway, pd_pair, routed_counts
+from tests.gateway.conftest import (
+    LOG_DIR,
+    Service,
+    engine,
+    gateway,
+    pd_pair,
+    routed_counts,
+    running,
+)
 from tests.gateway.vllm_router import ensure_vllm_router
 
 PROMPTS = [
@@ -165,25 +171,19 @@ def test_vllm_router_drives_our_engines(up: Up, reference: Service) -> None:
         proc.stop()
 
 
-def test_pd_under_load_survives_a_dead_decode_engine(reference: Service) -> None:
-    token = Path(tempfile.mkdtemp()) / "token"
-    token.write_text(secrets.token_urlsafe(24))
-    pairs = [pd_pair(f"p{i}", "prefill", token) for i in range(2)] + [
-        pd_pair(f"d{i}", "decode", token) for i in range(2)
+def test_pd_under_load_survives_a_dead_decode_engine(reference: Service, token_file: Path) -> None:
+    pairs = [pd_pair(f"p{i}", "prefill", token_file) for i in range(2)] + [
+        pd_pair(f"d{i}", "decode", token_file) for i in range(2)
     ]
-    services = [s for pair in pairs for s in pair]
-    for s in services:
-        s.launch()
-    g = None
-    try:
-        for s in services:
-            s.wait_ready(180)
-        args = [
-            a
-            for (_, e), role in zip(pairs, ["prefill", "prefill", "decode", "decode"], strict=True)
-            for a in (f"--{role}", e.url)
-        ]
-        g = gateway("gateway-pd", *args).start()
+    args = [
+        a
+        for (_, e), role in zip(pairs, ["prefill", "prefill", "decode", "decode"], strict=True)
+        for a in (f"--{role}", e.url)
+    ]
+    with (
+        running(*(s for pair in pairs for s in pair)),
+        running(gateway("gateway-pd", *args)) as (g,),
+    ):
 
         async def load(n: int, kill_at: float | None) -> list[tuple[int, str, float]]:
             async with httpx.AsyncClient(timeout=180) as c:
@@ -249,34 +249,16 @@ def test_pd_under_load_survives_a_dead_decode_engine(reference: Service) -> None
             'dsv4_gateway_retries_total{stage="prefill"}' in metrics
             or "dsv4_gateway_ejections_total{" in metrics
         )
-    finally:
-        if g:
-            g.stop()
-        for s in reversed(services):
-            s.stop()
-        os.unlink(token)
 
 
-def test_selective_pd_sends_short_prompts_to_decode_alone(reference: Service) -> None:
-    token = Path(tempfile.mkdtemp()) / "token"
-    token.write_text(secrets.token_urlsafe(24))
-    (ps, pe), (ds, de) = pd_pair("sp", "prefill", token), pd_pair("sd", "decode", token)
-    services = [ps, pe, ds, de]
-    for s in services:
-        s.launch()
-    g = None
-    try:
-        for s in services:
-            s.wait_ready(180)
-        g = gateway(
-            "gateway-selective",
-            "--prefill",
-            pe.url,
-            "--decode",
-            de.url,
-            "--selective-pd-tokens",
-            "64",
-        ).start()
+def test_selective_pd_sends_short_prompts_to_decode_alone(
+    reference: Service, token_file: Path
+) -> None:
+    (ps, pe), (ds, de) = pd_pair("sp", "prefill", token_file), pd_pair("sd", "decode", token_file)
+    selective = gateway(
+        "gateway-selective", "--prefill", pe.url, "--decode", de.url, "--selective-pd-tokens", "64"
+    )
+    with running(ps, pe, ds, de), running(selective) as (g,):
         short, long = "hi there", "x" * 200
         for prompt in (short, long):
             assert _complete(g.url, prompt, stream=False) == _complete(
@@ -287,9 +269,3 @@ def test_selective_pd_sends_short_prompts_to_decode_alone(reference: Service) ->
         assert counts[de.url] == 2
         metrics = httpx.get(f"{g.url}/metrics", timeout=5).text
         assert "dsv4_gateway_selective_pd_total 1.0" in metrics
-    finally:
-        if g:
-            g.stop()
-        for s in reversed(services):
-            s.stop()
-        os.unlink(token)
