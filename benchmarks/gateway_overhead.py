@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.gateway.vllm_router import ROUTER_VERSION, ensure_vllm_router  # noqa: E402
 
-from dsv4_operator.devcluster.process import ManagedProcess, free_port  # noqa: E402
+from dsv4_common.process import ManagedProcess, free_port  # noqa: E402
 
 
 def wait_http(url: str, timeout_s: float = 60) -> None:
@@ -162,7 +162,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "dsv4_serving.cli",
+                "dsv4_common.cli",
                 "gateway",
                 "--port",
                 str(ports["gateway"]),

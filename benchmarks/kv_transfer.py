@@ -97,7 +97,7 @@ class Pair:
         cmd = [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             "kv-sidecar",
             "--transport",
             transport,

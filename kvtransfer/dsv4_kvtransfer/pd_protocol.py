@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KV_PROTOCOL_VERSION = 1
+KV_TRANSFER_ERROR_TYPE = "kv_transfer_error"
+"""The ``error.type`` a decode engine answers with when it could not get a request's KV (pull
+failed, lease gone, layouts differ) and its failure policy is ``fail``: the request can be
+retried on another decode engine, or prefilled again. Gateways match on this constant."""
 MAX_BLOCK_IDS = 1 << 20
 MAX_GROUPS = 256
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")

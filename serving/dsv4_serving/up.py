@@ -8,7 +8,6 @@ them dies: its log tail is printed). Process supervision only; every piece is th
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import secrets
 import signal
@@ -17,10 +16,10 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from dsv4_operator.devcluster.process import ManagedProcess
+from dsv4_common.ports import sidecar_control_port, sidecar_metrics_port
+from dsv4_common.process import Service, dsv4_argv, free_ports
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,56 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-class Child:
-    """One process of the stack: a ManagedProcess (own group, dies with us, logs to a file) and
-    the URL that says it is healthy."""
-
-    def __init__(self, name: str, argv: list[str], health_url: str, log: Path) -> None:
-        self.name = name
-        self.health_url = health_url
-        self.proc = ManagedProcess(name, argv, log)
-
-    def start(self) -> None:
-        self.proc.start(env={"PYTHONUNBUFFERED": "1"})
-
-    def alive(self) -> bool:
-        return self.proc.running()
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.health_url, timeout=2) as r:
-                return int(r.status) == 200
-        except (OSError, http.client.HTTPException, ValueError):
-            return False
-
-    def stop(self) -> None:
-        self.proc.stop(timeout_s=15.0)
-
-    def exited(self) -> str:
-        return f"\n{self.name} exited with status {self.proc.exit_code()}; its log ({self.proc.log_path}):\n{self.proc.tail(30)}"
-
-
-def _free_ports(n: int, taken: set[int]) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1, none of them in ``taken``
-    (which it extends: nothing is listening yet, so the OS alone would hand out overlaps)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535 or taken & set(range(base, base + n)):
-            continue
-        ok = True
-        for k in range(n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + k))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            taken.update(range(base, base + n))
-            return base
-    raise RuntimeError("no free ports")
+def _exited(c: Service) -> str:
+    return f"\n{c.name} exited with status {c.exit_code()}; its log ({c.log_path}):\n{c.tail(30)}"
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -123,9 +74,9 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
+def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
     """The processes, in start order (sidecars, engines, gateway)."""
-    dsv4 = [sys.executable, "-m", "dsv4_serving.cli"]
+    dsv4 = dsv4_argv()
     taken: set[int] = {args.port}
     token = run_dir / "kv-token"
     token.write_text(secrets.token_urlsafe(32))
@@ -140,7 +91,7 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         "--host",
         "127.0.0.1",
     ]
-    children: list[Child] = []
+    children: list[Service] = []
     roles = (
         [("engine", "both")]
         if args.no_pd
@@ -154,23 +105,22 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
             else f"{kind}-{sum(1 for k, _ in roles[:i] if k == kind)}"
         )
         if role == "both":
-            port = _free_ports(1, taken)
+            port = free_ports(1, taken)
             children.append(
-                Child(
+                Service(
                     name,
                     [*engine, "--port", str(port), *args.engine_arg],
-                    f"http://127.0.0.1:{port}/health",
                     run_dir / f"{name}.log",
+                    f"http://127.0.0.1:{port}",
                 )
             )
             gateway_args += ["--engine", f"http://127.0.0.1:{port}"]
             continue
-        base = _free_ports(
-            4, taken
-        )  # engine, sidecar peer, sidecar control (+1), sidecar metrics (+2)
+        # engine, then the sidecar's peer port and the control and metrics ports derived from it
+        base = free_ports(4, taken)
         port, kv = base, base + 1
         children.append(
-            Child(
+            Service(
                 f"{name}-sidecar",
                 [
                     *dsv4,
@@ -182,9 +132,9 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
                     "--port",
                     str(kv),
                     "--control-port",
-                    str(kv + 1),
+                    str(sidecar_control_port(kv)),
                     "--metrics-port",
-                    str(kv + 2),
+                    str(sidecar_metrics_port(kv)),
                     "--metrics-host",
                     "127.0.0.1",
                     "--engine-url",
@@ -196,12 +146,12 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
                     "--staging-bytes",
                     str(256 << 20),
                 ],
-                f"http://127.0.0.1:{kv + 2}/health",
                 run_dir / f"{name}-sidecar.log",
+                f"http://127.0.0.1:{sidecar_metrics_port(kv)}",
             )
         )
         children.append(
-            Child(
+            Service(
                 name,
                 [
                     *engine,
@@ -210,16 +160,16 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
                     "--port",
                     str(port),
                     "--kv-sidecar",
-                    f"http://127.0.0.1:{kv + 1}",
+                    f"http://127.0.0.1:{sidecar_control_port(kv)}",
                     *args.engine_arg,
                 ],
-                f"http://127.0.0.1:{port}/health",
                 run_dir / f"{name}.log",
+                f"http://127.0.0.1:{port}",
             )
         )
         gateway_args += [f"--{role}", f"http://127.0.0.1:{port}"]
     children.append(
-        Child(
+        Service(
             "gateway",
             [
                 *dsv4,
@@ -232,8 +182,8 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Child]:
                 "warning",
                 *gateway_args,
             ],
-            f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/health",
             run_dir / "gateway.log",
+            f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}",
         )
     )
     return children
@@ -259,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     def shutdown() -> None:
         print("stopping ...", flush=True)
         for child in reversed(children):
-            child.stop()
+            child.stop(timeout_s=15.0)
         print("stopped.", flush=True)
 
     def supervise() -> int:
@@ -272,14 +222,14 @@ def run(args: argparse.Namespace) -> int:
             [c for c in children if c.name == "gateway"],
         ):
             for c in group:
-                c.start()
+                c.start(env={"PYTHONUNBUFFERED": "1"})
             pending = list(group)
             while pending:
                 if stop.is_set():
                     return 130
                 for c in list(pending):
-                    if not c.alive():
-                        print(c.exited(), file=sys.stderr)
+                    if not c.running():
+                        print(_exited(c), file=sys.stderr)
                         return 1
                     if c.healthy():
                         print(f"  {c.name} ready", flush=True)
@@ -288,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                     names = ", ".join(c.name for c in pending)
                     print(
                         f"\n{names} not healthy after {args.startup_timeout:.0f}s; last log lines:\n"
-                        + "\n".join(c.proc.tail(15) for c in pending),
+                        + "\n".join(c.tail(15) for c in pending),
                         file=sys.stderr,
                     )
                     return 1
@@ -305,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
         )
         while not stop.wait(1.0):
             for c in children:
-                if not c.alive():
-                    print(c.exited(), file=sys.stderr)
+                if not c.running():
+                    print(_exited(c), file=sys.stderr)
                     return 1
         return 0
 

@@ -31,7 +31,7 @@ class EngineServer:
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             prefix="dsv4-engine-", suffix=".log", delete=False
         )
-        cmd = [sys.executable, "-m", "dsv4_serving.cli", "engine", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "dsv4_common.cli", "engine", "--host", "127.0.0.1",
                "--port", str(self.port), *args]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(

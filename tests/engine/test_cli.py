@@ -12,7 +12,7 @@ from dsv4_serving.entrypoints.cli import add_arguments, build_config
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dsv4_serving.cli", "engine", *args],
+        [sys.executable, "-m", "dsv4_common.cli", "engine", *args],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_operator.devcluster.process import ManagedProcess, free_port
+from dsv4_common.process import ManagedProcess, free_port
 
 LOG_DIR = Path(tempfile.gettempdir()) / "dsv4-test-gateway"
 
@@ -27,7 +27,7 @@ class Service:
         argv = [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             *subcommand,
             "--host",
             "127.0.0.1",
@@ -130,7 +130,7 @@ class SidecarService(Service):
         self.url = f"http://127.0.0.1:{self.metrics_port}"
         self.port = self.metrics_port
         argv = [
-            sys.executable, "-m", "dsv4_serving.cli", "kv-sidecar", "--transport", "tcp",
+            sys.executable, "-m", "dsv4_common.cli", "kv-sidecar", "--transport", "tcp",
             "--host", "127.0.0.1", "--port", str(self.kv_port), "--control-port", str(self.control_port),
             "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
             "--engine-url", f"http://127.0.0.1:{engine_port}", "--auth-token-file", str(token_file),

@@ -12,7 +12,7 @@ from tests.gateway.conftest import gateway
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dsv4_serving.cli", "bench", *args],
+        [sys.executable, "-m", "dsv4_common.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=300,

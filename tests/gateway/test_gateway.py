@@ -267,14 +267,14 @@ def test_gateway_cli_errors_name_the_flag() -> None:
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "dsv4_serving.cli", "gateway", "--prefill", "http://127.0.0.1:1"],
+        [sys.executable, "-m", "dsv4_common.cli", "gateway", "--prefill", "http://127.0.0.1:1"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode != 0 and "--decode" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "dsv4_serving.cli", "gateway", "--engine", "localhost:1"],
+        [sys.executable, "-m", "dsv4_common.cli", "gateway", "--engine", "localhost:1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from dsv4_operator.devcluster.process import ManagedProcess, free_port
+from dsv4_common.process import ManagedProcess, free_port
 from tests.gateway.conftest import (
     LOG_DIR,
     Service,
@@ -49,7 +49,7 @@ class Up:
         argv = [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             "up",
             "--port",
             str(self.port),

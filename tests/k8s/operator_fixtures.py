@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dsv4_operator.devcluster.process import ManagedProcess, free_port
+from dsv4_common.process import ManagedProcess, free_port
 from tests.helpers import wait_for
 
 
@@ -20,7 +20,7 @@ class OperatorProcess:
         argv = [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             "operator",
             "--kubeconfig",
             str(kubeconfig),

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_serving.cli import main
+from dsv4_common.cli import main
 from dsv4_serving.presets import write_preset
 
 

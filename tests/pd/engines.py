@@ -31,7 +31,7 @@ class EngineProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"engine-{name}.log"
-        cmd = [sys.executable, "-m", "dsv4_serving.cli", "engine", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "dsv4_common.cli", "engine", "--host", "127.0.0.1",
                "--port", str(self.port), *COMMON, *args]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(self.log_path, "wb") as log:

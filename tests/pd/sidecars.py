@@ -119,7 +119,7 @@ class SidecarFactory:
         cmd = [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             "kv-sidecar",
             "--transport",
             transport,

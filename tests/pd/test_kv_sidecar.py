@@ -364,7 +364,7 @@ def test_unavailable_transports_fail_fast_with_a_clear_message(
         [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             "kv-sidecar",
             "--transport",
             transport,
@@ -385,7 +385,7 @@ def test_unavailable_transports_fail_fast_with_a_clear_message(
 def test_no_token_is_refused_at_start() -> None:
     env = {k: v for k, v in os.environ.items() if k != "DSV4_KV_AUTH_TOKEN_FILE"}
     proc = subprocess.run(
-        [sys.executable, "-m", "dsv4_serving.cli", "kv-sidecar", "--port", "0"],
+        [sys.executable, "-m", "dsv4_common.cli", "kv-sidecar", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -399,7 +399,7 @@ def test_short_token_is_refused_at_start(sidecars: SidecarFactory) -> None:
         [
             sys.executable,
             "-m",
-            "dsv4_serving.cli",
+            "dsv4_common.cli",
             "kv-sidecar",
             "--port",
             "0",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_serving.cli import SUBCOMMANDS, build_parser, main
+from dsv4_common.cli import SUBCOMMANDS, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_every_subcommand_has_a_parser_and_help() -> None:
 
 def test_console_script_lists_subcommands() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "dsv4_serving.cli", "--help"],
+        [sys.executable, "-m", "dsv4_common.cli", "--help"],
         capture_output=True,
         text=True,
         check=True,

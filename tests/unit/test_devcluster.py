@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dsv4_operator.devcluster.certs import LocalPKI
 from dsv4_operator.devcluster.cluster import ClusterConfig, ClusterError, _kubeconfig
 from dsv4_operator.devcluster.nodes import KWOK_ANNOTATION, FakeNodeSpec, fake_node
-from dsv4_operator.devcluster.process import ManagedProcess, free_port
 
 
 def test_serving_cert_chains_to_ca_with_sans(tmp_path: Path) -> None:
@@ -67,78 +63,3 @@ def test_missing_binaries_are_named(tmp_path: Path) -> None:
     (tmp_path / "etcd").touch()
     with pytest.raises(ClusterError, match="kube-apiserver, kubectl"):
         ClusterConfig(bin_dir=tmp_path, work_dir=tmp_path / "w")
-
-
-def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
-    # A shell that ignores SIGTERM and has a child: stop() must leave neither behind.
-    pid_file = tmp_path / "child.pid"
-    script = f"trap '' TERM; sleep 300 & echo $! > {pid_file}; wait"
-    proc = ManagedProcess("stubborn", ["bash", "-c", script], tmp_path / "log")
-    proc.start()
-    deadline = time.monotonic() + 10
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
-    proc.stop(timeout_s=1.0)
-    assert not proc.running()
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    """Running, not merely a zombie waiting for init to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def test_log_tail_and_exit_code(tmp_path: Path) -> None:
-    proc = ManagedProcess(
-        "echo", ["bash", "-c", "for i in 1 2 3; do echo line$i; done; exit 3"], tmp_path / "l.log"
-    )
-    proc.start()
-    deadline = time.monotonic() + 10
-    while proc.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.exit_code() == 3
-    assert proc.tail(2) == "line2\nline3"
-
-
-def test_free_port_is_bindable() -> None:
-    import socket
-
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
-
-
-def test_free_port_differs_between_calls() -> None:
-    assert len({free_port() for _ in range(5)}) > 1
-
-
-def test_child_dies_with_parent(tmp_path: Path) -> None:
-    # The parent python starts a managed `sleep` and is then SIGKILLed: no orphan may remain.
-    code = (
-        "import sys, time; sys.path[:0] = sys.argv[1:2];"
-        "from pathlib import Path;"
-        "from dsv4_operator.devcluster.process import ManagedProcess;"
-        f"p = ManagedProcess('s', ['sleep', '300'], Path({str(tmp_path / 's.log')!r})); p.start();"
-        "print(p.pid, flush=True); time.sleep(300)"
-    )
-    import dsv4_operator
-
-    pkg_root = str(Path(dsv4_operator.__file__).parents[1])
-    parent = subprocess.Popen(["python3", "-c", code, pkg_root], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout is not None
-    child = int(parent.stdout.readline())
-    parent.kill()
-    parent.wait()
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if _alive(child):
-        os.kill(child, 9)
-        pytest.fail("managed child outlived its killed parent")

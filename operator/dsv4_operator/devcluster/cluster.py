@@ -26,7 +26,7 @@ from dsv4_operator.devcluster.nodes import (
     FakeNodeSpec,
     fake_node,
 )
-from dsv4_operator.devcluster.process import ManagedProcess, free_port
+from dsv4_common.process import ManagedProcess, free_port
 
 REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kubectl")
 WORKLOAD_BINARIES = ("kube-controller-manager", "kube-scheduler", "kwok")

@@ -1,0 +1,167 @@
+"""Child processes that never outlive their parent, each with its own log file; a ``Service``
+is one with an HTTP health URL and Prometheus metrics. The one process helper of the project:
+``dsv4 up``, the dev cluster, the tests and the benchmarks all start processes through it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Self
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel sends SIGKILL to the child when the parent thread exits, so a crashed or
+    # killed test run leaves no orphaned etcd/apiserver behind.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def free_ports(n: int, taken: set[int]) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1, none of them in ``taken``
+    (which it extends: nothing listens on them yet, so the OS alone would hand out overlaps)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65535 or taken & set(range(base, base + n)):
+            continue
+        ok = True
+        for k in range(n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", base + k))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            taken.update(range(base, base + n))
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
+def dsv4_argv(*args: str) -> list[str]:
+    """The ``dsv4`` command run by this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-m", "dsv4_common.cli", *args]
+
+
+class ManagedProcess:
+    """One long-running binary with stdout and stderr captured to ``log_path``."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def exit_code(self) -> int | None:
+        """None while running (or never started), else the exit status."""
+        return self._proc.poll() if self._proc else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the whole process group, wait for the leader, then SIGKILL whatever of the
+        group is left: children (an engine's workers) can outlive a leader that already exited."""
+        proc = self._proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Service(ManagedProcess):
+    """A process that serves HTTP: healthy when ``GET {url}/health`` answers 200; its
+    Prometheus samples read with ``metric``."""
+
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, url: str, health_path: str = "/health"
+    ) -> None:
+        super().__init__(name, argv, log_path)
+        self.url = url.rstrip("/")
+        self.health_url = self.url + health_path
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return int(r.status) == 200
+        except (OSError, ValueError, urllib.error.HTTPError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 120.0) -> Self:
+        """Until healthy; an exit or the deadline raises with the log's tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise RuntimeError(f"{self.name} exited {self.exit_code()}:\n{self.tail(40)}")
+            if self.healthy():
+                return self
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s}s:\n{self.tail(40)}")
+
+    def metrics_text(self, path: str = "/metrics") -> str:
+        with urllib.request.urlopen(self.url + path, timeout=5) as r:
+            text: str = r.read().decode()
+            return text
+
+    def metric(self, name: str, path: str = "/metrics", **labels: str) -> float:
+        """The sum of the samples named ``name`` whose labels include ``labels`` (0 if none)."""
+        return metric_value(self.metrics_text(path), name, **labels)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples ``name`` in Prometheus text ``text`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
