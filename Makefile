@@ -1,21 +1,33 @@
-# The two commands a newcomer needs: `make test` (and, once the gateway lands, `make up`).
+# The two commands a newcomer needs: `make up` (the local stack) and `make test` (every tier).
 SHELL := /bin/bash
+comma := ,
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS := operator,serving,gateway,test,dev
+# every package the tests run with, pinned; `make lock` refreshes it from pyproject.toml
+LOCK := requirements.lock
 
-.PHONY: install k8s-binaries lint format test test-unit test-k8s up clean
+.PHONY: install lock k8s-binaries lint format test test-unit test-k8s up clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The exact versions of requirements.lock, then the project itself (editable, no resolution).
+$(STAMP): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required (set PYTHON=...)")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
-	$(BIN)/pip install -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -r $(LOCK)
+	$(BIN)/pip install --no-deps -e .
 	touch $@
+
+# Re-resolve every extra at today's newest versions (Linux x86-64, Python 3.11), then `make test`
+# and commit requirements.lock with the change that needed it.
+lock: install
+	$(BIN)/uv pip compile pyproject.toml $(foreach e,$(subst $(comma), ,$(EXTRAS)),--extra $(e)) \
+		--python-version 3.11 --upgrade --no-header --annotation-style line -o $(LOCK)
+	$(BIN)/pip install -r $(LOCK)
 
 # Real Kubernetes binaries (etcd, kube-apiserver, ..., kwok, helm), built once into ~/.cache/dsv4.
 k8s-binaries:
