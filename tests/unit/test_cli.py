@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,23 @@ from dsv4_common.cli import SUBCOMMANDS, build_parser, main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_every_subcommand_has_a_parser_and_help() -> None:
-    parser = build_parser()
-    for name in SUBCOMMANDS:
-        args = parser.parse_args([name])
-        assert args.command == name
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_subcommand_has_a_description_and_every_flag_a_help_text() -> None:
+    subs = _subparsers(build_parser())
+    assert set(subs) == set(SUBCOMMANDS)
+    undocumented = []
+    for name, sub in subs.items():
+        assert sub.description == SUBCOMMANDS[name][1]
+        help_text = sub.format_help()
+        assert help_text.startswith(f"usage: dsv4 {name}")
+        for action in sub._actions:
+            if action.option_strings and not (action.help or "").strip():
+                undocumented.append(f"dsv4 {name} {action.option_strings[0]}")
+    assert not undocumented, f"flags without help: {undocumented}"
 
 
 def test_console_script_lists_subcommands() -> None:
