@@ -11,7 +11,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-ARG TORCH_VERSION=2.13.0
+# the torch the tests ran with (requirements.lock); Ascend images pass the one torch_npu needs
+ARG TORCH_VERSION=2.15.0
 ARG TORCH_NPU_VERSION=""
 ARG TORCH_INDEX_URL=""
 
@@ -20,7 +21,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     LD_LIBRARY_PATH=/usr/local/Ascend/driver/lib64/driver:/usr/local/Ascend/driver/lib64/common:${LD_LIBRARY_PATH}
 
 WORKDIR /opt/dsv4
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
+COPY common ./common
 COPY operator ./operator
 COPY serving ./serving
 COPY kvtransfer ./kvtransfer
@@ -32,7 +34,8 @@ RUN python -m pip install --upgrade pip \
         python -m pip install "torch==${TORCH_VERSION}"; \
     fi \
  && if [ -n "${TORCH_NPU_VERSION}" ]; then python -m pip install "torch_npu==${TORCH_NPU_VERSION}"; fi \
- && python -m pip install ".[serving]" \
+ && grep -v '^torch==' requirements.lock > /tmp/constraints.txt \
+ && python -m pip install -c /tmp/constraints.txt ".[serving]" \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4
 
 # CANN's environment for every process of the container (no-op on CPU images).

@@ -6,12 +6,13 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
 WORKDIR /opt/dsv4
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
+COPY common ./common
 COPY operator ./operator
 COPY serving ./serving
 COPY kvtransfer ./kvtransfer
 
-RUN python -m pip install ".[operator,gateway]" \
+RUN python -m pip install -c requirements.lock ".[operator,gateway]" \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4 \
  && python -c "import dsv4_operator.handlers, sys; assert 'torch' not in sys.modules"
 
