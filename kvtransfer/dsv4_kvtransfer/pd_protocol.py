@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,9 +156,6 @@ class RemotePrefillParams:
         "kv_protocol",
     )
 
-    def lease_remaining(self, now: float | None = None) -> float:
-        return self.remote_lease_expires_at - (time.time() if now is None else now)
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = copy.deepcopy(self.extra)
         out.update(
@@ -256,13 +252,26 @@ def parse_kv_transfer_params(
     return None
 
 
+def prefill_overrides(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A prefill for a remote decode makes exactly one token: the fields of a request ``body``
+    that this rule overrides. The KV it exports is the prompt's, and its one token is the
+    decode's first (computed again there); ``min_tokens`` and stop strings would contradict or
+    cut it. The gateway's ``prefill_request`` and the engine's API edge both apply this."""
+    out: dict[str, Any] = {"max_tokens": 1}
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    if body.get("min_tokens"):
+        out["min_tokens"] = 1
+    if body.get("stop"):
+        out["stop"] = None
+    return out
+
+
 def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
     """The gateway's prefill request for a client request body (vLLM's toy proxy does the same):
-    one token, no streaming, ``do_remote_decode``."""
+    one token (``prefill_overrides``), no streaming, ``do_remote_decode``."""
     out = copy.deepcopy(dict(body))
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
+    out.update(prefill_overrides(body))
     out["stream"] = False
     out.pop("stream_options", None)
     out["kv_transfer_params"] = PrefillRequestParams().to_dict()

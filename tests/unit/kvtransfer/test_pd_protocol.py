@@ -10,6 +10,7 @@ from dsv4_kvtransfer.pd_protocol import (
     RemotePrefillParams,
     decode_request,
     parse_kv_transfer_params,
+    prefill_overrides,
     prefill_request,
 )
 
@@ -53,7 +54,6 @@ def test_remote_prefill_params_round_trip_and_keep_unknown_fields() -> None:
     assert p.remote_block_ids == (4, 5, 6) and p.remote_state_slot == 2
     assert p.extra == {"vendor_field": {"x": [1]}}
     assert p.to_dict() == d
-    assert p.lease_remaining(now=1700000000.5) == 30.0
 
 
 def test_plain_requests_have_no_params() -> None:
@@ -119,3 +119,17 @@ def test_gateway_helpers_build_vllms_two_requests() -> None:
         decode_request(body, {"choices": []})
     with pytest.raises(KVParamsError):
         decode_request(body, {"kv_transfer_params": PrefillRequestParams().to_dict()})
+
+
+def test_a_prefill_for_a_remote_decode_makes_exactly_one_token() -> None:
+    assert prefill_overrides({"max_tokens": 50}) == {"max_tokens": 1}
+    assert prefill_overrides(
+        {"max_tokens": None, "max_completion_tokens": 9, "min_tokens": 4, "stop": ["\n"]}
+    ) == {"max_tokens": 1, "max_completion_tokens": 1, "min_tokens": 1, "stop": None}
+    # absent or empty fields stay as they are
+    assert prefill_overrides({"min_tokens": 0, "stop": []}) == {"max_tokens": 1}
+
+
+def test_the_gateways_prefill_request_applies_the_one_token_rule() -> None:
+    pre = prefill_request({"prompt": "hi", "max_tokens": 50, "min_tokens": 5, "stop": "x"})
+    assert (pre["max_tokens"], pre["min_tokens"], pre["stop"]) == (1, 1, None)
