@@ -22,18 +22,38 @@ VOCAB, BLOCK = 300, 16
 def tiny_v3_dict(**over: Any) -> dict[str, Any]:
     d: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
-        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
-        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 48,
-        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-        "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5, "max_position_embeddings": 512,
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 48,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 512,
         "num_nextn_predict_layers": 1,
-        "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 128, "beta_fast": 32,
-                         "beta_slow": 1},
-    }  # fmt: skip
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    }
     d.update(over)
     return d
 
@@ -57,8 +77,9 @@ def test_v3_decode_through_latent_cache_matches_full_forward(over: dict[str, Any
     with torch.no_grad():
         full = ref(ids).logits
         tol = 1e-4 * float(full.abs().max())
-        lo = ours.compute_logits(ours(ids.reshape(-1), prefill_meta([length] * 2, BLOCK),
-                                      ours.allocate_cache(12, BLOCK)))  # fmt: skip
+        lo = ours.compute_logits(
+            ours(ids.reshape(-1), prefill_meta([length] * 2, BLOCK), ours.allocate_cache(12, BLOCK))
+        )
         assert (lo.view(2, length, -1) - full).abs().max() <= tol
         cache = ours.allocate_cache(12, BLOCK)
         blocks = [[1, 3, 5, 7, 9], [0, 2, 4, 6, 8]]

@@ -72,12 +72,17 @@ def test_mtp_draft_logits_match_independent_full_sequence_computation() -> None:
             (k > q) | (k <= q - window), -torch.inf
         )
         out = layer(
-            x[None], position_embeddings=pe, position_ids=pos, attention_mask=mask[None, None],
+            x[None],
+            position_embeddings=pe,
+            position_ids=pos,
+            attention_mask=mask[None, None],
             input_ids=nxt[None],
-        )[0]  # fmt: skip
+        )[0]
         flat = _rms(out.flatten(1), None)
-        pre = torch.sigmoid(flat @ sd["mtp.0.hc_head_fn"].T * sd["mtp.0.hc_head_scale"][0]
-                            + sd["mtp.0.hc_head_base"]) + d.get("hc_eps", 1e-6)  # fmt: skip
+        pre = torch.sigmoid(
+            flat @ sd["mtp.0.hc_head_fn"].T * sd["mtp.0.hc_head_scale"][0]
+            + sd["mtp.0.hc_head_base"]
+        ) + d.get("hc_eps", 1e-6)
         collapsed = (pre[..., None] * out).sum(1)
         want = _rms(collapsed, sd["mtp.0.norm.weight"]) @ sd["head.weight"].T
     assert out.shape[1] == hc

@@ -98,10 +98,19 @@ def test_platform_cpu_always_and_missing_devices_fail_fast(monkeypatch: pytest.M
 
 def test_v4_config_accepts_native_and_transformers_spellings() -> None:
     base = {
-        "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,
-        "head_dim": 16, "q_lora_rank": 4, "moe_intermediate_size": 4, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "o_groups": 1, "index_head_dim": 8, "qk_rope_head_dim": 4,
-    }  # fmt: skip
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "q_lora_rank": 4,
+        "moe_intermediate_size": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "o_groups": 1,
+        "index_head_dim": 8,
+        "qk_rope_head_dim": 4,
+    }
     native = DeepseekV4Config.from_dict(
         {**base, "compress_ratios": [0, 4, 128], "compress_rate_hca": 16, "num_hash_layers": 2}
     )
@@ -109,12 +118,17 @@ def test_v4_config_accepts_native_and_transformers_spellings() -> None:
         {
             **base,
             "layer_types": [
-                "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
             ],
-            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+            "compress_rates": {
+                "compressed_sparse_attention": 4,
+                "heavily_compressed_attention": 16,
+            },
             "mlp_layer_types": ["hash_moe", "hash_moe", "moe"],
         }
-    )  # fmt: skip
+    )
     assert native.compress_ratios == hf.compress_ratios == (0, 4, 16)
     assert native.num_hash_layers == hf.num_hash_layers == 2
     assert native.is_csa(1) and not native.is_csa(2) and native.layer_ratio(3) == 0
@@ -125,14 +139,25 @@ def test_v4_config_accepts_native_and_transformers_spellings() -> None:
 def test_v3_yarn_softmax_scale_uses_mscale_all_dim() -> None:
     cfg = DeepseekV3Config.from_dict(
         {
-            "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "moe_intermediate_size": 4, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "n_routed_experts": 4, "num_experts_per_tok": 2, "qk_nope_head_dim": 16,
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "moe_intermediate_size": 4,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 16,
-            "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                             "original_max_position_embeddings": 4096},
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+            },
         }
-    )  # fmt: skip
+    )
     m = 0.1 * __import__("math").log(40) + 1.0
     assert cfg.softmax_scale() == pytest.approx(32**-0.5 * m * m)
     assert cfg.rope.attention_factor == pytest.approx(1.0)

@@ -98,8 +98,12 @@ class V4KVCache:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by state slot (dim 0): a sequence's fixed-size state."""
-        return [t for lc in self.layers for t in (lc.window, lc.comp_state, lc.index_state)
-                if t is not None]  # fmt: skip
+        return [
+            t
+            for lc in self.layers
+            for t in (lc.window, lc.comp_state, lc.index_state)
+            if t is not None
+        ]
 
     def named_paged_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """``paged_tensors`` as (name, cache group, tensor), for KV export and import."""
@@ -115,8 +119,11 @@ class V4KVCache:
         """``state_tensors`` as (name, cache group, tensor), for KV export and import."""
         out = []
         for i, lc in enumerate(self.layers):
-            for name, t in (("window", lc.window), ("comp_state", lc.comp_state),
-                            ("index_state", lc.index_state)):  # fmt: skip
+            for name, t in (
+                ("window", lc.window),
+                ("comp_state", lc.comp_state),
+                ("index_state", lc.index_state),
+            ):
                 if t is not None:
                     out.append((f"layers.{i}.{name}", name, t))
         return out

@@ -74,9 +74,12 @@ class MLAttention(nn.Module):
         bs, width = latent_cache.shape[1], latent_cache.shape[2]
         flat = latent_cache.view(-1, width)
         lens = torch.tensor(
-            [q1 - q0 for q0, q1 in zip(meta.query_start_loc[:-1], meta.query_start_loc[1:], strict=True)],
+            [
+                q1 - q0
+                for q0, q1 in zip(meta.query_start_loc[:-1], meta.query_start_loc[1:], strict=True)
+            ],
             device=x.device,
-        )  # fmt: skip
+        )
         seq_of = torch.repeat_interleave(torch.arange(meta.num_seqs, device=x.device), lens)
         pos = meta.positions
         slots = meta.block_tables[seq_of, pos // bs] * bs + pos % bs

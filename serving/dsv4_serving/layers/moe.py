@@ -71,8 +71,16 @@ class V4Gate(nn.Module):
     """V4 router: ``sqrtsoftplus`` scores; the bias only steers selection; hash layers select
     by a frozen token -> experts table instead."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, vocab: int, hashed: bool,
-                 scoring: str, route_scale: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        vocab: int,
+        hashed: bool,
+        scoring: str,
+        route_scale: float,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.top_k = top_k
@@ -107,9 +115,19 @@ class V4Gate(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, dim: int, inter: int, num_experts: int, top_k: int, vocab: int,
-                 hashed: bool, scoring: str, route_scale: float, limit: float,
-                 n_shared: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        vocab: int,
+        hashed: bool,
+        scoring: str,
+        route_scale: float,
+        limit: float,
+        n_shared: int,
+    ) -> None:
         super().__init__()
         self.gate = V4Gate(dim, num_experts, top_k, vocab, hashed, scoring, route_scale)
         self.experts = Experts(num_experts, dim, inter, limit)
@@ -124,8 +142,16 @@ class V3Gate(nn.Module):
     """V3 router: sigmoid scores, bias-steered selection limited to the top ``topk_group``
     of ``n_group`` expert groups (a group scores as the sum of its two best experts)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
-                 norm_topk: bool, route_scale: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk: bool,
+        route_scale: float,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.bias = nn.Parameter(torch.zeros(num_experts))
@@ -149,9 +175,18 @@ class V3Gate(nn.Module):
 
 
 class V3MoE(nn.Module):
-    def __init__(self, dim: int, inter: int, num_experts: int, top_k: int, n_group: int,
-                 topk_group: int, norm_topk: bool, route_scale: float,
-                 n_shared: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk: bool,
+        route_scale: float,
+        n_shared: int,
+    ) -> None:
         super().__init__()
         self.gate = V3Gate(dim, num_experts, top_k, n_group, topk_group, norm_topk, route_scale)
         self.experts = Experts(num_experts, dim, inter)

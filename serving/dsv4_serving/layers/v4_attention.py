@@ -88,8 +88,9 @@ class Indexer(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary,
-                 rotary_comp: Rotary) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary, rotary_comp: Rotary
+    ) -> None:
         super().__init__()
         d, h = cfg.head_dim, cfg.num_attention_heads
         self.n_heads, self.head_dim, self.window = h, d, cfg.sliding_window
@@ -252,16 +253,36 @@ class V4Attention(nn.Module):
         total = (ctx + n) // r
         n_win = total - first_w
         comp = self._advance(
-            self.compressor, cache.comp, cache.comp_state, slot, block_row, ctx, n,
-            comp_proj[a:b], first_w, n_win, total, snaps,
-        )  # fmt: skip
+            self.compressor,
+            cache.comp,
+            cache.comp_state,
+            slot,
+            block_row,
+            ctx,
+            n,
+            comp_proj[a:b],
+            first_w,
+            n_win,
+            total,
+            snaps,
+        )
         idx_keys = None
         if self.indexer is not None:
             assert idx_proj is not None and cache.index is not None
             idx_keys = self._advance(
-                self.indexer.compressor, cache.index, cache.index_state, slot, block_row, ctx,
-                n, idx_proj[a:b], first_w, n_win, total, snaps,
-            )  # fmt: skip
+                self.indexer.compressor,
+                cache.index,
+                cache.index_state,
+                slot,
+                block_row,
+                ctx,
+                n,
+                idx_proj[a:b],
+                first_w,
+                n_win,
+                total,
+                snaps,
+            )
         return comp, idx_keys
 
     def _advance(

@@ -21,8 +21,9 @@ from dsv4_serving.models.config import DeepseekV4Config
 
 
 class V4Block(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary,
-                 rotary_comp: Rotary) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary, rotary_comp: Rotary
+    ) -> None:
         super().__init__()
         n, dim = cfg.hc_mult, cfg.hidden_size
         mix = (2 + n) * n
@@ -59,15 +60,25 @@ class V4Block(nn.Module):
     ) -> torch.Tensor:
         c = self.cfg
         x, post, comb = hc_pre(
-            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-            c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-        )  # fmt: skip
+            streams,
+            self.hc_attn_fn,
+            self.hc_attn_base,
+            self.hc_attn_scale,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.rms_norm_eps,
+        )
         out = self.attn(self.attn_norm(x), meta, cache.layers[self.layer])
         streams = hc_post(out, streams, post, comb)
         x, post, comb = hc_pre(
-            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-            c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-        )  # fmt: skip
+            streams,
+            self.hc_ffn_fn,
+            self.hc_ffn_base,
+            self.hc_ffn_scale,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.rms_norm_eps,
+        )
         return hc_post(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb)
 
 
@@ -75,8 +86,9 @@ class V4MTP(V4Block):
     """Multi-token prediction: one more block fed ``e_proj(enorm(embed(next token))) +
     h_proj(hnorm(streams))`` with its own stream collapse and norm, sharing embed and head."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary,
-                 rotary_comp: Rotary) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary, rotary_comp: Rotary
+    ) -> None:
         super().__init__(cfg, layer, rotary_main, rotary_comp)
         dim, n = cfg.hidden_size, cfg.hc_mult
         self.e_proj = nn.Linear(dim, dim, bias=False)
@@ -150,9 +162,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         return streams
 
     def _logits(
-        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
         norm: RMSNorm,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         c = self.config
         x = hc_head(streams, fn, base, scale, c.hc_eps, c.rms_norm_eps)
         return self.head(norm(x)).float()

@@ -14,8 +14,14 @@ from dsv4_serving.models.config import architecture_of
 def transformers_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """A config.json dict as keyword arguments transformers' config classes accept."""
     arch = architecture_of(config)
-    skip = ("architectures", "model_type", "rope_scaling", "torch_dtype", "scoring_func",
-            "topk_method")  # fmt: skip
+    skip = (
+        "architectures",
+        "model_type",
+        "rope_scaling",
+        "torch_dtype",
+        "scoring_func",
+        "topk_method",
+    )
     kw = {k: v for k, v in config.items() if k not in skip}
     if arch == "DeepseekV4ForCausalLM":
         kw["scoring_func"] = config.get("scoring_func", "sqrtsoftplus")
