@@ -72,9 +72,10 @@ def add_config_arguments(
     metavars: Mapping[str, str] | None = None,
 ) -> None:
     """One flag per field of ``cls`` (``snake_case`` -> ``--kebab-case``): ``Literal`` fields get
-    ``choices``, ``bool`` fields ``--x/--no-x``, ``X | None`` fields type ``X``. ``aliases`` adds
-    other spellings of a field's flag (kept for compatibility); ``exclude`` leaves fields out
-    (set by the caller some other way, e.g. a secret read from a file)."""
+    ``choices``, ``bool`` fields ``--x/--no-x``, ``X | None`` fields type ``X``, ``list[X]`` fields
+    a repeatable flag. ``aliases`` adds other spellings of a field's flag (kept for
+    compatibility); ``exclude`` leaves fields out (set by the caller some other way, e.g. a
+    secret read from a file)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     skip = set(exclude)
@@ -103,6 +104,11 @@ def add_config_arguments(
             kw["type"] = type(choices[0])
         elif tp in (int, float, str):
             kw["type"] = tp
+        elif typing.get_origin(tp) is list and typing.get_args(tp)[0] in (int, float, str):
+            # repeated: --prefill URL --prefill URL (given at all, the flags replace the default)
+            kw["action"] = "append"
+            kw["type"] = typing.get_args(tp)[0]
+            kw["help"] = f"{kw['help']} (repeatable)".strip()
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for type {tp!r}")
         del optional  # None is reachable only through a file or the dataclass default
