@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                     "port": port,
                     "control_port": control.port,
                     "metrics_port": control.metrics_port,
-                    "shm_name": sidecar.region.name,
+                    "shm_name": sidecar.store.region.name,
                     "shm_dir": cfg.shm_dir,
                 },
                 f,

@@ -11,7 +11,8 @@
     GET    /v1/pulls/{id}?wait=S        state; long-polls up to S seconds while pending
     DELETE /v1/pulls/{id}               the engine copied the KV out (or gives up): free it
 
-Errors are OpenAI-shaped: ``{"error": {"message", "type", "code"}}`` with a 4xx status.
+Bodies are parsed into ``control_requests``; errors are the project's one error body
+(``dsv4_common.errors.openai_error``: ``{"error": {"message", "type", "param", "code"}}``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from dsv4_kvtransfer.sidecar import ApiError, Sidecar
+from dsv4_common.errors import openai_error
+from dsv4_kvtransfer.control_requests import ExportRequest, PullRequest, parse_wait
+from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.sidecar import Sidecar
 
 MAX_BODY = 4 << 20
 
@@ -60,9 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: Any) -> None:
         self._send(status, json.dumps(obj).encode())
 
-    def _error(self, status: int, code: str, message: str) -> None:
-        etype = "invalid_request_error" if status < 500 else "server_error"
-        self._json(status, {"error": {"message": message, "type": etype, "code": code}})
+    def _error(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        self._json(status, openai_error(status, message, code=code, param=param))
 
     def _body(self) -> dict[str, Any]:
         try:
@@ -95,28 +98,25 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, sc.info())
             if parts[:2] == ["v1", "exports"]:
                 if method == "POST" and len(parts) == 2:
-                    return self._json(200, sc.reserve_export(self._body()))
+                    req = ExportRequest.from_body(self._body())
+                    return self._json(200, sc.exports.reserve(req))
                 if method == "POST" and len(parts) == 4 and parts[3] == "commit":
-                    return self._json(200, sc.commit_export(parts[2]))
+                    return self._json(200, sc.exports.commit(parts[2]))
                 if method == "GET" and len(parts) == 3:
-                    return self._json(200, sc.export_status(parts[2]))
+                    return self._json(200, sc.exports.status(parts[2]))
                 if method == "DELETE" and len(parts) == 3:
-                    return self._json(200, sc.abort_export(parts[2]))
+                    return self._json(200, sc.exports.abort(parts[2]))
             if parts[:2] == ["v1", "pulls"]:
                 if method == "POST" and len(parts) == 2:
-                    return self._json(200, sc.puller.start(self._body()))
+                    return self._json(200, sc.puller.start(PullRequest.from_body(self._body())))
                 if method == "GET" and len(parts) == 3:
-                    q = parse_qs(url.query)
-                    try:
-                        wait = float(q.get("wait", ["0"])[0])
-                    except ValueError:
-                        raise ApiError(400, "bad_request", "wait must be a number") from None
+                    wait = parse_wait(parse_qs(url.query).get("wait", [None])[0])
                     return self._json(200, sc.puller.status(parts[2], wait))
                 if method == "DELETE" and len(parts) == 3:
                     return self._json(200, sc.puller.release(parts[2]))
             self._error(404, "not_found", f"no route {method} {url.path}")
         except ApiError as e:
-            self._error(e.status, e.code, str(e))
+            self._error(e.status, e.code, str(e), e.param)
         except Exception as e:  # a bug here must not take the sidecar down
             logging.getLogger("dsv4.kv.control").exception("control API error")
             self._error(500, "internal", f"{type(e).__name__}: {e}")

@@ -31,6 +31,8 @@ from dsv4_kvtransfer.frames import (
 from dsv4_kvtransfer.ledger import Export, LedgerError
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.staging import StagingRegion
+from dsv4_kvtransfer.transports.base import TransferFailed, TransportUnavailable
+from dsv4_kvtransfer.transports.collective import load_backend, open_server_channel
 
 REQUESTS = frozenset(
     {
@@ -52,7 +54,8 @@ RATE_PIECE = 1 << 20
 
 
 class ExportSource(Protocol):
-    """What the server needs from the sidecar (each call takes the sidecar's lock)."""
+    """What the server needs from the staging store (``store.StagingStore``; each call takes its
+    lock)."""
 
     region: StagingRegion
 
@@ -334,9 +337,6 @@ class PeerServer:
             self.source.unpin_export(exp.transfer_id)
 
     def _pg_open(self, sock: socket.socket, state: _Conn, meta: dict[str, Any]) -> None:
-        from dsv4_kvtransfer.transports.base import TransferFailed, TransportUnavailable
-        from dsv4_kvtransfer.transports.collective import load_backend, open_server_channel
-
         if state.channel is not None:
             raise LedgerError("bad_state", "this connection already has a process group")
         try:

@@ -9,23 +9,26 @@ retry (or the lease) settles it.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from dsv4_kvtransfer.auth import AuthError
 from dsv4_kvtransfer.buffers import Layout, LayoutError
-from dsv4_kvtransfer.frames import FrameError, PeerClosed
+from dsv4_kvtransfer.config import SidecarConfig
+from dsv4_kvtransfer.control_requests import PullRequest
+from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.frames import FrameError, FrameLimits, PeerClosed
 from dsv4_kvtransfer.ledger import LedgerError
-from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams
+from dsv4_kvtransfer.metrics import SidecarMetrics
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.peer import PeerConnection, RemoteError
-from dsv4_kvtransfer.transports import FetchJob, TransferFailed
-
-if TYPE_CHECKING:
-    from dsv4_kvtransfer.sidecar import Sidecar
+from dsv4_kvtransfer.store import StagingStore
+from dsv4_kvtransfer.transports import FetchJob, TransferFailed, Transport
 
 PullState = Literal["pending", "done", "failed", "expired"]
 POOL_IDLE_S = 20.0
@@ -73,11 +76,25 @@ def classify(e: BaseException) -> str:
 
 
 class Puller:
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sc = sidecar
-        self.cfg = sidecar.cfg
+    """The decode side's pulls. Its own lock guards ``pulls``; extents go through the store
+    (whose lock is only ever taken inside this one, never the other way round)."""
+
+    def __init__(
+        self,
+        store: StagingStore,
+        transport: Transport,
+        cfg: SidecarConfig,
+        metrics: SidecarMetrics,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.store = store
+        self.transport = transport
+        self.cfg = cfg
+        self.metrics = metrics
+        self.log = log or logging.getLogger("dsv4.kv.puller")
+        self.limits = FrameLimits(max_payload=cfg.max_frame_bytes)
         self.pulls: dict[str, Pull] = {}
-        self._cond = threading.Condition(sidecar.lock)
+        self._cond = threading.Condition()
         self._pool: dict[tuple[str, int], list[tuple[float, PeerConnection]]] = {}
         self._pool_lock = threading.Lock()
         self._exec = ThreadPoolExecutor(self.cfg.max_concurrent_pulls, thread_name_prefix="kv-pull")
@@ -96,33 +113,16 @@ class Puller:
 
     # ---- engine API -------------------------------------------------------------------------
 
-    def start(self, body: dict[str, Any]) -> dict[str, Any]:
-        from dsv4_kvtransfer.sidecar import ApiError
-
-        try:
-            params = RemotePrefillParams.from_dict(body.get("kv_transfer_params") or {})
-        except KVParamsError as e:
-            raise ApiError(400, "bad_kv_transfer_params", str(e)) from None
-        timeout = body.get("timeout_s", self.cfg.pull_timeout_s)
-        if (
-            not isinstance(timeout, int | float)
-            or isinstance(timeout, bool)
-            or not 0 < timeout <= 3600
-        ):
-            raise ApiError(400, "bad_request", "timeout_s must be in (0, 3600]")
-        pull = Pull(secrets.token_hex(12), params, time.monotonic() + float(timeout))
-        pull.total_bytes = params.remote_total_bytes
-        wait = body.get("wait_s", 0)
-        if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
-            raise ApiError(400, "bad_request", "wait_s must be a non-negative number")
+    def start(self, req: PullRequest) -> dict[str, Any]:
+        timeout = req.timeout_s or self.cfg.pull_timeout_s
+        pull = Pull(secrets.token_hex(12), req.params, time.monotonic() + timeout)
+        pull.total_bytes = req.params.remote_total_bytes
         with self._cond:
             self.pulls[pull.pull_id] = pull
         self._exec.submit(self._run, pull)
-        return self.status(pull.pull_id, float(wait))
+        return self.status(pull.pull_id, req.wait_s)
 
     def status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
-        from dsv4_kvtransfer.sidecar import ApiError
-
         end = time.monotonic() + max(0.0, min(wait_s, 60.0))
         with self._cond:
             pull = self.pulls.get(pull_id)
@@ -137,22 +137,17 @@ class Puller:
 
     def release(self, pull_id: str) -> dict[str, Any]:
         """The engine is done with the pulled KV (or gives up on a pending pull)."""
-        from dsv4_kvtransfer.sidecar import ApiError
-
         with self._cond:
             pull = self.pulls.get(pull_id)
             if pull is None:
                 raise ApiError(404, "unknown_pull", f"unknown pull {pull_id}")
             if pull.state == "pending":
                 pull.cancelled = True  # the worker frees the extent when it stops
-                freed = None
+                freed = False
             else:
-                freed = self.sc.ledger.drop_import(pull_id, "pulled")
+                freed = self.store.drop_import(pull_id, "pulled")
                 del self.pulls[pull_id]
-        if freed:
-            self.sc._account(freed)
-        self.sc._update_gauges()
-        return {"pull_id": pull_id, "freed": freed is not None}
+        return {"pull_id": pull_id, "freed": freed}
 
     def _status(self, pull: Pull) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -166,8 +161,8 @@ class Puller:
             out["error"] = pull.error
             out["reason"] = pull.reason
         if pull.state == "done" and pull.layout is not None and pull.offset is not None:
-            out["shm_name"] = self.sc.region.name
-            out["shm_tag"] = self.sc.region.tag.hex()
+            out["shm_name"] = self.store.region.name
+            out["shm_tag"] = self.store.region.tag.hex()
             out["offset"] = pull.offset
             out["buffers"] = [
                 {**b.to_dict(), "offset": pull.offset + b.offset} for b in pull.layout.buffers
@@ -216,7 +211,7 @@ class Puller:
             self.cfg.token,
             self.cfg.sidecar_id,
             timeout=self.cfg.connect_timeout_s,
-            limits=self.sc.limits,
+            limits=self.limits,
         )
 
     def _pooled(self, host: str, port: int) -> PeerConnection | None:
@@ -265,7 +260,6 @@ class Puller:
 
     def _run(self, pull: Pull) -> None:
         p = pull.params
-        sc = self.sc
         t0 = time.monotonic()
         conn: PeerConnection | None = None
         try:
@@ -278,16 +272,15 @@ class Puller:
                     f"{p.remote_total_bytes}",
                 )
             with self._cond:
-                imp = sc.ledger.reserve_import(pull.pull_id, layout.total_bytes)
+                imp = self.store.reserve_import(pull.pull_id, layout.total_bytes)
                 pull.offset = imp.offset
-            sc._update_gauges()
-            dest = sc.region.view(imp.offset, layout.total_bytes)
+            dest = self.store.region.view(imp.offset, layout.total_bytes)
             conn.settimeout(
                 min(self.cfg.io_timeout_s, max(pull.deadline - time.monotonic(), 0.001))
             )
             t_data = time.monotonic()
             with dest:
-                sc.transport.fetch(
+                self.transport.fetch(
                     FetchJob(
                         control=conn,
                         connect=lambda: self._connect(p.remote_host, p.remote_port),
@@ -310,7 +303,7 @@ class Puller:
             conn.release(p.remote_transfer_id)
         except Exception as e:
             conn.close()
-            sc.log.warning(
+            self.log.warning(
                 "pull %s done, but releasing transfer %s failed (its lease will free it): %s",
                 pull.pull_id,
                 p.remote_transfer_id,
@@ -322,36 +315,29 @@ class Puller:
     def _complete(
         self, pull: Pull, layout: Layout, manifest: dict[str, Any], t0: float, data_s: float
     ) -> None:
-        sc = self.sc
-        name = sc.transport.name
+        name = self.transport.name
         with self._cond:
-            now = time.monotonic()
-            pull.finished = now
+            pull.finished = time.monotonic()
             if pull.cancelled:
-                freed = sc.ledger.drop_import(pull.pull_id, "aborted")
+                self.store.drop_import(pull.pull_id, "aborted")
                 del self.pulls[pull.pull_id]
             else:
-                freed = None
-                imp = sc.ledger.complete_import(pull.pull_id, now, self.cfg.lease_seconds)
-                pull.expires_at = imp.expires_at
+                pull.expires_at = self.store.complete_import(pull.pull_id, self.cfg.lease_seconds)
                 pull.layout = layout
                 meta = manifest.get("meta")
                 pull.remote_meta = meta if isinstance(meta, dict) else {}
                 pull.state = "done"
             self._cond.notify_all()
-        if freed:
-            sc._account(freed)
-        sc.metrics.pulls.labels("done").inc()
-        sc.metrics.bytes_moved.labels("received", name).inc(layout.total_bytes)
-        sc.metrics.transfer_seconds.labels(name).observe(time.monotonic() - t0)
-        sc.metrics.bandwidth.labels(name).observe(layout.total_bytes / data_s)
-        sc._update_gauges()
+        self.metrics.pulls.labels("done").inc()
+        self.metrics.bytes_moved.labels("received", name).inc(layout.total_bytes)
+        self.metrics.transfer_seconds.labels(name).observe(time.monotonic() - t0)
+        self.metrics.bandwidth.labels(name).observe(layout.total_bytes / data_s)
 
     def _fail(self, pull: Pull, e: BaseException) -> None:
         reason = classify(e)
         message = f"{type(e).__name__}: {e}" if not isinstance(e, AuthError) else str(e)
         p = pull.params
-        self.sc.log.warning(
+        self.log.warning(
             "pull %s of transfer %s from %s:%d failed (%s): %s",
             pull.pull_id,
             p.remote_transfer_id,
@@ -361,7 +347,7 @@ class Puller:
             message,
         )
         with self._cond:
-            freed = self.sc.ledger.drop_import(pull.pull_id, "aborted")
+            self.store.drop_import(pull.pull_id, "aborted")
             pull.state = "failed"
             pull.error = f"KV pull from {p.remote_host}:{p.remote_port} failed: {message}"
             pull.reason = reason
@@ -369,8 +355,5 @@ class Puller:
             if pull.cancelled:
                 self.pulls.pop(pull.pull_id, None)
             self._cond.notify_all()
-        if freed:
-            self.sc._account(freed)
-        self.sc.metrics.pulls.labels("failed").inc()
-        self.sc.metrics.pull_failures.labels(reason).inc()
-        self.sc._update_gauges()
+        self.metrics.pulls.labels("failed").inc()
+        self.metrics.pull_failures.labels(reason).inc()

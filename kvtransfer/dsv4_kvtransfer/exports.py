@@ -1,0 +1,109 @@
+"""The engine's exports: reserve an extent for a request's KV, commit it into
+``kv_transfer_params`` for the prefill response, abort it, ask about it."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dsv4_kvtransfer.config import SidecarConfig
+from dsv4_kvtransfer.control_requests import ExportRequest
+from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.ledger import LedgerError
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_kvtransfer.store import ExportView, StagingStore
+
+
+def wall_time(mono: float, now_mono: float | None = None) -> float:
+    """A monotonic deadline as unix time (what goes on the wire)."""
+    return time.time() + (mono - (time.monotonic() if now_mono is None else now_mono))
+
+
+class Exports:
+    def __init__(
+        self, store: StagingStore, cfg: SidecarConfig, peer_port: Callable[[], int]
+    ) -> None:
+        self.store = store
+        self.cfg = cfg
+        # the peer port is known once the server listens (port 0 picks one)
+        self._peer_port = peer_port
+
+    def reserve(self, req: ExportRequest) -> dict[str, Any]:
+        ttl = req.lease_seconds or self.cfg.lease_seconds
+        meta = {
+            "request_id": req.request_id,
+            "engine_id": req.engine_id or self.cfg.engine_id,
+            "block_ids": list(req.block_ids),
+            "num_tokens": req.num_tokens,
+            "state_slot": req.state_slot,
+            "cache_groups": dict(req.cache_groups or {}),
+            "engine_meta": dict(req.engine_meta or {}),
+            "params_extra": dict(req.params_extra or {}),
+            "lease_seconds": ttl,
+        }
+        tid = secrets.token_hex(12)
+        try:
+            exp = self.store.reserve_export(tid, req.layout, meta, ttl)
+        except LedgerError as e:
+            raise ApiError(507, e.code, str(e)) from None
+        region = self.store.region
+        return {
+            "transfer_id": tid,
+            "shm_name": region.name,
+            "shm_tag": region.tag.hex(),
+            "offset": exp.offset,
+            "total_bytes": exp.layout.total_bytes,
+            "buffers": [
+                {**b.to_dict(), "offset": exp.offset + b.offset} for b in exp.layout.buffers
+            ],
+            "lease_expires_at": wall_time(exp.expires_at),
+        }
+
+    def commit(self, tid: str) -> dict[str, Any]:
+        exp = self._get(tid)
+        try:
+            exp = self.store.commit_export(tid, float(exp.meta["lease_seconds"]))
+        except LedgerError as e:
+            status = 404 if e.code == "unknown_transfer" else 409
+            raise ApiError(status, e.code, str(e)) from None
+        m = exp.meta
+        params = RemotePrefillParams(
+            remote_engine_id=m["engine_id"],
+            remote_request_id=m["request_id"],
+            remote_block_ids=tuple(m["block_ids"]),
+            remote_host=self.cfg.advertise_host,
+            remote_port=self._peer_port(),
+            remote_transfer_id=tid,
+            remote_lease_expires_at=round(wall_time(exp.expires_at), 3),
+            remote_num_tokens=m["num_tokens"],
+            remote_total_bytes=exp.layout.total_bytes,
+            remote_state_slot=m["state_slot"],
+            remote_cache_groups=dict(m["cache_groups"]),
+            extra=dict(m["params_extra"]),
+        )
+        return {"transfer_id": tid, "kv_transfer_params": params.to_dict()}
+
+    def abort(self, tid: str) -> dict[str, Any]:
+        try:
+            freed = self.store.abort_export(tid)
+        except LedgerError as e:
+            raise ApiError(404, e.code, str(e)) from None
+        return {"transfer_id": tid, "freed": freed}
+
+    def status(self, tid: str) -> dict[str, Any]:
+        exp = self._get(tid)
+        return {
+            "transfer_id": tid,
+            "state": exp.state,
+            "pins": exp.pins,
+            "total_bytes": exp.layout.total_bytes,
+            "lease_expires_at": wall_time(exp.expires_at),
+        }
+
+    def _get(self, tid: str) -> ExportView:
+        exp = self.store.export(tid)
+        if exp is None:
+            raise ApiError(404, "unknown_transfer", f"unknown or expired transfer {tid}")
+        return exp

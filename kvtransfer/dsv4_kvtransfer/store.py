@@ -1,0 +1,183 @@
+"""The staging region and its ledger behind one lock: the one object the export API, the puller
+and the peer server share.
+
+Every ledger call takes the lock; every extent freed (whoever frees it, for whatever reason) is
+counted in the metrics and the gauges follow, here and nowhere else. It is the peer server's
+``ExportSource``; the puller reserves, completes and drops its imports through it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4_kvtransfer.buffers import Layout
+from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger
+from dsv4_kvtransfer.metrics import SidecarMetrics
+from dsv4_kvtransfer.staging import StagingRegion
+
+
+@dataclass(frozen=True, slots=True)
+class ExportView:
+    """An export as it was when asked about (the ledger's own record keeps changing)."""
+
+    transfer_id: str
+    offset: int
+    layout: Layout
+    meta: dict[str, Any]
+    state: str
+    pins: int
+    expires_at: float
+    """``time.monotonic()`` at which the lease runs out."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    staging_bytes: int
+    free_bytes: int
+    used_bytes: int
+    largest_free: int
+    exports: int
+    imports: int
+
+
+def _view(exp: Export) -> ExportView:
+    return ExportView(
+        exp.transfer_id, exp.offset, exp.layout, exp.meta, exp.state, exp.pins, exp.expires_at
+    )
+
+
+class StagingStore:
+    def __init__(
+        self,
+        region: StagingRegion,
+        ledger: Ledger,
+        metrics: SidecarMetrics,
+        rdma_session: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.region = region
+        self.ledger = ledger
+        self.metrics = metrics
+        self.clock = clock
+        self._rdma_session = rdma_session
+        self._lock = threading.Lock()
+        metrics.staging_total.set(ledger.alloc.size)
+        self._gauges()
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def _settle(self, freed: list[Freed]) -> None:
+        """Count what was freed and bring the gauges up to date (called without the lock)."""
+        for f in freed:
+            self.metrics.releases.labels(f.kind, f.reason).inc()
+            if f.reason == "expired":
+                self.metrics.lease_expiries.labels(f.kind).inc()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        u = self.usage()
+        self.metrics.staging_free.set(u.free_bytes)
+        self.metrics.active_exports.set(u.exports)
+        self.metrics.active_imports.set(u.imports)
+
+    def usage(self) -> Usage:
+        with self._lock:
+            a, led = self.ledger.alloc, self.ledger
+            return Usage(
+                a.size,
+                a.free_bytes,
+                a.used_bytes,
+                a.largest_free,
+                len(led.exports),
+                len(led.imports),
+            )
+
+    # ---- exports: the engine's side ---------------------------------------------------------
+
+    def reserve_export(
+        self, transfer_id: str, layout: Layout, meta: dict[str, Any], ttl: float
+    ) -> ExportView:
+        """Raises ``LedgerError`` (``staging_full``, ``duplicate``)."""
+        with self._lock:
+            exp = self.ledger.reserve_export(transfer_id, layout, meta, self.clock(), ttl)
+            view = _view(exp)
+        self.metrics.exports.inc()
+        self._gauges()
+        return view
+
+    def commit_export(self, transfer_id: str, ttl: float) -> ExportView:
+        """The engine wrote the buffers: the export is ready and its lease starts again."""
+        with self._lock:
+            return _view(self.ledger.commit_export(transfer_id, self.clock(), ttl))
+
+    def export(self, transfer_id: str) -> ExportView | None:
+        with self._lock:
+            exp = self.ledger.exports.get(transfer_id)
+            return _view(exp) if exp is not None else None
+
+    def abort_export(self, transfer_id: str) -> bool:
+        """Free now, or when the current reader unpins; -> whether it was freed now."""
+        with self._lock:
+            freed = self.ledger.release_export(transfer_id, "aborted")
+        self._settle([freed] if freed else [])
+        return freed is not None
+
+    # ---- exports: the peer server's side (ExportSource) ------------------------------------
+
+    def ready_export(self, transfer_id: str) -> Export:
+        with self._lock:
+            return self.ledger.ready_export(transfer_id)
+
+    def pin_export(self, transfer_id: str) -> Export:
+        with self._lock:
+            return self.ledger.pin(transfer_id)
+
+    def unpin_export(self, transfer_id: str) -> None:
+        with self._lock:
+            freed = self.ledger.unpin(transfer_id)
+        if freed:
+            self._settle([freed])
+
+    def release_export(self, transfer_id: str) -> None:
+        with self._lock:
+            freed = self.ledger.release_export(transfer_id, "pulled")
+        self._settle([freed] if freed else [])
+
+    def rdma_session(self) -> str | None:
+        return self._rdma_session
+
+    # ---- imports: the puller's side ---------------------------------------------------------
+
+    def reserve_import(self, pull_id: str, nbytes: int) -> Import:
+        """Raises ``LedgerError`` (``staging_full``, ``duplicate``)."""
+        with self._lock:
+            imp = self.ledger.reserve_import(pull_id, nbytes)
+        self._gauges()
+        return imp
+
+    def complete_import(self, pull_id: str, ttl: float) -> float:
+        """Every byte is in: the engine has ``ttl`` seconds to take it; -> that expiry."""
+        with self._lock:
+            imp = self.ledger.complete_import(pull_id, self.clock(), ttl)
+            assert imp.expires_at is not None
+            return imp.expires_at
+
+    def drop_import(self, pull_id: str, reason: FreeReason) -> bool:
+        """Free a pull's extent (if it has one); -> whether something was freed."""
+        with self._lock:
+            freed = self.ledger.drop_import(pull_id, reason)
+        self._settle([freed] if freed else [])
+        return freed is not None
+
+    # ---- leases ----------------------------------------------------------------------------
+
+    def sweep(self) -> list[Freed]:
+        """Free every export and import whose lease ran out."""
+        with self._lock:
+            freed = self.ledger.sweep(self.clock())
+        self._settle(freed)
+        return freed
