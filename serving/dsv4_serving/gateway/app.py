@@ -21,37 +21,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError
+from dsv4_serving.disconnect import cancel_on_disconnect
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
-from dsv4_serving.gateway.errors import bad_request, error
 from dsv4_serving.gateway.health import health_loop
 from dsv4_serving.gateway.instances import InstancePool
+from dsv4_serving.gateway.lifecycle import Admission, Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import RouteRequest, make_policy
 from dsv4_serving.gateway.prompt import load_encoder, routing_key
-from dsv4_serving.gateway.proxy import (
-    Proxy,
-    RequestTimer,
-    UpstreamFailed,
-    decode_body,
-    race_disconnect,
-)
+from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
+from dsv4_serving.http_errors import error_response
 
 log = logging.getLogger("dsv4.gateway")
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, tokenizer: str | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.pool = InstancePool()
         self.metrics = GatewayMetrics()
+        self.admission = Admission(cfg.max_inflight, self.metrics)
         self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
-        self.encode = load_encoder(tokenizer)
-        self.inflight = 0
-
-    def release(self) -> None:
-        self.inflight -= 1
-        self.metrics.inflight.set(self.inflight)
+        self.encode = load_encoder(cfg.tokenizer)
 
     @property
     def pd(self) -> bool:
@@ -65,50 +57,38 @@ class Gateway:
         if self.cfg.api_key is not None:
             auth = request.headers.get("authorization", "")
             if not hmac.compare_digest(auth.encode(), f"Bearer {self.cfg.api_key}".encode()):
-                return error(
+                return error_response(
                     401,
                     "missing or wrong API key (Authorization: Bearer ...)",
-                    "authentication_error",
-                    "invalid_api_key",
+                    code="invalid_api_key",
                 )
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return bad_request(f"request body is not valid JSON: {e}", "invalid_json")
+            return error_response(400, f"request body is not valid JSON: {e}", code="invalid_json")
         if not isinstance(body, dict):
-            return bad_request("request body must be a JSON object")
-        if self.inflight >= self.cfg.max_inflight:
-            self.metrics.requests.labels("rejected").inc()
-            return error(
+            return error_response(400, "request body must be a JSON object", code="invalid_body")
+        if self.admission.full:
+            self.admission.reject()
+            return error_response(
                 429,
                 f"gateway is at its limit of {self.cfg.max_inflight} requests in flight; retry later",
-                "rate_limit_error",
-                "too_many_requests",
+                code="too_many_requests",
                 headers={"retry-after": "1"},
             )
-        self.inflight += 1
-        self.metrics.inflight.set(self.inflight)
-        timer = RequestTimer(self.metrics, self.release)
-        try:
-            response = await race_disconnect(
-                self._route(path, body, chat, rid, timer), lambda: _disconnected(request)
+        with self.admission.admit() as ticket:
+            response = await cancel_on_disconnect(
+                request, self._route(path, body, chat, rid, ticket)
             )
-        except BaseException:
-            timer.done(ok=False)
-            raise
-        if response is None:  # client went away; upstream calls were cancelled and closed
-            timer.done(ok=False)
-            return Response(status_code=499)
-        if (
-            not isinstance(response, Response)
-            or response.status_code != 200
-            or not bool(body.get("stream"))
-        ):
-            timer.done(ok=response.status_code == 200)
-        return response
+            if response is None:  # the client left; the upstream calls were cancelled and closed
+                ticket.outcome = "cancelled"
+                return Response(status_code=499)
+            if isinstance(response, RelayResponse):
+                response.take_over()  # the stream, not this block, ends the request
+            return response
 
     async def _route(
-        self, path: str, body: dict[str, Any], chat: bool, rid: str, timer: RequestTimer
+        self, path: str, body: dict[str, Any], chat: bool, rid: str, ticket: Ticket
     ) -> Response:
         stream = bool(body.get("stream"))
         n_tokens, hashes = routing_key(body, chat, self.encode, self.cfg.block_size)
@@ -117,22 +97,22 @@ class Gateway:
         )
         try:
             if not self.pd:
-                return await self.proxy.forward("both", path, body, req, rid, stream, timer)
+                return await self.proxy.forward("both", path, body, req, rid, stream, ticket)
             if self.cfg.selective_pd_tokens and self._uncached(req) < self.cfg.selective_pd_tokens:
                 self.metrics.selective.inc()
-                return await self.proxy.forward("decode", path, body, req, rid, stream, timer)
+                return await self.proxy.forward("decode", path, body, req, rid, stream, ticket)
             answer, _ = await self.proxy.prefill(path, body, req, rid)
             try:
                 decode = decode_body(body, answer)
             except KVParamsError as e:
-                return error(
+                return error_response(
                     502,
                     f"prefill answer unusable for decode: {e}",
-                    "upstream_error",
+                    code="upstream_error",
                     headers={"x-request-id": rid},
                 )
             decode_req = RouteRequest(prompt_tokens=n_tokens, stage="decode")
-            return await self.proxy.forward("decode", path, decode, decode_req, rid, stream, timer)
+            return await self.proxy.forward("decode", path, decode, decode_req, rid, stream, ticket)
         except UpstreamFailed as e:
             return e.response
 
@@ -144,17 +124,9 @@ class Gateway:
         return req.prompt_tokens - best * req.block_size
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so the next message is it)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> Starlette:
+def create_app(cfg: GatewayConfig) -> Starlette:
     """A plain Starlette app: the hot path needs no request validation layer."""
-    gw = Gateway(cfg, tokenizer)
+    gw = Gateway(cfg)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -207,7 +179,7 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> Starlette:
     async def models(request: Request) -> Response:
         assert gw.proxy.client is not None
         for role in ("decode", "both", "prefill"):
-            for inst in gw.pool.of_role(role):  # type: ignore[arg-type]
+            for inst in gw.pool.of_role(role):
                 try:
                     async with gw.proxy.client.get(
                         f"{inst.url}/v1/models", timeout=aiohttp.ClientTimeout(total=5.0)
@@ -223,13 +195,13 @@ def create_app(cfg: GatewayConfig, tokenizer: str | None = None) -> Starlette:
                     "data": [{"id": cfg.served_model_name, "object": "model", "owned_by": "dsv4"}],
                 }
             )
-        return error(503, "no engine is reachable", "service_unavailable")
+        return error_response(503, "no engine is reachable", code="service_unavailable")
 
     async def health(request: Request) -> Response:
         ready = (gw.pool.of_role("prefill") and gw.pool.of_role("decode")) or gw.pool.of_role(
             "both"
         )
-        counts = {r: len(gw.pool.of_role(r)) for r in ("prefill", "decode", "both")}  # type: ignore[arg-type]
+        counts = {r: len(gw.pool.of_role(r)) for r in ("prefill", "decode", "both")}
         return JSONResponse(
             {"status": "ok" if ready else "unavailable", "healthy": counts},
             status_code=200 if ready else 503,

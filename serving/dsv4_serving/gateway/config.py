@@ -1,8 +1,10 @@
-"""The gateway's one config object, built from the command line (or a test) and passed down."""
+"""The gateway's one config object: ``dsv4 gateway``'s flags are built from its fields (name,
+default and the docstring under each as help), and it is passed down from there (or a test)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from dsv4_serving.gateway.policies import PolicyName
@@ -23,21 +25,27 @@ class GatewayConfig:
     discovery: Literal["static", "kubernetes"] = "static"
     """Where instances come from: the URL lists, or EndpointSlices watched in ``namespace``."""
     namespace: str = "default"
+    """Kubernetes discovery: the namespace to watch ($POD_NAMESPACE if set)."""
     selector: str = ""
     """Label selector of the EndpointSlices (role from their ``serving.dsv4.io/role`` label)."""
     kubeconfig: str | None = None
+    """Kubernetes discovery: kubeconfig file (default: in-cluster, then ~/.kube/config)."""
     policy: PolicyName = "dplb"
+    """How an instance is chosen (see docs/gateway.md)."""
     served_model_name: str | None = None
     """Model name for /v1/models when no engine answers; requests are not rewritten."""
     selective_pd_tokens: int = 0
     """Prompts with fewer uncached tokens than this go to a decode engine alone (0: never)."""
     block_size: int = 16
     """Tokens per prefix-cache block, as the engines use (for prefix affinity)."""
+    tokenizer: str | None = None
+    """tokenizer.json for exact prefix hashes (default: UTF-8 bytes stand in for tokens)."""
     api_key: str | None = None
     """If set, clients must send ``Authorization: Bearer <key>``."""
     max_inflight: int = 1024
     """Requests in flight beyond this get 429 with Retry-After."""
     connect_timeout_s: float = 3.0
+    """Time to open a connection to an engine, per attempt."""
     prefill_timeout_s: float = 600.0
     """Whole prefill call (the prompt's forward), per attempt."""
     first_byte_timeout_s: float = 600.0
@@ -47,8 +55,11 @@ class GatewayConfig:
     retries: int = 1
     """Extra attempts on another instance when prefill fails, or decode fails before its first byte."""
     health_interval_s: float = 2.0
+    """Seconds between health checks (and load scrapes) of each instance."""
     eject_after_failures: int = 2
     """Consecutive failed health checks (or upstream errors) that take an instance out."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """uvicorn's log level."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -59,6 +70,19 @@ class GatewayConfig:
             raise ValueError("--retries must be >= 0")
         if self.block_size < 1:
             raise ValueError("--block-size must be >= 1")
+        if self.eject_after_failures < 1:
+            raise ValueError("--eject-after-failures must be >= 1")
+        for name in (
+            "connect_timeout_s",
+            "prefill_timeout_s",
+            "first_byte_timeout_s",
+            "stream_idle_timeout_s",
+            "health_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.tokenizer and not Path(self.tokenizer).is_file():
+            raise ValueError(f"--tokenizer {self.tokenizer}: no such file")
         if self.discovery == "static" and not (
             self.both_urls or (self.prefill_urls and self.decode_urls)
         ):

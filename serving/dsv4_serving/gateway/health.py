@@ -89,7 +89,7 @@ async def health_loop(
             instances = pool.all()
             await asyncio.gather(*(check_once(client, i, metrics, eject_after) for i in instances))
             for role in ("prefill", "decode", "both"):
-                metrics.healthy.labels(role).set(len(pool.of_role(role)))  # type: ignore[arg-type]
+                metrics.healthy.labels(role).set(len(pool.of_role(role)))
         except Exception:  # the loop must outlive any one bad answer, or nobody is re-admitted
             log.exception("health check round failed")
         await asyncio.sleep(interval_s)

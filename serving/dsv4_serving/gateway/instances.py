@@ -4,7 +4,8 @@ engine's scraped load, and which prompt prefixes it has recently been given."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,6 +79,15 @@ class Instance:
         r = self.ranks[rank]
         r.inflight_requests = max(0, r.inflight_requests - 1)
         r.inflight_tokens = max(0, r.inflight_tokens - tokens)
+
+    @contextmanager
+    def held(self, rank: int, tokens: int) -> Iterator[None]:
+        """One upstream call's share of this instance's load, for as long as the block runs."""
+        self.begin(rank, tokens)
+        try:
+            yield
+        finally:
+            self.end(rank, tokens)
 
 
 class InstancePool:

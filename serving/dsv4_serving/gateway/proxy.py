@@ -9,24 +9,30 @@ always closed (also when the client goes away, which aborts the engine's request
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import aiohttp
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from dsv4_kvtransfer.pd_protocol import KVParamsError, decode_request, prefill_request
+from dsv4_common.errors import openai_error
+from dsv4_kvtransfer.pd_protocol import (
+    KV_TRANSFER_ERROR_TYPE,
+    KVParamsError,
+    decode_request,
+    prefill_request,
+)
 from dsv4_serving.gateway.config import GatewayConfig
-from dsv4_serving.gateway.errors import error
 from dsv4_serving.gateway.health import mark_failure, mark_success
 from dsv4_serving.gateway.instances import Instance, InstancePool, Role
+from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
+from dsv4_serving.http_errors import error_response
 
 log = logging.getLogger("dsv4.gateway")
 _HOP_HEADERS = {
@@ -46,21 +52,6 @@ class UpstreamFailed(Exception):
         self.response = response
 
 
-@dataclass
-class Routed:
-    """One in-flight upstream call's bookkeeping, released exactly once."""
-
-    inst: Instance
-    rank: int
-    tokens: int
-    done: bool = False
-
-    def release(self) -> None:
-        if not self.done:
-            self.done = True
-            self.inst.end(self.rank, self.tokens)
-
-
 def _client_response(resp: aiohttp.ClientResponse, content: bytes, request_id: str) -> Response:
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
     headers["x-request-id"] = request_id
@@ -78,7 +69,7 @@ def _kv_transfer_error(content: bytes) -> bool:
         err = json.loads(content).get("error") or {}
     except (ValueError, AttributeError):
         return False
-    return isinstance(err, dict) and err.get("type") == "KVTransferError"
+    return isinstance(err, dict) and err.get("type") == KV_TRANSFER_ERROR_TYPE
 
 
 def decode_body(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict[str, Any]:
@@ -129,18 +120,14 @@ class Proxy:
     @staticmethod
     def _exhausted(role: Role, tried: set[str], last: str, request_id: str) -> UpstreamFailed:
         """503 when no instance could be tried, 502 when every one tried failed."""
+        headers = {"x-request-id": request_id}
         if not tried:
             return UpstreamFailed(
-                error(
-                    503,
-                    f"no healthy {role} instance",
-                    "service_unavailable",
-                    headers={"x-request-id": request_id},
+                error_response(
+                    503, f"no healthy {role} instance", code="service_unavailable", headers=headers
                 )
             )
-        return UpstreamFailed(
-            error(502, last, "upstream_error", headers={"x-request-id": request_id})
-        )
+        return UpstreamFailed(error_response(502, last, code="upstream_error", headers=headers))
 
     # ---- stages --------------------------------------------------------------------------
 
@@ -153,26 +140,24 @@ class Proxy:
         last = ""
         for choice in self._attempts("prefill", req, tried):
             inst = choice.instance
-            routed = Routed(inst, choice.rank, req.prompt_tokens - choice.cached_tokens)
-            inst.begin(routed.rank, routed.tokens)
             try:
-                async with self.client.post(
-                    inst.url + path,
-                    data=json.dumps(prefill_request(body)),
-                    headers=self._headers(request_id, choice),
-                    timeout=aiohttp.ClientTimeout(
-                        total=self.cfg.prefill_timeout_s, sock_connect=self.cfg.connect_timeout_s
-                    ),
-                ) as resp:
-                    status, content = resp.status, await resp.read()
-                    if status != 200 and status < 500:  # the request itself is bad: tell the client
-                        raise UpstreamFailed(_client_response(resp, content, request_id))
+                with inst.held(choice.rank, req.prompt_tokens - choice.cached_tokens):
+                    async with self.client.post(
+                        inst.url + path,
+                        data=json.dumps(prefill_request(body)),
+                        headers=self._headers(request_id, choice),
+                        timeout=aiohttp.ClientTimeout(
+                            total=self.cfg.prefill_timeout_s,
+                            sock_connect=self.cfg.connect_timeout_s,
+                        ),
+                    ) as resp:
+                        status, content = resp.status, await resp.read()
+                        if status != 200 and status < 500:  # the request is bad: tell the client
+                            raise UpstreamFailed(_client_response(resp, content, request_id))
             except (aiohttp.ClientError, TimeoutError) as e:
                 self._fail(inst)
                 last = f"prefill on {inst.url} failed: {type(e).__name__}: {e}"
                 continue
-            finally:
-                routed.release()
             if status >= 500:
                 self._fail(inst)
                 last = f"prefill on {inst.url} answered {status}: {content[:200]!r}"
@@ -197,20 +182,18 @@ class Proxy:
         req: RouteRequest,
         request_id: str,
         stream: bool,
-        timer: RequestTimer,
+        ticket: Ticket,
     ) -> Response:
         """Send ``body`` to a ``role`` instance and relay its answer; retried on another instance
-        until the first byte. ``timer.done()`` runs once when the answer is finished or abandoned."""
+        until the first byte. A streamed answer leaves its load and connection with ``ticket``."""
         assert self.client is not None
         tried: set[str] = set()
         last = ""
         for choice in self._attempts(role, req, tried):
             inst = choice.instance
-            routed = Routed(inst, choice.rank, req.prompt_tokens)
-            inst.begin(routed.rank, routed.tokens)
-            resp: aiohttp.ClientResponse | None = None
-            handed_over = False  # once a RelayResponse owns resp and routed, it cleans up
-            try:
+            # what this attempt holds, released however it ends (error, retry, cancellation) ...
+            with ExitStack() as attempt:
+                attempt.enter_context(inst.held(choice.rank, req.prompt_tokens))
                 try:
                     resp = await asyncio.wait_for(
                         self.client.post(
@@ -229,8 +212,13 @@ class Proxy:
                     self._fail(inst)
                     last = f"{role} on {inst.url} failed: {type(e).__name__}: {e}"
                     continue
+                # a response dropped before its end closes the connection: the engine aborts
+                attempt.callback(resp.close)
                 if resp.status >= 500:
-                    content = await resp.read()
+                    try:
+                        content = await resp.read()
+                    except (aiohttp.ClientError, TimeoutError):
+                        content = b""
                     if not _kv_transfer_error(content):
                         # a failed KV pull is usually the prefill side's fault: retry elsewhere
                         # (the export stays until its lease ends) without holding it against this one
@@ -240,139 +228,63 @@ class Proxy:
                 mark_success(inst)
                 if role != "decode":
                     inst.prefix.add(req.block_hashes)
-                if not stream or resp.status != 200:
-                    try:
-                        content = await resp.read()
-                    except (aiohttp.ClientError, TimeoutError) as e:
-                        self._fail(inst)
-                        timer.done(ok=False)
-                        return error(
-                            502,
-                            f"{role} on {inst.url} broke off: {e}",
-                            "upstream_error",
-                            headers={"x-request-id": request_id},
-                        )
-                    timer.done(ok=resp.status == 200)
-                    return _client_response(resp, content, request_id)
-                handed_over = True
-                return RelayResponse(
-                    self._relay(resp, routed, inst, timer),
-                    on_close=lambda resp=resp, routed=routed: _abandon(resp, routed, timer),
-                    status_code=200,
-                    media_type=resp.headers.get("content-type", "text/event-stream"),
-                    headers={"x-request-id": request_id, "cache-control": "no-cache"},
-                )
-            finally:
-                # every way out of an attempt (errors, retries, cancellation when the client
-                # leaves) gives back the instance's load and the connection, unless handed over
-                if not handed_over:
-                    if resp is not None:
-                        resp.close()
-                    routed.release()
+                if stream and resp.status == 200:
+                    ticket.hold(attempt.pop_all())  # ... or, streamed, when the stream ends
+                    return RelayResponse(
+                        self._relay(resp, inst, ticket),
+                        ticket,
+                        status_code=200,
+                        media_type=resp.headers.get("content-type", "text/event-stream"),
+                        headers={"x-request-id": request_id, "cache-control": "no-cache"},
+                    )
+                try:
+                    content = await resp.read()
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    self._fail(inst)
+                    return error_response(
+                        502,
+                        f"{role} on {inst.url} broke off: {e}",
+                        code="upstream_error",
+                        headers={"x-request-id": request_id},
+                    )
+                ticket.outcome = "ok" if resp.status == 200 else "error"
+                return _client_response(resp, content, request_id)
         raise self._exhausted(role, tried, last, request_id)
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, routed: Routed, inst: Instance, timer: RequestTimer
+        self, resp: aiohttp.ClientResponse, inst: Instance, ticket: Ticket
     ) -> AsyncIterator[bytes]:
-        ok = False
+        """The upstream's stream, chunk by chunk; the ticket (not this generator, which may
+        never run or never be closed) releases the connection and the load."""
         try:
             async for chunk in resp.content.iter_any():
-                timer.chunk()
+                ticket.chunk()
                 yield chunk
-            ok = True
         except (aiohttp.ClientError, TimeoutError) as e:
             # mid-stream failure: the client already has a 200; end the stream with an error event
             self._fail(inst)
-            msg = json.dumps(
-                {
-                    "error": {
-                        "message": f"upstream {inst.url} broke off: {e}",
-                        "type": "upstream_error",
-                        "code": "upstream_error",
-                    }
-                }
-            )
+            ticket.outcome = "error"
+            err = openai_error(502, f"upstream {inst.url} broke off: {e}", code="upstream_error")
             # a leading blank line ends any event the upstream left half-sent
-            yield f"\n\ndata: {msg}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            # close (not release) when cut short: dropping the connection aborts the engine's request
-            if ok:
-                resp.release()
-            else:
-                resp.close()
-            routed.release()
-            timer.done(ok=ok)
-
-
-def _abandon(resp: aiohttp.ClientResponse, routed: Routed, timer: RequestTimer) -> None:
-    """Clean-up for a relay whose body iterator may never have run (client gone before the first
-    send): idempotent with the iterator's own ``finally``."""
-    if not resp.closed:
-        resp.close()
-    routed.release()
-    timer.done(ok=False)
+            yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            return
+        resp.release()  # read to its end: the connection goes back to the pool
+        ticket.outcome = "ok"
 
 
 class RelayResponse(StreamingResponse):
-    """A streaming response that always runs ``on_close``, even if its iterator never starts."""
+    """A streamed answer that ends its request: after ``take_over`` it owns the request's ticket
+    and closes it when the stream ends, fails or the client leaves, even if it never started."""
 
-    def __init__(
-        self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any
-    ) -> None:
+    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket, **kw: Any) -> None:
         super().__init__(content, **kw)
-        self._on_close = on_close
+        self.ticket = ticket
+        self._closer = ExitStack()
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
+    def take_over(self) -> None:
+        self.ticket.outcome = "cancelled"  # until the relay reaches the end or the upstream fails
+        self._closer = self.ticket.take_over()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with self._closer:
             await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-class RequestTimer:
-    """Latency as the client sees it; ``done`` is idempotent and releases the in-flight slot."""
-
-    def __init__(self, metrics: GatewayMetrics, release: Callable[[], None]) -> None:
-        self.metrics = metrics
-        self.start = time.perf_counter()
-        self.last: float | None = None
-        self._release = release
-        self.finished = False
-
-    def chunk(self) -> None:
-        t = time.perf_counter()
-        if self.last is None:
-            self.metrics.ttft.observe(t - self.start)
-        else:
-            self.metrics.itl.observe(t - self.last)
-        self.last = t
-
-    def done(self, ok: bool = True) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if ok:
-            self.metrics.e2e.observe(time.perf_counter() - self.start)
-        self.metrics.requests.labels("ok" if ok else "error").inc()
-        self._release()
-
-
-async def race_disconnect(
-    work: Awaitable[Response], disconnected: Callable[[], Awaitable[Any]]
-) -> Response | None:
-    """Run ``work``; if the client goes away first, cancel it (closing upstream calls) and return
-    None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        return None
-    finally:
-        watcher.cancel()
-        if not task.done():  # this coroutine itself was cancelled
-            task.cancel()

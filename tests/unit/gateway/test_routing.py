@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -114,7 +116,7 @@ def test_scrape_reads_vllm_gauges_per_dp_rank() -> None:
 
 
 def test_endpointslices_give_ready_leaders_per_role() -> None:
-    slices = [
+    slices: list[dict[str, Any]] = [
         {
             "metadata": {"name": "v4-prefill-abc", "labels": {"serving.dsv4.io/role": "prefill"}},
             "ports": [{"name": "kv", "port": 14579}, {"name": "http", "port": 8000}],
@@ -177,12 +179,15 @@ def test_config_errors_name_the_flag() -> None:
         GatewayConfig(both_urls=["http://a:1"], port=0)
 
 
-def test_kv_transfer_errors_are_not_held_against_the_decode_engine() -> None:
+def test_a_kv_transfer_error_is_recognised_by_the_pd_protocol_type() -> None:
+    from dsv4_common.errors import openai_error
+    from dsv4_kvtransfer.pd_protocol import KV_TRANSFER_ERROR_TYPE
     from dsv4_serving.gateway.proxy import _kv_transfer_error
 
-    body = b'{"error": {"type": "KVTransferError", "message": "KV transfer failed (reason=timeout)", "code": 503}}'
-    assert _kv_transfer_error(body)
-    assert not _kv_transfer_error(b'{"error": {"type": "InternalServerError"}}')
+    kv = openai_error(503, "KV transfer failed (reason=timeout)", type_=KV_TRANSFER_ERROR_TYPE)
+    assert _kv_transfer_error(json.dumps(kv).encode())
+    assert not _kv_transfer_error(json.dumps(openai_error(500, "engine broke")).encode())
+    assert not _kv_transfer_error(b'{"error": {"type": "KVTransferError"}}')  # the old string
     assert not _kv_transfer_error(b"<html>bad gateway</html>")
     assert not _kv_transfer_error(b"[1, 2]")
 
@@ -191,7 +196,7 @@ def test_kv_transfer_errors_are_not_held_against_the_decode_engine() -> None:
 def test_prefill_and_decode_rotate_independently(name: str) -> None:
     policy = make_policy(name)  # type: ignore[arg-type]
     prefills, decodes = _pool(2, "prefill"), _pool(2, "decode")
-    pairs = Counter()
+    pairs: Counter[tuple[str, str]] = Counter()
     for _ in range(8):
         p = policy.choose(prefills, RouteRequest(prompt_tokens=10))
         d = policy.choose(decodes, RouteRequest(prompt_tokens=10, stage="decode"))

@@ -1,0 +1,99 @@
+"""One request's lifecycle at the gateway, with one owner: admission (the in-flight slot), the
+latency timers and the upstream load and connection its answer holds are all released by
+closing its ``Ticket``, exactly once.
+
+The owner is ``Admission.admit``'s block in ``Gateway.handle``; a streamed answer takes the
+ticket over (``Ticket.take_over``, an ``ExitStack.pop_all``) and its ``RelayResponse`` closes it
+when the stream ends, fails or the client leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from types import TracebackType
+from typing import Literal, TypeVar
+
+from dsv4_serving.gateway.metrics import GatewayMetrics
+
+T = TypeVar("T")
+
+# the ``status`` label of dsv4_gateway_requests_total
+Outcome = Literal["ok", "error", "cancelled", "rejected"]
+
+
+class Ticket:
+    """An admitted request. ``outcome`` is set by whoever learns it (the proxy for a whole
+    answer, the relay for a stream); left unset it counts as an error."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last_chunk: float | None = None
+        self.outcome: Outcome | None = None
+        self.closer = ExitStack()
+        self.closer.push(self._record)
+
+    def hold(self, resource: AbstractContextManager[T]) -> T:
+        """Keep ``resource`` (an instance's load, an upstream response) until the ticket closes."""
+        return self.closer.enter_context(resource)
+
+    def take_over(self) -> ExitStack:
+        """Move everything the ticket releases to a new owner; the old block then releases
+        nothing. The new owner must close what it gets."""
+        return self.closer.pop_all()
+
+    def chunk(self) -> None:
+        """A streamed chunk went to the client: TTFT for the first, inter-token latency after."""
+        t = time.perf_counter()
+        if self.last_chunk is None:
+            self.metrics.ttft.observe(t - self.start)
+        else:
+            self.metrics.itl.observe(t - self.last_chunk)
+        self.last_chunk = t
+
+    def _record(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None and self.outcome is None:
+            cancelled = issubclass(exc_type, asyncio.CancelledError)
+            self.outcome = "cancelled" if cancelled else "error"
+        outcome = self.outcome or "error"
+        if outcome == "ok":
+            self.metrics.e2e.observe(time.perf_counter() - self.start)
+        self.metrics.requests.labels(outcome).inc()
+
+
+class Admission:
+    """The in-flight limit: a request past it is rejected, one within it gets a ticket."""
+
+    def __init__(self, limit: int, metrics: GatewayMetrics) -> None:
+        self.limit = limit
+        self.metrics = metrics
+        self.inflight = 0
+
+    @property
+    def full(self) -> bool:
+        return self.inflight >= self.limit
+
+    def reject(self) -> None:
+        self.metrics.requests.labels("rejected").inc()
+
+    @contextmanager
+    def admit(self) -> Iterator[Ticket]:
+        """A ticket holding one slot; the block's exit closes it unless it was taken over."""
+        self._add(1)
+        ticket = Ticket(self.metrics)
+        # the stack unwinds in reverse: load and connections first, then the slot, then metrics
+        ticket.closer.callback(self._add, -1)
+        with ticket.closer:
+            yield ticket
+
+    def _add(self, n: int) -> None:
+        self.inflight += n
+        self.metrics.inflight.set(self.inflight)
