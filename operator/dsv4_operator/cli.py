@@ -61,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
         # one line per watched event of every child is noise; failures still log at ERROR
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    handlers._state["kubeconfig"] = args.kubeconfig
     if metrics:
         start_http_server(metrics, addr="0.0.0.0")
     stop = threading.Event()
@@ -75,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
             stop_flag=stop,
+            memo=handlers.OperatorMemo(kubeconfig=args.kubeconfig),
         )
     )
     return 0

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes import client, config
+from prometheus_client import Counter
 
 from dsv4_operator.api import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "dsv4-operator"
+API_REQUESTS = Counter(
+    "dsv4_operator_api_requests", "Requests to the Kubernetes API, by verb", ["verb"]
+)
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,33 @@ def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return api
 
 
+class KubeApi(Protocol):
+    """What a sync needs from the API server; ``Kube`` talks to one, tests use an in-memory fake."""
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]: ...
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, kind: str, namespace: str, name: str) -> None: ...
+
+    def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> None: ...
+
+    def create(self, obj: dict[str, Any]) -> None: ...
+
+    def crd_exists(self, name: str) -> bool: ...
+
+
 class Kube:
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
 
     def _call(
         self,
+        verb: str,
         method: str,
         path: str,
         *,
@@ -91,6 +116,7 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
+        API_REQUESTS.labels(verb).inc()
         resp = self.api.call_api(m, url, header_params=headers, body=payload, _request_timeout=30)
         data: bytes = resp.read()  # type: ignore[no-untyped-call]
         if not 200 <= resp.status < 300:
@@ -107,7 +133,7 @@ class Kube:
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            obj: dict[str, Any] = self._call("GET", KINDS[kind].path(namespace, name))
+            obj: dict[str, Any] = self._call("get", "GET", KINDS[kind].path(namespace, name))
             return obj
         except KubeError as e:
             if e.status == 404:
@@ -116,7 +142,7 @@ class Kube:
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         sel = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
-        res = self._call("GET", KINDS[kind].path(namespace), query=[("labelSelector", sel)])
+        res = self._call("list", "GET", KINDS[kind].path(namespace), query=[("labelSelector", sel)])
         items: list[dict[str, Any]] = res.get("items") or []
         return items
 
@@ -126,6 +152,7 @@ class Kube:
         meta = obj["metadata"]
         path = KINDS[obj["kind"]].path(meta["namespace"], meta["name"])
         res: dict[str, Any] = self._call(
+            "apply",
             "PATCH",
             path,
             body=obj,
@@ -137,6 +164,7 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         try:
             self._call(
+                "delete",
                 "DELETE",
                 KINDS[kind].path(namespace, name),
                 body={"propagationPolicy": "Background"},
@@ -147,6 +175,7 @@ class Kube:
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         self._call(
+            "patch_status",
             "PATCH",
             KINDS[kind].path(namespace, name, "status"),
             body={"status": status},
@@ -155,11 +184,13 @@ class Kube:
 
     def create(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
-        self._call("POST", KINDS[obj["kind"]].path(meta["namespace"]), body=obj)
+        self._call("create", "POST", KINDS[obj["kind"]].path(meta["namespace"]), body=obj)
 
     def crd_exists(self, name: str) -> bool:
         try:
-            self._call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            self._call(
+                "get", "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
+            )
             return True
         except KubeError as e:
             if e.status in (403, 404):

@@ -1,4 +1,5 @@
-"""Read what the cluster says about one deployment's children: placements, readiness, problems."""
+"""What the cluster says about one deployment: engine pod placements, readiness, problems, the KV
+token. Reads the pods (one LIST); everything else comes from the children already listed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
-from dsv4_operator.kube import Kube
+from dsv4_operator.children import Live
+from dsv4_operator.kube import KubeApi
 from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.desired import Facts
+from dsv4_operator.reconcile.identity import LWS_GROUP_INDEX, LWS_WORKER_INDEX, STS_POD_INDEX
 from dsv4_operator.reconcile.ranktable import PodPlacement
 from dsv4_operator.reconcile.status import Observed
 
@@ -25,9 +28,11 @@ _BAD_WAITING = {
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Observation:
     facts: Facts
+    """Inputs of ``desired_children``."""
     observed: Observed
+    """Inputs of ``compute_status``."""
 
 
 def _pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
@@ -61,8 +66,8 @@ def _placement(pod: dict[str, Any]) -> PodPlacement:
         name=meta["name"],
         node_rank=int(
             labels.get(
-                "apps.kubernetes.io/pod-index",
-                labels.get("leaderworkerset.sigs.k8s.io/worker-index", "0"),
+                STS_POD_INDEX,
+                labels.get(LWS_WORKER_INDEX, "0"),
             )
         ),
         node_name=(pod.get("spec") or {}).get("nodeName"),
@@ -74,7 +79,7 @@ def _placement(pod: dict[str, Any]) -> PodPlacement:
 def _instance_of(pod: dict[str, Any]) -> tuple[Role, int] | None:
     labels = pod["metadata"].get("labels") or {}
     role = labels.get(names.ROLE_LABEL)
-    idx = labels.get(names.INSTANCE_LABEL, labels.get("leaderworkerset.sigs.k8s.io/group-index"))
+    idx = labels.get(names.INSTANCE_LABEL, labels.get(LWS_GROUP_INDEX))
     if role not in ROLES or idx is None:
         return None
     return role, int(idx)
@@ -90,8 +95,17 @@ def _workload_ready(obj: dict[str, Any]) -> bool:
     )
 
 
-def observe(kube: Kube, spec: DeploymentSpec, lws_available: bool) -> Snapshot:
-    sel = {names.DEPLOYMENT_LABEL: spec.name, "app.kubernetes.io/managed-by": names.MANAGER}
+def _role_of(obj: dict[str, Any]) -> str | None:
+    role: str | None = (obj["metadata"].get("labels") or {}).get(names.ROLE_LABEL)
+    return role
+
+
+def _kv_token(secret: dict[str, Any] | None) -> str:
+    data = (secret or {}).get("data") or {}
+    return base64.b64decode(data["token"]).decode() if data.get("token") else ""
+
+
+def observe(kube: KubeApi, spec: DeploymentSpec, lws_available: bool, live: Live) -> Observation:
     pods = kube.list("Pod", spec.namespace, {names.DEPLOYMENT_LABEL: spec.name})
     placements: dict[tuple[Role, int], list[PodPlacement]] = {}
     problems: list[tuple[str, str]] = []
@@ -104,25 +118,20 @@ def observe(kube: Kube, spec: DeploymentSpec, lws_available: bool) -> Snapshot:
             problems.append(problem)
 
     ready: dict[Role, int] = {r: 0 for r in ROLES}
-    if spec.scheduling["workload"] == "LeaderWorkerSet":
-        for lws in kube.list("LeaderWorkerSet", spec.namespace, sel) if lws_available else []:
-            role = (lws["metadata"].get("labels") or {}).get(names.ROLE_LABEL)
-            if role in ready:
-                ready[role] = int((lws.get("status") or {}).get("readyReplicas") or 0)
-    else:
-        for sts in kube.list("StatefulSet", spec.namespace, sel):
-            role = (sts["metadata"].get("labels") or {}).get(names.ROLE_LABEL)
-            if role in ready and _workload_ready(sts):
-                ready[role] += 1
+    for (kind, _), obj in live.items():
+        role = _role_of(obj)
+        if role not in ROLES:
+            continue
+        if kind == "LeaderWorkerSet" and spec.scheduling.use_lws:
+            ready[role] = int((obj.get("status") or {}).get("readyReplicas") or 0)
+        elif kind == "StatefulSet" and not spec.scheduling.use_lws and _workload_ready(obj):
+            ready[role] += 1
 
-    gw = kube.get("Deployment", spec.namespace, names.gateway_name(spec))
+    gw = live.get(("Deployment", names.gateway_name(spec)))
     gateway_ready = int(((gw or {}).get("status") or {}).get("readyReplicas") or 0)
-
-    secret = kube.get("Secret", spec.namespace, names.kv_secret_name(spec))
-    token = ""
-    if secret and (secret.get("data") or {}).get("token"):
-        token = base64.b64decode(secret["data"]["token"]).decode()
+    token = _kv_token(live.get(("Secret", names.kv_secret_name(spec))))
     facts = Facts(
+        # the Secret keeps the first token; a fresh one only until it exists
         kv_token=token or secrets.token_urlsafe(32),
         placements=placements,
         lws_available=lws_available,
@@ -134,4 +143,4 @@ def observe(kube: Kube, spec: DeploymentSpec, lws_available: bool) -> Snapshot:
         problems=[m for _, m in problems],
         problem_reason=problems[0][0] if problems else "",
     )
-    return Snapshot(facts=facts, observed=observed)
+    return Observation(facts=facts, observed=observed)

@@ -1,14 +1,37 @@
-"""Coalesce sync requests per object: a burst of events becomes one sync, never two at once."""
+"""Coalesce sync requests per object: a burst of events becomes one sync, never two at once; a
+failed sync is retried after a per-object exponential back-off (reset by a success), as
+controller-runtime's workqueue does. An event still syncs promptly during a back-off."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("dsv4.operator")
 
 Key = tuple[str, str]  # (namespace, name)
+
+
+class Backoff:
+    """Delay before the n-th retry of one key: ``initial_s * 2**(n-1)``, at most ``max_s``."""
+
+    def __init__(self, initial_s: float = 0.5, max_s: float = 300.0) -> None:
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self._failures: dict[Key, int] = {}
+
+    def failed(self, key: Key) -> float:
+        n = self._failures.get(key, 0) + 1
+        self._failures[key] = n
+        return float(min(self.initial_s * 2 ** (n - 1), self.max_s))
+
+    def succeeded(self, key: Key) -> None:
+        self._failures.pop(key, None)
+
+    def failures(self, key: Key) -> int:
+        return self._failures.get(key, 0)
 
 
 class SyncQueue:
@@ -17,13 +40,15 @@ class SyncQueue:
         sync: Callable[[str, str], None],
         *,
         delay_s: float = 0.2,
-        retry_s: float = 5.0,
+        backoff: Backoff | None = None,
         max_concurrent: int = 8,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._sync = sync
         self._delay = delay_s
-        self._retry = retry_s
-        self._scheduled: set[Key] = set()
+        self.backoff = backoff or Backoff()
+        self._sleep = sleep
+        self._scheduled: dict[Key, tuple[float, asyncio.Task[None]]] = {}  # due (monotonic)
         self._running: set[Key] = set()
         self._again: set[Key] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -31,22 +56,28 @@ class SyncQueue:
         self._limit = asyncio.Semaphore(max_concurrent)
 
     def enqueue(self, key: Key, delay_s: float | None = None) -> None:
+        """Sync ``key`` after ``delay_s`` (default: the coalescing delay); a sync already due
+        sooner stands, one due later (a back-off) is brought forward."""
         self.known.add(key)
         if key in self._running:
             self._again.add(key)  # events during a sync: run once more afterwards
             return
-        if key in self._scheduled:
-            return
-        self._scheduled.add(key)
-        task = asyncio.get_running_loop().create_task(
-            self._run(key, self._delay if delay_s is None else delay_s)
-        )
+        delay = self._delay if delay_s is None else delay_s
+        due = time.monotonic() + delay
+        scheduled = self._scheduled.get(key)
+        if scheduled is not None:
+            if scheduled[0] <= due:
+                return
+            scheduled[1].cancel()
+        task = asyncio.get_running_loop().create_task(self._run(key, delay))
+        self._scheduled[key] = (due, task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def forget(self, key: Key) -> None:
         self._again.discard(key)
         self.known.discard(key)
+        self.backoff.succeeded(key)
 
     def enqueue_all(self) -> None:
         """Sync every known object again (a cluster-wide fact they depend on changed)."""
@@ -54,22 +85,24 @@ class SyncQueue:
             self.enqueue(key)
 
     async def _run(self, key: Key, delay: float) -> None:
-        await asyncio.sleep(delay)
+        await self._sleep(delay)
         async with self._limit:
-            self._scheduled.discard(key)
+            self._scheduled.pop(key, None)
             self._running.add(key)
-            retry = False
+            retry: float | None = None
             try:
                 await asyncio.to_thread(self._sync, *key)
+                self.backoff.succeeded(key)
             except Exception:
-                log.exception("sync of %s/%s failed; retrying in %.0fs", *key, self._retry)
-                retry = True
+                retry = self.backoff.failed(key)
+                log.exception("sync of %s/%s failed; retrying in %.1fs", *key, retry)
             finally:
                 self._running.discard(key)
-        if retry:
-            self.enqueue(key, self._retry)
-        elif key in self._again:
-            self._again.discard(key)
+        again = key in self._again
+        self._again.discard(key)
+        if retry is not None:
+            self.enqueue(key, retry)  # the retry reads the newest state anyway
+        elif again:
             self.enqueue(key)
 
     async def drain(self) -> None:

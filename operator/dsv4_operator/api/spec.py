@@ -1,7 +1,8 @@
 """Typed view of a DeepSeekV4Deployment, built from the object after the CRD's defaults apply.
 
 ``apply_defaults`` walks the same schema the API server uses, so a spec built from a partial dict
-in a unit test is the spec the operator sees in a cluster.
+in a unit test is the spec the operator sees in a cluster. Every section is a frozen dataclass:
+the rest of the operator reads attributes, never string keys.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dsv4_common.ports import sidecar_control_port, sidecar_metrics_port
 from dsv4_operator.api.crd import spec_schema
 from dsv4_operator.api.schema import Schema
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
+Workload = Literal["StatefulSet", "LeaderWorkerSet"]
 
 
 def apply_defaults(schema: Schema, value: Any) -> Any:
@@ -35,10 +38,6 @@ class Parallelism:
     tp: int
     dp: int
     ep: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,100 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class KVTransferSpec:
+    transport: str
+    port: int
+    """The sidecar's peer port; its control API and metrics ports derive from it."""
+    lease_seconds: int
+    failure_policy: str
+    pull_timeout_s: int
+    sidecar_image: str | None = None
+    sidecar_resources: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def control_port(self) -> int:
+        return sidecar_control_port(self.port)
+
+    @property
+    def metrics_port(self) -> int:
+        return sidecar_metrics_port(self.port)
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    replicas: int
+    image: str
+    routing_policy: str
+    service_type: str
+    port: int
+    api_key_secret: SecretKeyRef | None = None
+    resources: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """Accepted by the CRD only while disabled (nothing scales yet)."""
+
+    enabled: bool
+    ttft_seconds: float
+    tpot_seconds: float
+    prefill: Bounds
+    decode: Bounds
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    npu_resource: str
+    workload: Workload
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    affinity: dict[str, Any] = field(default_factory=dict)
+    topology_spread_constraints: list[dict[str, Any]] = field(default_factory=list)
+    priority_class_name: str | None = None
+
+    @property
+    def use_lws(self) -> bool:
+        return self.workload == "LeaderWorkerSet"
+
+
+@dataclass(frozen=True)
+class EplbSpec:
+    enabled: bool
+    redundant_experts: int
+    interval_steps: int
+
+
+@dataclass(frozen=True)
+class HccnConfSpec:
+    enabled: bool
+    host_path: str
+
+
+@dataclass(frozen=True)
+class FeaturesSpec:
+    """``eplb``, ``mlapo`` and ``c8`` are accepted by the CRD only at their defaults (no engine
+    acts on them yet); ``hccn_conf`` and ``privileged`` shape the engine pods."""
+
+    eplb: EplbSpec
+    mlapo: bool
+    c8: str
+    hccn_conf: HccnConfSpec
+    privileged: bool
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     name: str
     namespace: str
@@ -95,27 +188,19 @@ class DeploymentSpec:
     image_pull_secrets: list[str]
     prefill: RoleSpec
     decode: RoleSpec
-    kv: dict[str, Any]
-    gateway: dict[str, Any]
-    autoscaling: dict[str, Any]
-    scheduling: dict[str, Any]
-    features: dict[str, Any]
+    kv: KVTransferSpec
+    gateway: GatewaySpec
+    autoscaling: AutoscalingSpec
+    scheduling: SchedulingSpec
+    features: FeaturesSpec
     labels: dict[str, str] = field(default_factory=dict)
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
 
     @property
-    def npu_resource(self) -> str:
-        return str(self.scheduling["npuResourceName"])
-
-    @property
     def sidecar_image(self) -> str:
-        return str(self.kv.get("sidecarImage") or self.image)
-
-    @property
-    def gateway_image(self) -> str:
-        return str(self.gateway["image"])
+        return self.kv.sidecar_image or self.image
 
 
 def _role(role: Role, raw: dict[str, Any]) -> RoleSpec:
@@ -134,6 +219,71 @@ def _role(role: Role, raw: dict[str, Any]) -> RoleSpec:
         shm_size=str(raw["shmSize"]),
         startup_timeout_s=int(raw["startupTimeoutSeconds"]),
         termination_grace_s=int(raw["terminationGracePeriodSeconds"]),
+    )
+
+
+def _kv(raw: dict[str, Any]) -> KVTransferSpec:
+    return KVTransferSpec(
+        transport=raw["transport"],
+        port=int(raw["port"]),
+        lease_seconds=int(raw["leaseSeconds"]),
+        failure_policy=raw["failurePolicy"],
+        pull_timeout_s=int(raw["pullTimeoutSeconds"]),
+        sidecar_image=raw.get("sidecarImage"),
+        sidecar_resources=dict(raw.get("sidecarResources") or {}),
+    )
+
+
+def _gateway(raw: dict[str, Any]) -> GatewaySpec:
+    secret = raw.get("apiKeySecret")
+    return GatewaySpec(
+        replicas=int(raw["replicas"]),
+        image=raw["image"],
+        routing_policy=raw["routingPolicy"],
+        service_type=raw["serviceType"],
+        port=int(raw["port"]),
+        api_key_secret=SecretKeyRef(secret["name"], secret["key"]) if secret else None,
+        resources=dict(raw.get("resources") or {}),
+    )
+
+
+def _autoscaling(raw: dict[str, Any]) -> AutoscalingSpec:
+    def bounds(b: dict[str, Any]) -> Bounds:
+        return Bounds(min=int(b["min"]), max=int(b["max"]))
+
+    return AutoscalingSpec(
+        enabled=bool(raw["enabled"]),
+        ttft_seconds=float(raw["ttftSeconds"]),
+        tpot_seconds=float(raw["tpotSeconds"]),
+        prefill=bounds(raw["prefill"]),
+        decode=bounds(raw["decode"]),
+    )
+
+
+def _scheduling(raw: dict[str, Any]) -> SchedulingSpec:
+    return SchedulingSpec(
+        npu_resource=raw["npuResourceName"],
+        workload=raw["workload"],
+        node_selector=dict(raw.get("nodeSelector") or {}),
+        tolerations=list(raw.get("tolerations") or []),
+        affinity=dict(raw.get("affinity") or {}),
+        topology_spread_constraints=list(raw.get("topologySpreadConstraints") or []),
+        priority_class_name=raw.get("priorityClassName"),
+    )
+
+
+def _features(raw: dict[str, Any]) -> FeaturesSpec:
+    eplb, hccn = raw["eplb"], raw["hccnConf"]
+    return FeaturesSpec(
+        eplb=EplbSpec(
+            enabled=bool(eplb["enabled"]),
+            redundant_experts=int(eplb["redundantExperts"]),
+            interval_steps=int(eplb["intervalSteps"]),
+        ),
+        mlapo=bool(raw["mlapo"]),
+        c8=raw["c8"],
+        hccn_conf=HccnConfSpec(enabled=bool(hccn["enabled"]), host_path=hccn["hostPath"]),
+        privileged=bool(raw["privileged"]),
     )
 
 
@@ -165,10 +315,10 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
         image_pull_secrets=list(engine.get("imagePullSecrets") or []),
         prefill=_role("prefill", spec["prefill"]),
         decode=_role("decode", spec["decode"]),
-        kv=spec["kvTransfer"],
-        gateway=spec["gateway"],
-        autoscaling=spec["autoscaling"],
-        scheduling=spec["scheduling"],
-        features=spec["features"],
+        kv=_kv(spec["kvTransfer"]),
+        gateway=_gateway(spec["gateway"]),
+        autoscaling=_autoscaling(spec["autoscaling"]),
+        scheduling=_scheduling(spec["scheduling"]),
+        features=_features(spec["features"]),
         labels=dict(meta.get("labels") or {}),
     )

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4_common.process import ManagedProcess, free_port
 from dsv4_operator.devcluster.certs import CertPair, LocalPKI
 from dsv4_operator.devcluster.nodes import (
     KWOK_ANNOTATION,
@@ -26,7 +27,6 @@ from dsv4_operator.devcluster.nodes import (
     FakeNodeSpec,
     fake_node,
 )
-from dsv4_common.process import ManagedProcess, free_port
 
 REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kubectl")
 WORKLOAD_BINARIES = ("kube-controller-manager", "kube-scheduler", "kwok")

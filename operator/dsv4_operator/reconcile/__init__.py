@@ -1,8 +1,10 @@
 """Pure reconcile: a DeepSeekV4Deployment plus observed cluster facts -> the desired children.
 
-Nothing here talks to a cluster; the kopf handlers in ``dsv4_operator.handlers`` apply the result.
+Nothing here talks to a cluster; ``dsv4_operator.controller`` observes, applies the result and
+writes the status.
 """
 
 from dsv4_operator.reconcile.desired import Facts, desired_children
+from dsv4_operator.reconcile.errors import ReconcileError
 
-__all__ = ["Facts", "desired_children"]
+__all__ = ["Facts", "ReconcileError", "desired_children"]

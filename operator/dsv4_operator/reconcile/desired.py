@@ -9,20 +9,20 @@ from typing import Any
 
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role, RoleSpec
 from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.budgets import disruption_budgets
+from dsv4_operator.reconcile.engine_config import engine_configmap
+from dsv4_operator.reconcile.errors import ReconcileError
 from dsv4_operator.reconcile.gateway import gateway_objects
-from dsv4_operator.reconcile.network import (
-    disruption_budgets,
-    gateway_service,
-    network_policies,
-    role_service,
-)
+from dsv4_operator.reconcile.network import gateway_service, network_policies, role_service
 from dsv4_operator.reconcile.ranktable import PodPlacement, rank_table
 from dsv4_operator.reconcile.workloads import engine_workloads
+
+__all__ = ["Facts", "ReconcileError", "desired_children"]
 
 
 @dataclass(frozen=True)
 class Facts:
-    """What the handlers observed in the cluster; everything else is derived from the spec."""
+    """What ``observe`` read from the cluster; everything else is derived from the spec."""
 
     kv_token: str
     """The KV sidecars' shared secret: the existing Secret's, or a fresh one on first reconcile."""
@@ -30,37 +30,6 @@ class Facts:
     """Engine pods per (role, instance), for the HCCL rank tables."""
     lws_available: bool = False
     """Whether the LeaderWorkerSet CRD is installed."""
-
-
-class ReconcileError(ValueError):
-    """The spec asks for something this cluster cannot provide; the message says what."""
-
-
-def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
-    """Deployment-wide settings every engine reads (the roles' own flags are on the command line)."""
-    m = spec.model
-    return {
-        "deployment": spec.name,
-        "model": {
-            "architecture": m.architecture,
-            "dtype": m.dtype,
-            "quantization": m.quantization,
-            "servedName": m.served_name,
-            "maxModelLen": m.max_model_len,
-        },
-        "kvTransfer": {k: spec.kv[k] for k in ("transport", "port", "leaseSeconds")},
-        "roles": {
-            r: {
-                "tp": spec.role(r).parallelism.tp,
-                "dp": spec.role(r).parallelism.dp,
-                "ep": spec.role(r).parallelism.ep,
-                "nodesPerInstance": spec.role(r).nodes_per_instance,
-                "npusPerNode": spec.role(r).npus_per_node,
-            }
-            for r in ROLES
-        },
-        "features": spec.features,
-    }
 
 
 def _configmap(
@@ -74,9 +43,7 @@ def _configmap(
     }
 
 
-def _ranktables(
-    spec: DeploymentSpec, role: RoleSpec, facts: Facts, use_lws: bool
-) -> list[dict[str, Any]]:
+def _ranktables(spec: DeploymentSpec, role: RoleSpec, facts: Facts) -> list[dict[str, Any]]:
     if not role.on_npu:
         return []
     tables = {
@@ -85,7 +52,7 @@ def _ranktables(
         )
         for i in range(role.instances)
     }
-    if use_lws:
+    if spec.scheduling.use_lws:
         data = {f"hccl-{i}.json": json.dumps(t, indent=2) for i, t in tables.items()}
         return [
             _configmap(
@@ -108,19 +75,13 @@ def _ranktables(
 
 def desired_children(spec: DeploymentSpec, facts: Facts) -> list[dict[str, Any]]:
     """Every child object, fully specified, in an order that is safe to apply front to back."""
-    use_lws = spec.scheduling["workload"] == "LeaderWorkerSet"
-    if use_lws and not facts.lws_available:
+    if spec.scheduling.use_lws and not facts.lws_available:
         raise ReconcileError(
             "scheduling.workload is LeaderWorkerSet but the LeaderWorkerSet CRD "
             "(leaderworkersets.leaderworkerset.x-k8s.io) is not installed; install LWS or use StatefulSet"
         )
     objs: list[dict[str, Any]] = [
-        _configmap(
-            spec,
-            names.engine_config_name(spec),
-            names.base_labels(spec, "engine"),
-            {"engine.json": json.dumps(engine_config(spec), indent=2, sort_keys=True)},
-        ),
+        engine_configmap(spec),
         {
             "apiVersion": "v1",
             "kind": "Secret",
@@ -134,8 +95,8 @@ def desired_children(spec: DeploymentSpec, facts: Facts) -> list[dict[str, Any]]
     for r in ROLES:
         role = spec.role(r)
         objs.append(role_service(spec, r))
-        objs += _ranktables(spec, role, facts, use_lws)
-        objs += engine_workloads(spec, role, use_lws)
+        objs += _ranktables(spec, role, facts)
+        objs += engine_workloads(spec, role)
     objs += gateway_objects(spec)
     objs.append(gateway_service(spec))
     objs += disruption_budgets(spec)

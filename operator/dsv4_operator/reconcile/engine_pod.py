@@ -1,7 +1,8 @@
 """The engine pod: engine + kv-sidecar containers sharing an in-memory /dev/shm.
 
 Command-line contract with the engine and sidecar (``dsv4 engine``, ``dsv4 kv-sidecar``) lives
-here and in docs/operator.md; the deployment-wide settings go in the engine ConfigMap.
+here and in docs/operator.md: the per-role engine flags are on the command line, the
+deployment-wide engine settings in engine.json (``engine_config.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from typing import Any
 
 from dsv4_operator.api.spec import DeploymentSpec, RoleSpec
 from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
+from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
 
 CONFIG_DIR = "/etc/dsv4"
-RANKTABLE_DIR = "/etc/dsv4/ranktable"
 KV_AUTH_DIR = "/etc/dsv4/kv-auth"
 MODEL_DIR = "/models/checkpoint"
 PROBE_PERIOD_S = 10
@@ -23,7 +25,7 @@ def _downward(name: str, path: str) -> dict[str, Any]:
 
 
 def _security(spec: DeploymentSpec) -> dict[str, Any]:
-    if spec.features["privileged"]:
+    if spec.features.privileged:
         return {"privileged": True}
     return {
         "allowPrivilegeEscalation": False,
@@ -44,18 +46,15 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def engine_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
+    """The per-role flags; the deployment-wide settings are in engine.json (``--config``)."""
     par = role.parallelism
     cmd = [
         "dsv4",
         "engine",
         "--config",
-        f"{CONFIG_DIR}/engine.json",
+        f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}",
         "--role",
         role.role,
-        "--model",
-        spec.model.engine_model_arg,
-        "--served-model-name",
-        spec.model.served_name,
         "--host",
         "0.0.0.0",
         "--port",
@@ -71,56 +70,46 @@ def engine_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         "--device",
         "npu" if role.on_npu else "cpu",
     ]
-    cmd += [
-        # the sidecar's control API listens on 127.0.0.1 at the KV port + 1 (same pod)
-        "--kv-sidecar",
-        f"http://127.0.0.1:{int(spec.kv['port']) + 1}",
-        "--kv-failure-policy",
-        str(spec.kv["failurePolicy"]),
-        "--kv-pull-timeout",
-        str(spec.kv["pullTimeoutSeconds"]),
-    ]
     if role.on_npu:
         cmd += ["--rank-table", "$(RANK_TABLE_FILE)"]
     return cmd + role.engine_args
 
 
 def sidecar_command(spec: DeploymentSpec) -> list[str]:
+    kv = spec.kv
     return [
         "dsv4",
         "kv-sidecar",
         "--transport",
-        str(spec.kv["transport"]),
+        kv.transport,
         "--port",
-        str(spec.kv["port"]),
+        str(kv.port),
+        # the control API stays on 127.0.0.1: the engine beside it is its only client
+        "--control-port",
+        str(kv.control_port),
         "--engine-url",
         f"http://127.0.0.1:{names.ENGINE_PORT}",
         "--lease-seconds",
-        str(spec.kv["leaseSeconds"]),
+        str(kv.lease_seconds),
         "--auth-token-file",
         f"{KV_AUTH_DIR}/token",
-        # the control API stays on 127.0.0.1 (the engine's); Prometheus scrapes this port only
+        # Prometheus and probes from outside the pod reach only this port
         "--metrics-port",
-        str(sidecar_metrics_port(spec)),
+        str(kv.metrics_port),
     ]
-
-
-def sidecar_metrics_port(spec: DeploymentSpec) -> int:
-    """KV port + 2 (the sidecar's control API takes port + 1)."""
-    return int(spec.kv["port"]) + 2
 
 
 def _engine_resources(spec: DeploymentSpec, role: RoleSpec) -> dict[str, Any]:
     res = {k: dict(v) for k, v in role.resources.items()}
     if role.on_npu:
         n = str(role.npus_per_node)
-        res.setdefault("requests", {})[spec.npu_resource] = n
-        res.setdefault("limits", {})[spec.npu_resource] = n
+        res.setdefault("requests", {})[spec.scheduling.npu_resource] = n
+        res.setdefault("limits", {})[spec.scheduling.npu_resource] = n
     return res
 
 
 def _volumes(
-    spec: DeploymentSpec, role: RoleSpec, instance: int, lws: bool
+    spec: DeploymentSpec, role: RoleSpec, identity: Identity
 ) -> tuple[list[Any], list[Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": role.shm_size}},
@@ -134,8 +123,8 @@ def _volumes(
         {"name": "shm", "mountPath": "/dev/shm"},
         {
             "name": "config",
-            "mountPath": CONFIG_DIR + "/engine.json",
-            "subPath": "engine.json",
+            "mountPath": f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}",
+            "subPath": ENGINE_CONFIG_KEY,
             "readOnly": True,
         },
     ]
@@ -151,13 +140,7 @@ def _volumes(
             {"name": "model", "mountPath": MODEL_DIR, "subPath": m.pvc_sub_path, "readOnly": True}
         )
     if role.on_npu:
-        # StatefulSet mode: one ConfigMap per instance; LeaderWorkerSet mode: one per role with a
-        # key per instance (the pod template is shared by all groups).
-        table = (
-            names.ranktable_name(spec, role.role, instance)
-            if not lws
-            else names.ranktables_name(spec, role.role)
-        )
+        table = identity.ranktable_configmap(spec, role)
         volumes.append({"name": "ranktable", "configMap": {"name": table}})
         mounts.append({"name": "ranktable", "mountPath": RANKTABLE_DIR, "readOnly": True})
         volumes.append(
@@ -169,37 +152,26 @@ def _volumes(
         mounts.append(
             {"name": "ascend-driver", "mountPath": "/usr/local/Ascend/driver", "readOnly": True}
         )
-        hccn = spec.features["hccnConf"]
-        if hccn["enabled"]:
+        hccn = spec.features.hccn_conf
+        if hccn.enabled:
             volumes.append(
-                {"name": "hccn-conf", "hostPath": {"path": hccn["hostPath"], "type": "File"}}
+                {"name": "hccn-conf", "hostPath": {"path": hccn.host_path, "type": "File"}}
             )
             mounts.append({"name": "hccn-conf", "mountPath": "/etc/hccn.conf", "readOnly": True})
     return volumes, mounts
 
 
-def pod_template(
-    spec: DeploymentSpec, role: RoleSpec, instance: int, lws: bool = False
-) -> dict[str, Any]:
-    """Pod template for one instance of ``role``; node rank = the StatefulSet pod index."""
-    labels = names.instance_labels(spec, role.role, instance)
-    volumes, mounts = _volumes(spec, role, instance, lws)
-    table = "hccl-$(DSV4_INSTANCE).json" if lws else "hccl.json"
+def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> dict[str, Any]:
+    """Pod template of ``role``'s engine pods; ``identity`` says how a pod learns its instance
+    and node rank (the workload kind decides)."""
+    volumes, mounts = _volumes(spec, role, identity)
     env = [
         _downward("POD_NAME", "metadata.name"),
         _downward("POD_NAMESPACE", "metadata.namespace"),
         _downward("POD_IP", "status.podIP"),
         _downward("NODE_NAME", "spec.nodeName"),
-        _downward("DSV4_NODE_RANK", "metadata.labels['apps.kubernetes.io/pod-index']"),
-        {"name": "DSV4_INSTANCE", "value": str(instance)},
-        {"name": "DSV4_NODES_PER_INSTANCE", "value": str(role.nodes_per_instance)},
-        # The leader (pod index 0) hosts torch.distributed's rendezvous for multi-node instances.
-        {
-            "name": "DSV4_MASTER_ADDR",
-            "value": f"{names.instance_name(spec, role.role, instance)}-0.{names.role_service(spec, role.role)}",
-        },
+        *identity.env(spec, role),
         {"name": "HCCL_IF_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "RANK_TABLE_FILE", "value": f"{RANKTABLE_DIR}/{table}"},
         {"name": "HCCL_CONNECT_TIMEOUT", "value": "1200"},
         *({"name": k, "value": v} for k, v in sorted(role.env.items())),
     ]
@@ -228,10 +200,10 @@ def pod_template(
         "command": sidecar_command(spec),
         "env": [_downward("POD_IP", "status.podIP")],
         "ports": [
-            {"name": "kv", "containerPort": int(spec.kv["port"])},
-            {"name": "kv-metrics", "containerPort": sidecar_metrics_port(spec)},
+            {"name": "kv", "containerPort": spec.kv.port},
+            {"name": "kv-metrics", "containerPort": spec.kv.metrics_port},
         ],
-        "resources": spec.kv.get("sidecarResources") or {"requests": {"cpu": "1", "memory": "2Gi"}},
+        "resources": spec.kv.sidecar_resources or {"requests": {"cpu": "1", "memory": "2Gi"}},
         "volumeMounts": [
             {"name": "shm", "mountPath": "/dev/shm"},
             {"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True},
@@ -239,20 +211,22 @@ def pod_template(
         "readinessProbe": {"tcpSocket": {"port": "kv"}, "periodSeconds": 5},
         "securityContext": _security(spec),
     }
-    sched = spec.scheduling
     pod_spec: dict[str, Any] = {
         "containers": [engine, sidecar],
         "volumes": volumes,
         "terminationGracePeriodSeconds": role.termination_grace_s,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {} if spec.features["privileged"] else {"fsGroup": 1000},
+        "securityContext": {} if spec.features.privileged else {"fsGroup": 1000},
     }
-    if sched.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(sched["nodeSelector"])
-    for key in ("tolerations", "affinity", "topologySpreadConstraints", "priorityClassName"):
-        if sched.get(key):
-            pod_spec[key] = sched[key]
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
-    return {"metadata": {"labels": labels}, "spec": pod_spec}
+    sched = spec.scheduling
+    optional: dict[str, Any] = {
+        "nodeSelector": sched.node_selector,
+        "tolerations": sched.tolerations,
+        "affinity": sched.affinity,
+        "topologySpreadConstraints": sched.topology_spread_constraints,
+        "priorityClassName": sched.priority_class_name,
+        "imagePullSecrets": [{"name": s} for s in spec.image_pull_secrets],
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v})
+    return {"metadata": {"labels": identity.labels(spec, role)}, "spec": pod_spec}

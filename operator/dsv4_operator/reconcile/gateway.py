@@ -17,7 +17,7 @@ def gateway_command(spec: DeploymentSpec) -> list[str]:
         "--port",
         str(names.GATEWAY_PORT),
         "--policy",
-        str(spec.gateway["routingPolicy"]),
+        spec.gateway.routing_policy,
         "--served-model-name",
         spec.model.served_name,
         "--discovery",
@@ -33,12 +33,12 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
     labels = names.gateway_labels(spec)
     name = names.gateway_name(spec)
     env: list[dict[str, Any]] = []
-    secret = spec.gateway.get("apiKeySecret")
+    secret = spec.gateway.api_key_secret
     if secret:
         env.append(
             {
                 "name": "DSV4_GATEWAY_API_KEY",
-                "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
             }
         )
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
@@ -47,7 +47,7 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
         "kind": "Deployment",
         "metadata": names.metadata(spec, name, labels),
         "spec": {
-            "replicas": int(spec.gateway["replicas"]),
+            "replicas": spec.gateway.replicas,
             "selector": {"matchLabels": names.selector_for(labels)},
             "template": {
                 "metadata": {"labels": labels},
@@ -58,12 +58,12 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
                     "containers": [
                         {
                             "name": "gateway",
-                            "image": spec.gateway_image,
+                            "image": spec.gateway.image,
                             "imagePullPolicy": spec.image_pull_policy,
                             "command": gateway_command(spec),
                             "env": env,
                             "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
-                            "resources": spec.gateway.get("resources")
+                            "resources": spec.gateway.resources
                             or {"requests": {"cpu": "1", "memory": "1Gi"}},
                             "readinessProbe": probe,
                             "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},

@@ -1,4 +1,5 @@
-"""Names, labels and owner references shared by every child object."""
+"""Names, labels and owner references shared by every child object: every child's name is built
+here and nowhere else."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ INSTANCE_LABEL = "serving.dsv4.io/instance"
 DEPLOYMENT_LABEL = "app.kubernetes.io/instance"
 # Set by the Ascend device plugin on each pod: the NPUs it got and their RoCE IPs.
 ASCEND_DEVICE_ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuration"
+
+# The hash of what the operator last applied to a child; a child whose hash matches and whose
+# live fields still hold what was applied is left alone (no write).
+DESIRED_HASH_ANNOTATION = "serving.dsv4.io/desired-hash"
 
 ENGINE_PORT = 8000
 GATEWAY_PORT = 8000
@@ -46,12 +51,35 @@ def selector_for(labels: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in labels.items() if k in keys}
 
 
-def role_service(spec: DeploymentSpec, role: Role) -> str:
+def role_service_name(spec: DeploymentSpec, role: Role) -> str:
+    """The headless Service of a role (engine pods' DNS, the gateway's EndpointSlices)."""
     return f"{spec.name}-{role}"
 
 
+def leaderworkerset_name(spec: DeploymentSpec, role: Role) -> str:
+    return f"{spec.name}-{role}"
+
+
+def role_budget_name(spec: DeploymentSpec, role: Role) -> str:
+    return f"{spec.name}-{role}"
+
+
+def gateway_policy_name(spec: DeploymentSpec) -> str:
+    return f"{spec.name}-gateway"
+
+
+def engines_policy_name(spec: DeploymentSpec) -> str:
+    return f"{spec.name}-engines"
+
+
 def instance_name(spec: DeploymentSpec, role: Role, index: int) -> str:
+    """The StatefulSet of one instance; its pods are ``{instance_name}-{node rank}``."""
     return f"{spec.name}-{role}-{index}"
+
+
+def leader_address(spec: DeploymentSpec, role: Role, index: int) -> str:
+    """DNS name of an instance's node-rank-0 pod (StatefulSet mode), through the role Service."""
+    return f"{instance_name(spec, role, index)}-0.{role_service_name(spec, role)}"
 
 
 def ranktable_name(spec: DeploymentSpec, role: Role, index: int) -> str:

@@ -14,7 +14,7 @@ def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": names.metadata(spec, names.role_service(spec, role), labels),
+        "metadata": names.metadata(spec, names.role_service_name(spec, role), labels),
         "spec": {
             "clusterIP": "None",
             # Pods of a multi-node instance must resolve each other before they are ready.
@@ -22,7 +22,7 @@ def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
             "selector": names.selector_for(labels),
             "ports": [
                 {"name": "http", "port": names.ENGINE_PORT, "targetPort": names.ENGINE_PORT},
-                {"name": "kv", "port": int(spec.kv["port"]), "targetPort": int(spec.kv["port"])},
+                {"name": "kv", "port": spec.kv.port, "targetPort": spec.kv.port},
             ],
         },
     }
@@ -35,12 +35,12 @@ def gateway_service(spec: DeploymentSpec) -> dict[str, Any]:
         "kind": "Service",
         "metadata": names.metadata(spec, names.gateway_name(spec), labels),
         "spec": {
-            "type": spec.gateway["serviceType"],
+            "type": spec.gateway.service_type,
             "selector": names.selector_for(labels),
             "ports": [
                 {
                     "name": "http",
-                    "port": int(spec.gateway["port"]),
+                    "port": spec.gateway.port,
                     "targetPort": names.GATEWAY_PORT,
                 }
             ],
@@ -58,12 +58,11 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
         "matchLabels": {names.DEPLOYMENT_LABEL: spec.name},
         "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(ROLES)}],
     }
-    kv_port = int(spec.kv["port"])
     gateway_policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": names.metadata(
-            spec, f"{spec.name}-gateway", names.base_labels(spec, "gateway")
+            spec, names.gateway_policy_name(spec), names.base_labels(spec, "gateway")
         ),
         "spec": {
             "podSelector": {"matchLabels": names.selector_for(gw)},
@@ -75,7 +74,9 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
     engine_policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": names.metadata(spec, f"{spec.name}-engines", names.base_labels(spec, "engine")),
+        "metadata": names.metadata(
+            spec, names.engines_policy_name(spec), names.base_labels(spec, "engine")
+        ),
         "spec": {
             "podSelector": engines_sel,
             "policyTypes": ["Ingress"],
@@ -85,7 +86,7 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
                 # KV pulls: sidecars of this deployment only
                 {
                     "from": [{"podSelector": engines_sel}],
-                    "ports": [{"protocol": "TCP", "port": kv_port}],
+                    "ports": [{"protocol": "TCP", "port": spec.kv.port}],
                 },
                 # Prometheus (any namespace) scrapes the engine's and the sidecar's /metrics
                 {
@@ -99,7 +100,7 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
                     ],
                     "ports": [
                         {"protocol": "TCP", "port": names.ENGINE_PORT},
-                        {"protocol": "TCP", "port": kv_port + 2},
+                        {"protocol": "TCP", "port": spec.kv.metrics_port},
                     ],
                 },
                 # collectives inside a multi-node instance (rendezvous, HCCL host sockets)
@@ -123,35 +124,3 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
         },
     }
     return [gateway_policy, engine_policy]
-
-
-def disruption_budgets(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """At most one engine pod (so one instance) per role down at a time by voluntary eviction."""
-    out = []
-    for role in ROLES:
-        labels = names.role_labels(spec, role)
-        out.append(
-            {
-                "apiVersion": "policy/v1",
-                "kind": "PodDisruptionBudget",
-                "metadata": names.metadata(spec, f"{spec.name}-{role}", labels),
-                "spec": {
-                    "maxUnavailable": 1,
-                    "selector": {"matchLabels": names.selector_for(labels)},
-                },
-            }
-        )
-    if int(spec.gateway["replicas"]) > 1:
-        labels = names.gateway_labels(spec)
-        out.append(
-            {
-                "apiVersion": "policy/v1",
-                "kind": "PodDisruptionBudget",
-                "metadata": names.metadata(spec, names.gateway_name(spec), labels),
-                "spec": {
-                    "maxUnavailable": 1,
-                    "selector": {"matchLabels": names.selector_for(labels)},
-                },
-            }
-        )
-    return out

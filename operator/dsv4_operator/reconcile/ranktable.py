@@ -11,6 +11,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4_operator.reconcile.errors import ReconcileError
+
+# The device plugin's annotation is the cluster's fact, not the user's spec.
+_REASON = "InvalidPlacement"
+
 
 @dataclass(frozen=True)
 class PodPlacement:
@@ -25,14 +30,17 @@ class PodPlacement:
 
 def parse_devices(annotation: str) -> list[dict[str, str]]:
     """Devices from the plugin's annotation: ``{"devices": [{"device_id", "device_ip"}, ...]}``."""
-    data = json.loads(annotation)
+    try:
+        data = json.loads(annotation)
+    except json.JSONDecodeError as e:
+        raise ReconcileError(f"device annotation is not JSON: {e}", _REASON) from None
     devices = data.get("devices") if isinstance(data, dict) else None
     if not isinstance(devices, list):
-        raise ValueError("annotation has no 'devices' list")
+        raise ReconcileError("annotation has no 'devices' list", _REASON)
     out = []
     for d in devices:
         if not isinstance(d, dict) or "device_id" not in d or "device_ip" not in d:
-            raise ValueError(f"device entry lacks device_id/device_ip: {d!r}")
+            raise ReconcileError(f"device entry lacks device_id/device_ip: {d!r}", _REASON)
         out.append({"device_id": str(d["device_id"]), "device_ip": str(d["device_ip"])})
     return out
 
@@ -58,8 +66,10 @@ def rank_table(
         assert pod.devices_annotation is not None
         devices = parse_devices(pod.devices_annotation)
         if len(devices) != npus_per_node:
-            raise ValueError(
-                f"pod {pod.name} got {len(devices)} NPUs from the device plugin, expected {npus_per_node}"
+            raise ReconcileError(
+                f"pod {pod.name} got {len(devices)} NPUs from the device plugin, "
+                f"expected {npus_per_node}",
+                _REASON,
             )
         entries = []
         for d in devices:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
@@ -18,7 +18,12 @@ class Observed:
     """Why the deployment cannot make progress (unschedulable pods, crash loops, bad spec)."""
     problem_reason: str = ""
     """CamelCase reason for the first problem, e.g. Unschedulable."""
-    metrics: dict[str, str] = field(default_factory=dict)
+
+    def with_problems(self, problems: list[str], reason: str) -> Observed:
+        """These problems first (they explain the others), under their reason."""
+        if not problems:
+            return self
+        return replace(self, problems=[*problems, *self.problems], problem_reason=reason)
 
 
 def _condition(
@@ -57,15 +62,13 @@ def compute_status(
         ready = min(observed.ready_instances.get(r, 0), desired)
         status[r] = {"desired": desired, "ready": ready, "summary": f"{ready}/{desired}"}
         all_ready &= ready == desired
-    gw_desired = int(spec.gateway["replicas"])
+    gw_desired = spec.gateway.replicas
     gw_ready = min(observed.gateway_ready, gw_desired)
     all_ready &= gw_ready == gw_desired
     status["gateway"] = {
         "ready": gw_ready,
-        "endpoint": f"http://{names.gateway_name(spec)}.{spec.namespace}.svc:{spec.gateway['port']}",
+        "endpoint": f"http://{names.gateway_name(spec)}.{spec.namespace}.svc:{spec.gateway.port}",
     }
-    if observed.metrics:
-        status["metrics"] = dict(observed.metrics)
 
     degraded = bool(observed.problems)
     message = "; ".join(observed.problems[:5])

@@ -37,3 +37,14 @@ def cpu_spec() -> DeploymentSpec:
             kvTransfer={"transport": "tcp"},
         )
     )
+
+
+@pytest.fixture
+def cpu_cr() -> dict[str, Any]:
+    """The CPU deployment as stored in the API (with a uid, as the API server sets it)."""
+    return make_cr(
+        model={"preset": "dsv4-tiny", "servedName": "tiny"},
+        prefill={"npusPerNode": 0, "parallelism": {"tp": 1}},
+        decode={"npusPerNode": 0, "parallelism": {"tp": 1}},
+        kvTransfer={"transport": "tcp"},
+    )

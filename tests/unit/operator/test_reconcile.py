@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dsv4_operator.api.spec import DeploymentSpec, parse
+from dsv4_operator.api.spec import DeploymentSpec, KVTransferSpec, parse
 from dsv4_operator.reconcile import Facts, desired_children
 from dsv4_operator.reconcile.desired import ReconcileError
 from dsv4_operator.reconcile.ranktable import PodPlacement, parse_devices, rank_table
@@ -32,10 +32,18 @@ def _engine(obj: dict[str, Any]) -> dict[str, Any]:
 def test_defaults_fill_a_minimal_spec() -> None:
     spec = parse(make_cr())
     assert spec.prefill.parallelism.tp == 8 and spec.prefill.parallelism.ep == 8
-    assert spec.kv["transport"] == "hccl" and spec.kv["leaseSeconds"] == 30
-    assert spec.npu_resource == NPU
-    assert spec.features["eplb"]["intervalSteps"] == 600
-    assert spec.gateway["routingPolicy"] == "dplb"
+    assert spec.kv == KVTransferSpec(
+        transport="hccl",
+        port=14579,
+        lease_seconds=30,
+        failure_policy="recompute",
+        pull_timeout_s=30,
+    )
+    assert (spec.kv.control_port, spec.kv.metrics_port) == (14580, 14581)
+    assert spec.scheduling.npu_resource == NPU and not spec.scheduling.use_lws
+    assert spec.features.eplb.interval_steps == 600 and spec.features.hccn_conf.enabled
+    assert spec.gateway.routing_policy == "dplb" and spec.gateway.api_key_secret is None
+    assert spec.autoscaling.enabled is False and spec.autoscaling.decode.max == 4
 
 
 def test_npu_deployment_children(npu_spec: DeploymentSpec) -> None:
@@ -81,8 +89,7 @@ def test_multi_node_instance_statefulset(npu_spec: DeploymentSpec) -> None:
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
     assert cmd[cmd.index("--data-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--role") + 1] == "prefill"
-    assert cmd[cmd.index("--kv-sidecar") + 1] == "http://127.0.0.1:14580"
-    assert cmd[cmd.index("--kv-failure-policy") + 1] == "recompute"
+    assert "--kv-sidecar" not in cmd  # deployment-wide: in engine.json
     env = {e["name"]: e for e in engine["env"]}
     assert env["DSV4_MASTER_ADDR"]["value"] == "v4-prefill-1-0.v4-prefill"
     assert env["RANK_TABLE_FILE"]["value"] == "/etc/dsv4/ranktable/hccl.json"
@@ -120,7 +127,8 @@ def test_cpu_pods_request_no_npus_and_mount_no_ascend_paths(cpu_spec: Deployment
     vols = {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert not vols & {"hccn-conf", "ascend-driver", "ranktable"}
     assert engine["command"][engine["command"].index("--device") + 1] == "cpu"
-    assert engine["command"][engine["command"].index("--model") + 1] == "dsv4-tiny"
+    cm = next(o for o in objs if o["metadata"]["name"] == "v4-engine")
+    assert json.loads(cm["data"]["engine.json"])["model"] == "dsv4-tiny"
 
 
 def test_privileged_is_opt_in() -> None:
@@ -155,14 +163,22 @@ def test_lws_requires_its_crd() -> None:
     objs = desired_children(spec, Facts(kv_token="t", lws_available=True))
     lws = [o for o in objs if o["kind"] == "LeaderWorkerSet"]
     assert [o["spec"]["replicas"] for o in lws] == [1, 1]
-    env = {
-        e["name"]: e
-        for e in lws[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0][
-            "env"
-        ]
-    }
-    assert "group-index" in env["DSV4_INSTANCE"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert env["RANK_TABLE_FILE"]["value"].endswith("hccl-$(DSV4_INSTANCE).json")
+    template = lws[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+
+    def field(name: str) -> str:
+        return str(env[name]["valueFrom"]["fieldRef"]["fieldPath"])
+
+    assert field("DSV4_INSTANCE") == "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+    assert field("DSV4_NODE_RANK") == "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
+    assert field("DSV4_MASTER_ADDR") == (
+        "metadata.annotations['leaderworkerset.sigs.k8s.io/leader-name']"
+    )
+    assert "value" not in env["DSV4_MASTER_ADDR"] and "value" not in env["DSV4_INSTANCE"]
+    assert env["RANK_TABLE_FILE"]["value"] == "/etc/dsv4/ranktable/hccl-$(DSV4_INSTANCE).json"
+    assert "serving.dsv4.io/instance" not in template["metadata"]["labels"]
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["ranktable"]["configMap"]["name"] == "v4-prefill-ranktables"
 
 
 def _devices(n: int, base: int) -> str:
@@ -197,15 +213,18 @@ def test_rank_table_completed_numbers_ranks_by_node_rank() -> None:
 
 def test_rank_table_rejects_wrong_device_count() -> None:
     pods = [PodPlacement("p-0", 0, "n", "10.0.0.1", _devices(4, 1))]
-    with pytest.raises(ValueError, match="got 4 NPUs"):
+    with pytest.raises(ReconcileError, match="got 4 NPUs") as e:
         rank_table(pods, 1, 8)
+    assert e.value.reason == "InvalidPlacement"
 
 
 def test_malformed_device_annotation_is_named() -> None:
-    with pytest.raises(ValueError, match="devices"):
+    with pytest.raises(ReconcileError, match="devices"):
         parse_devices('{"foo": 1}')
-    with pytest.raises(ValueError, match="device_ip"):
+    with pytest.raises(ReconcileError, match="device_ip"):
         parse_devices('{"devices": [{"device_id": "0"}]}')
+    with pytest.raises(ReconcileError, match="not JSON"):
+        parse_devices("{")
 
 
 def test_completed_rank_table_lands_in_the_configmap(npu_spec: DeploymentSpec) -> None:

@@ -1,0 +1,181 @@
+"""Controller.sync against an in-memory API: what one sync reads and writes, and what it reports."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from dsv4_operator.controller import Controller
+from dsv4_operator.kube import KubeError
+from dsv4_operator.reconcile.names import DESIRED_HASH_ANNOTATION
+
+from .conftest import make_cr
+from .fake_kube import FakeKube
+
+CHILDREN = {
+    ("ConfigMap", "v4-engine"),
+    ("Secret", "v4-kv-auth"),
+    ("Service", "v4-prefill"),
+    ("Service", "v4-decode"),
+    ("Service", "v4-gateway"),
+    ("StatefulSet", "v4-prefill-0"),
+    ("StatefulSet", "v4-decode-0"),
+    ("ServiceAccount", "v4-gateway"),
+    ("Role", "v4-gateway"),
+    ("RoleBinding", "v4-gateway"),
+    ("Deployment", "v4-gateway"),
+    ("PodDisruptionBudget", "v4-prefill"),
+    ("PodDisruptionBudget", "v4-decode"),
+    ("NetworkPolicy", "v4-gateway"),
+    ("NetworkPolicy", "v4-engines"),
+}
+
+
+def _cluster(cr: dict[str, Any], crds: tuple[str, ...] = ()) -> tuple[FakeKube, Controller]:
+    kube = FakeKube(crds)
+    kube.put(cr)
+    return kube, Controller(kube)
+
+
+def _children(kube: FakeKube) -> set[tuple[str, str]]:
+    return {(k, n) for (k, _, n) in kube.objects if k != "DeepSeekV4Deployment"}
+
+
+def _status(kube: FakeKube) -> dict[str, Any]:
+    status: dict[str, Any] = kube.objects[("DeepSeekV4Deployment", "ml", "v4")]["status"]
+    return status
+
+
+def _degraded(kube: FakeKube) -> dict[str, Any]:
+    return next(c for c in _status(kube)["conditions"] if c["type"] == "Degraded")
+
+
+def _edit_spec(kube: FakeKube, **spec: Any) -> None:
+    cr = kube.objects[("DeepSeekV4Deployment", "ml", "v4")]
+    cr["spec"].update(spec)
+    cr["metadata"]["generation"] += 1
+
+
+def test_first_sync_creates_every_child_and_reports_progressing(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    assert _children(kube) == CHILDREN
+    assert kube.calls["apply"] == 15
+    assert [e["reason"] for e in kube.events] == ["Created", "Progressing"]
+    assert _status(kube)["phase"] == "Progressing"
+    sts = kube.objects[("StatefulSet", "ml", "v4-decode-0")]
+    assert len(sts["metadata"]["annotations"][DESIRED_HASH_ANNOTATION]) == 16
+
+
+def test_second_sync_of_an_unchanged_deployment_only_reads(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    kube.calls.clear()
+    kube.events.clear()
+    ctl.sync("ml", "v4")
+    # GET the CR; one LIST per owned kind (10) and one of the pods; the LWS CRD check is cached
+    assert dict(kube.calls) == {"get": 1, "list": 11}
+    assert kube.writes() == 0 and kube.events == []
+
+
+def test_a_hand_edit_is_reverted_with_one_apply(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    kube.objects[("StatefulSet", "ml", "v4-decode-0")]["spec"]["replicas"] = 3  # kubectl scale
+    kube.calls.clear()
+    ctl.sync("ml", "v4")
+    assert kube.calls["apply"] == 1 and kube.writes() == 1
+    assert kube.objects[("StatefulSet", "ml", "v4-decode-0")]["spec"]["replicas"] == 1
+
+
+def test_a_deleted_child_is_recreated(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    del kube.objects[("ConfigMap", "ml", "v4-engine")]
+    kube.events.clear()
+    ctl.sync("ml", "v4")
+    assert ("ConfigMap", "v4-engine") in _children(kube)
+    assert [e["message"] for e in kube.events] == ["created ConfigMap v4-engine"]
+
+
+def test_scaling_down_deletes_the_extra_instance(cpu_cr: dict[str, Any]) -> None:
+    cr = copy.deepcopy(cpu_cr)
+    cr["spec"]["prefill"]["instances"] = 2
+    kube, ctl = _cluster(cr)
+    ctl.sync("ml", "v4")
+    assert ("StatefulSet", "v4-prefill-1") in _children(kube)
+    _edit_spec(kube, prefill={**cr["spec"]["prefill"], "instances": 1})
+    kube.calls.clear()
+    kube.events.clear()
+    ctl.sync("ml", "v4")
+    assert _children(kube) == CHILDREN
+    assert kube.calls["delete"] == 1 and kube.calls["apply"] == 0
+    assert [e["message"] for e in kube.events] == ["deleted StatefulSet v4-prefill-1"]
+
+
+def test_a_spec_change_applies_only_the_children_it_changes(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    _edit_spec(kube, gateway={"replicas": 2})
+    kube.calls.clear()
+    ctl.sync("ml", "v4")
+    # the gateway Deployment changes and its PodDisruptionBudget appears (GET: not someone else's)
+    assert kube.calls["apply"] == 2
+    assert kube.objects[("Deployment", "ml", "v4-gateway")]["spec"]["replicas"] == 2
+    assert ("PodDisruptionBudget", "v4-gateway") in _children(kube)
+
+
+def test_a_spec_the_cluster_cannot_serve_is_degraded_and_applies_nothing() -> None:
+    kube, ctl = _cluster(make_cr(scheduling={"workload": "LeaderWorkerSet"}))
+    ctl.sync("ml", "v4")
+    assert kube.calls["apply"] == 0 and _children(kube) == set()
+    assert _status(kube)["phase"] == "Degraded"
+    assert _degraded(kube)["reason"] == "InvalidSpec"
+    assert "LeaderWorkerSet CRD" in _degraded(kube)["message"]
+
+
+def test_an_object_someone_else_owns_is_not_adopted(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    mine = {"kind": "ConfigMap", "metadata": {"name": "v4-engine", "namespace": "ml"}, "data": {}}
+    kube.put(mine)
+    ctl.sync("ml", "v4")
+    assert kube.objects[("ConfigMap", "ml", "v4-engine")]["data"] == {}
+    assert _degraded(kube)["reason"] == "InvalidChild"
+    assert _degraded(kube)["message"] == (
+        "ConfigMap v4-engine already exists and is not owned by this DeepSeekV4Deployment"
+    )
+
+
+def test_a_child_the_api_server_refuses_is_reported(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    kube.reject[("Deployment", "v4-gateway")] = KubeError(422, "Invalid", "spec.replicas: bad")
+    ctl.sync("ml", "v4")
+    assert _degraded(kube)["reason"] == "InvalidChild"
+    assert _degraded(kube)["message"] == "Deployment v4-gateway rejected: spec.replicas: bad"
+    assert len(_children(kube)) == 14
+
+
+class _BrokenPods(FakeKube):
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        if kind == "Pod":
+            raise KeyError("a bug")
+        return super().list(kind, namespace, selector)
+
+
+def test_an_unexpected_error_is_raised_not_reported_as_invalid_spec(
+    cpu_cr: dict[str, Any],
+) -> None:
+    kube = _BrokenPods()
+    kube.put(cpu_cr)
+    with pytest.raises(KeyError, match="a bug"):
+        Controller(kube).sync("ml", "v4")
+    assert "status" not in kube.objects[("DeepSeekV4Deployment", "ml", "v4")]
+    assert kube.writes() == 0
+
+
+def test_a_deleted_deployment_is_not_synced(cpu_cr: dict[str, Any]) -> None:
+    kube = FakeKube()
+    Controller(kube).sync("ml", "v4")
+    assert dict(kube.calls) == {"get": 1}

@@ -1,0 +1,85 @@
+"""The operator's half of its contract with the engine, sidecar and gateway: engine.json holds
+only EngineConfig fields the engine accepts, and every command line the operator renders parses
+with the real ``dsv4`` command's parsers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dsv4_operator.api.spec import DeploymentSpec, parse
+from dsv4_operator.reconcile import Facts, desired_children
+from dsv4_operator.reconcile.engine_config import engine_config
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "manifests" / "examples").glob("*.yaml"))
+
+
+def _example(path: Path) -> DeploymentSpec:
+    cr: dict[str, Any] = yaml.safe_load(path.read_text())
+    cr["metadata"].update(namespace="ml", uid="u")
+    return parse(cr)
+
+
+def _children(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    return desired_children(spec, Facts(kv_token="t", lws_available=True))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_engine_json_holds_only_engine_config_fields_the_engine_accepts(path: Path) -> None:
+    from dsv4_serving.engine.config import EngineConfig
+
+    spec = _example(path)
+    cm = next(o for o in _children(spec) if o["metadata"]["name"] == f"{spec.name}-engine")
+    values = json.loads(cm["data"]["engine.json"])
+    assert set(values) <= {f.name for f in dataclasses.fields(EngineConfig)}
+    assert None not in values.values()
+    config = EngineConfig.from_dict(values)
+    assert config.served_model_name == spec.model.served_name
+    assert config.max_model_len == spec.model.max_model_len
+    assert config.kv_sidecar == "http://127.0.0.1:14580"
+
+
+def test_engine_json_is_flat_and_names_the_model_source() -> None:
+    spec = _example(next(p for p in EXAMPLES if p.stem == "tiny-cpu"))
+    assert engine_config(spec) == {
+        "model": "dsv4-tiny",
+        "served_model_name": "dsv4-tiny",
+        "dtype": "float32",
+        "max_model_len": 4096,
+        "kv_sidecar": "http://127.0.0.1:14580",
+        "kv_failure_policy": "recompute",
+        "kv_pull_timeout": 30,
+    }
+
+
+def _commands(spec: DeploymentSpec) -> list[list[str]]:
+    out = []
+    for obj in _children(spec):
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            pod = obj["spec"]["template"]["spec"]
+        elif obj["kind"] == "LeaderWorkerSet":
+            pod = obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+        else:
+            continue
+        out += [c["command"] for c in pod["containers"]]
+    return out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_rendered_command_parses_with_the_dsv4_command(path: Path) -> None:
+    from dsv4_common.cli import build_parser
+
+    parser = build_parser()
+    commands = _commands(_example(path))
+    assert {tuple(c[:2]) for c in commands} == {
+        ("dsv4", "engine"),
+        ("dsv4", "kv-sidecar"),
+        ("dsv4", "gateway"),
+    }
+    for argv in commands:
+        parser.parse_args(argv[1:])  # exits (fails the test) on an unknown or malformed flag
