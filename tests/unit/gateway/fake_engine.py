@@ -59,7 +59,7 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        self.headers.append(dict(request.headers))
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         try:
             return await self._answer(request, body)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -92,6 +92,7 @@ class FakeEngine:
             await resp.write(CHUNK.encode())
             if self.mode == "break":
                 assert request.transport is not None
+                await asyncio.sleep(0.1)  # the client reads the chunk before the connection drops
                 request.transport.close()  # the engine dies mid-stream
                 return resp
             if self.mode == "slow" and i < TOKENS - 1:
