@@ -20,11 +20,9 @@ at the bandwidths just measured.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from dsv4_common.process import free_ports
 from dsv4_kvtransfer.buffers import BufferSpec
-from dsv4_kvtransfer.cli import parse_size
 from dsv4_kvtransfer.client import SidecarClient
+from dsv4_kvtransfer.config import parse_size
+from dsv4_kvtransfer.launch import SidecarService
 
 GB = 1e9
 
@@ -87,56 +87,33 @@ class Pair:
 
     def __init__(self, tmp: Path, transport: str, staging: int, streams: int) -> None:
         self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[SidecarService] = []
+        self.ports: set[int] = set()
         self.src = self._start("src", "tcp", staging, streams)
         self.dst = self._start("dst", transport, staging, streams)
 
     def _start(self, name: str, transport: str, staging: int, streams: int) -> SidecarClient:
-        ready = self.tmp / f"{name}-{transport}.ready"
-        ready.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "dsv4_common.cli",
-            "kv-sidecar",
-            "--transport",
-            transport,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--control-port",
-            "0",
-            "--auth-token-file",
-            str(self.tmp / "token"),
-            "--staging-bytes",
-            str(staging),
-            "--shm-name",
-            f"dsv4-kv-bench-{os.getpid()}-{name}",
-            "--streams",
-            str(streams),
-            "--log-level",
-            "warning",
-            "--ready-file",
-            str(ready),
-        ]
-        proc = subprocess.Popen(cmd)
+        proc = SidecarService(
+            f"{name}-{transport}",
+            self.tmp / f"{name}-{transport}.log",
+            self.tmp / "token",
+            free_ports(3, self.ports),
+            transport=transport,
+            staging_bytes=staging,
+            shm_name=f"dsv4-kv-bench-{os.getpid()}-{name}",
+            streams=streams,
+            log_level="warning",
+        )
         self.procs.append(proc)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the {name} sidecar did not start")
-            time.sleep(0.05)
-        port = json.loads(ready.read_text())["control_port"]
-        return SidecarClient(f"http://127.0.0.1:{port}", timeout_s=120)
+        proc.start()
+        proc.wait_ready(60)
+        return SidecarClient(proc.url, timeout_s=120)
 
     def close(self) -> None:
         self.src.close()
         self.dst.close()
         for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            p.wait(timeout=30)
+            p.stop(timeout_s=30)
 
 
 def fill(view: memoryview) -> None:
@@ -160,7 +137,8 @@ def pull_once(pair: Pair, size: int, state: dict[str, Any], verify: bool) -> tup
         state["filled"] = (placed.offset, size)
     params = pair.src.commit_export(res.transfer_id)
     t0 = time.perf_counter()
-    kv = pair.dst.pull(params, timeout_s=300)
+    st = pair.dst.start_pull(params, timeout_s=300, wait_s=10)
+    kv = st.kv or pair.dst.wait_pull(st.pull_id, 300)
     dt = time.perf_counter() - t0
     got = kv.buffers["kv"]
     if verify:

@@ -103,7 +103,8 @@ def add_config_arguments(
             kw["choices"] = list(choices)
             kw["type"] = type(choices[0])
         elif tp in (int, float, str):
-            kw["type"] = tp
+            # a field may name its own parser for the flag's text (e.g. sizes written "64M")
+            kw["type"] = f.metadata.get("parse", tp)
         elif typing.get_origin(tp) is list and typing.get_args(tp)[0] in (int, float, str):
             # repeated: --prefill URL --prefill URL (given at all, the flags replace the default)
             kw["action"] = "append"

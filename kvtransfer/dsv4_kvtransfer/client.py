@@ -8,10 +8,10 @@ Prefill (after the prompt's forward)::
 
 Decode (a request carrying those params)::
 
-    pull_id = client.start_pull(params)                  # returns at once
-    kv = client.wait_pull(pull_id, timeout_s)            # or poll client.pull_status(pull_id)
-    for b in kv.buffers.values(): <copy client.view(b) into the cache>
-    client.release_pull(pull_id)
+    st = client.start_pull(params, wait_s=0.05)          # PullStatus; PullFailed if it failed
+    while st.kv is None: st = client.poll_pull(st.pull_id, wait_s=0.05)   # or wait_pull(id)
+    for b in st.kv.buffers.values(): <copy client.view(b) into the cache>
+    client.release_pull(st.pull_id)
 
 Blocking calls on a thread-local keep-alive connection (safe from several threads); an asyncio
 engine runs them with ``asyncio.to_thread``. Pure stdlib: no torch, no engine imports.
@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dsv4_kvtransfer.buffers import BufferSpec
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.staging import StagingRegion
 
 
@@ -44,11 +45,13 @@ class SidecarError(RuntimeError):
 
 class PullFailed(SidecarError):
     """A pull ended ``failed`` or ``expired``: ``reason`` says why (``auth``, ``timeout``,
-    ``unknown_transfer``, ``connection``, ...). The engine falls back to its failure policy."""
+    ``unknown_transfer``, ``connection``, ...). The engine falls back to its failure policy;
+    ``pull_id`` (when the sidecar named it) is released like any other pull."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, pull_id: str | None = None) -> None:
         super().__init__(0, reason, message)
         self.reason = reason
+        self.pull_id = pull_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,18 @@ class PulledKV:
     remote_meta: dict[str, Any]
     """What the prefill engine attached to the export (``engine_meta``, ``num_tokens``, ...)."""
     lease_expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PullStatus:
+    """A pull that has not failed: ``pending``, or ``done`` with its ``kv``."""
+
+    pull_id: str
+    state: str
+    bytes_done: int
+    total_bytes: int
+    kv: PulledKV | None
+    """Where the KV is, once ``done`` (copy it out, then ``release_pull``)."""
 
 
 def _placed(items: Iterable[Mapping[str, Any]]) -> dict[str, PlacedView]:
@@ -245,50 +260,46 @@ class SidecarClient:
     # ---- decode side ---------------------------------------------------------------------------
 
     def start_pull(
-        self, kv_transfer_params: Mapping[str, Any], timeout_s: float | None = None
-    ) -> str:
-        """Start pulling; returns at once with the pull's id."""
-        return str(self.start_pull_status(kv_transfer_params, timeout_s)["pull_id"])
-
-    def start_pull_status(
         self,
-        kv_transfer_params: Mapping[str, Any],
+        kv_transfer_params: RemotePrefillParams | Mapping[str, Any],
+        *,
         timeout_s: float | None = None,
         wait_s: float = 0.0,
-    ) -> dict[str, Any]:
-        """Start pulling and wait up to ``wait_s`` for the result in the same request (one
-        round trip fewer for small KV); -> the pull's status, as ``pull_status``."""
-        body: dict[str, Any] = {"kv_transfer_params": dict(kv_transfer_params), "wait_s": wait_s}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
-        return self.request("POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s)
+    ) -> PullStatus:
+        """Start pulling the KV the params name, and wait up to ``wait_s`` for it in the same
+        request (one round trip fewer for small KV). ``PullFailed`` if it failed already."""
+        return self._typed(self.start_pull_status(kv_transfer_params, timeout_s, wait_s))
 
-    def pull(self, kv_transfer_params: Mapping[str, Any], timeout_s: float = 60.0) -> PulledKV:
-        """Start a pull and block until its KV is in our staging region (``PullFailed`` if not)."""
-        st = self.start_pull_status(kv_transfer_params, timeout_s, wait_s=min(timeout_s, 10.0))
-        return self._finish(st) or self.wait_pull(str(st["pull_id"]), timeout_s)
-
-    def pull_status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
-        return self.request(
-            "GET", f"/v1/pulls/{pull_id}?wait={wait_s:g}", timeout=self.timeout_s + wait_s
-        )
+    def poll_pull(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:
+        """The pull's status, waiting up to ``wait_s`` while it is pending; ``PullFailed`` once
+        it failed or its lease ran out."""
+        return self._typed(self.pull_status(pull_id, wait_s))
 
     def wait_pull(self, pull_id: str, timeout_s: float = 60.0) -> PulledKV:
         """Block until the pull is done (-> where the KV is) or failed (``PullFailed``)."""
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()
-            st = self.pull_status(pull_id, wait_s=max(0.0, min(left, 10.0)))
-            done = self._finish(st)
-            if done is not None:
-                return done
+            st = self.poll_pull(pull_id, wait_s=max(0.0, min(left, 10.0)))
+            if st.kv is not None:
+                return st.kv
             if left <= 0:
-                raise PullFailed("timeout", f"pull {pull_id} still pending after {timeout_s}s")
+                raise PullFailed(
+                    "timeout", f"pull {pull_id} still pending after {timeout_s}s", pull_id
+                )
 
-    def pull_result(self, st: Mapping[str, Any]) -> PulledKV | None:
-        """For a status from ``pull_status``/``start_pull_status``: the KV when done,
-        ``PullFailed`` when failed or expired, ``None`` while pending."""
-        return self._finish(st)
+    def release_pull(self, pull_id: str) -> None:
+        """The KV was copied out (or is no longer wanted): the sidecar frees it."""
+        self.request("DELETE", f"/v1/pulls/{pull_id}")
+
+    def _typed(self, st: Mapping[str, Any]) -> PullStatus:
+        return PullStatus(
+            str(st["pull_id"]),
+            str(st["state"]),
+            int(st.get("bytes_done", 0)),
+            int(st.get("total_bytes", 0)),
+            self._finish(st),
+        )
 
     def _finish(self, st: Mapping[str, Any]) -> PulledKV | None:
         """A finished pull's KV, ``PullFailed`` for a failed one, ``None`` while pending."""
@@ -301,8 +312,38 @@ class SidecarClient:
                 st["lease_expires_at"],
             )
         if st["state"] != "pending":
-            raise PullFailed(str(st.get("reason")), str(st.get("error")))
+            pull_id = st.get("pull_id")
+            raise PullFailed(
+                str(st.get("reason")), str(st.get("error")), str(pull_id) if pull_id else None
+            )
         return None
 
-    def release_pull(self, pull_id: str) -> None:
-        self.request("DELETE", f"/v1/pulls/{pull_id}")
+    # ---- the wire-level forms the engine's connector still calls (worker_side.py); they go
+    # once it uses start_pull / poll_pull ---------------------------------------------------------
+
+    def start_pull_status(
+        self,
+        kv_transfer_params: RemotePrefillParams | Mapping[str, Any],
+        timeout_s: float | None = None,
+        wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """``start_pull``, answering the wire's status object."""
+        params = (
+            kv_transfer_params.to_dict()
+            if isinstance(kv_transfer_params, RemotePrefillParams)
+            else dict(kv_transfer_params)
+        )
+        body: dict[str, Any] = {"kv_transfer_params": params, "wait_s": wait_s}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self.request("POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s)
+
+    def pull_status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """``poll_pull``, answering the wire's status object."""
+        return self.request(
+            "GET", f"/v1/pulls/{pull_id}?wait={wait_s:g}", timeout=self.timeout_s + wait_s
+        )
+
+    def pull_result(self, st: Mapping[str, Any]) -> PulledKV | None:
+        """A wire status as ``PullStatus.kv`` (``PullFailed`` when failed or expired)."""
+        return self._finish(st)

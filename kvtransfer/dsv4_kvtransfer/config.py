@@ -1,11 +1,37 @@
-"""The sidecar's one config object, built from the command line at the edge."""
+"""The sidecar's one config object: every setting's name, type, default and help, declared once.
+
+``dsv4 kv-sidecar`` builds its flags from these fields (``dsv4_common.config_cli``); the checks
+live in ``__post_init__``, so a config built any other way is checked the same.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import re
+from dataclasses import dataclass, field
 from typing import Literal
 
+from dsv4_common.ports import KV_PORT, sidecar_control_port
+
 TransportName = Literal["tcp", "shm", "hccl", "rdma", "gloo"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+MAX_LEASE_S = 3600.0
+MIN_FRAME_BYTES = 4096
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``1073741824``, ``1G``, ``512MiB``, ``64M`` -> bytes (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1G, 512M, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+# the flag of a byte count accepts 64M, 1G, ...
+_SIZE_FLAG = {"parse": parse_size}
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,40 +39,81 @@ class SidecarConfig:
     token: bytes
     """Shared secret of all sidecars of a deployment (from --auth-token-file)."""
     transport: TransportName = "tcp"
-    """How this sidecar pulls; it serves every transport it can, whatever this says."""
+    """How this sidecar pulls KV (it serves every transport it can); hccl needs torch_npu and an
+    NPU, rdma needs Mooncake; gloo is the collective path on CPU."""
     host: str = "0.0.0.0"
     """Bind address of the peer port."""
-    port: int = 14579
-    """Peer port (0: any free port, reported in the ready file)."""
+    port: int = KV_PORT
+    """Peer port for KV pulls (0: any free port, reported in the ready file)."""
     advertise_host: str = "127.0.0.1"
-    """The address remote sidecars reach us at (``remote_host`` in the PD params)."""
+    """The address remote sidecars reach this one at (``remote_host`` in the PD params); the
+    command line's default is $POD_IP, else --host if it names one address, else 127.0.0.1."""
     control_host: str = "127.0.0.1"
-    """Bind address of the local control API, /health and /metrics."""
-    control_port: int = 14580
-    """Port of the control API (0: any free port)."""
+    """Bind address of the local control API (unauthenticated: keep it on loopback)."""
+    control_port: int = sidecar_control_port(KV_PORT)
+    """Port of the control API, /health and /metrics (0: any free port); the command line's
+    default is the peer port + ports.SIDECAR_CONTROL_OFFSET (any free port when that is 0)."""
     control_socket: str | None = None
     """Also serve the control API on this unix socket path."""
+    metrics_port: int | None = None
+    """Also serve only /health and /metrics on this port, for Prometheus and probes from
+    outside the pod (unset: off; 0: any free port)."""
+    metrics_host: str = "0.0.0.0"
+    """Bind address of the metrics port."""
     engine_url: str | None = None
-    """The engine beside us (reported in /health)."""
+    """The engine beside this sidecar (its reachability is reported in /health)."""
     lease_seconds: float = 30.0
-    """How long an export waits for its pull, and a pulled extent for the engine to release it."""
-    staging_bytes: int = 1 << 30
-    """Size of the staging region shared with the engine."""
+    """How long an export waits for its pull, and pulled KV for the engine to take it."""
+    staging_bytes: int = field(default=1 << 30, metadata=_SIZE_FLAG)
+    """Size of the staging region shared with the engine (e.g. 1G)."""
     shm_name: str = "dsv4-kv"
+    """Name of the staging region; the command line's default is dsv4-kv-PORT."""
     shm_dir: str = "/dev/shm"
+    """Where the staging region lives."""
     streams: int = 4
     """Parallel TCP streams per pull (large pulls only)."""
-    min_stream_bytes: int = 32 << 20
-    max_frame_bytes: int = 64 << 20
+    min_stream_bytes: int = field(default=32 << 20, metadata=_SIZE_FLAG)
+    """Smallest range worth its own TCP stream."""
+    max_frame_bytes: int = field(default=64 << 20, metadata=_SIZE_FLAG)
     """Largest DATA frame sent or accepted."""
     max_connections: int = 64
+    """Peer connections served at once; more are refused."""
     max_concurrent_pulls: int = 8
+    """Pulls running at once; more wait their turn."""
     pull_timeout_s: float = 30.0
     """Default deadline of a pull (the engine may ask for another)."""
     connect_timeout_s: float = 5.0
+    """Deadline of connecting to (and authenticating with) a peer."""
     io_timeout_s: float = 30.0
-    send_rate: float = 0.0
-    """Cap on bytes/s this sidecar sends to peers (0: none), e.g. to leave room for other traffic."""
+    """Longest a peer socket may stay silent mid-request."""
+    send_rate: float = field(default=0.0, metadata=_SIZE_FLAG)
+    """Cap on bytes/s sent to peers, e.g. 2G, to leave room for other traffic (0: none)."""
     sidecar_id: str = "kv-sidecar"
+    """Name in logs and handshakes; the command line's default is $POD_NAME or the hostname."""
     engine_id: str = "engine"
-    """Default ``remote_engine_id`` for exports that do not name one."""
+    """Default ``remote_engine_id`` of exports that name none; the command line's default is
+    $POD_NAME or the hostname."""
+    ready_file: str | None = None
+    """Once serving, write {pid, port, control_port, metrics_port, shm_name, shm_dir} here."""
+    log_level: LogLevel = "info"
+    """Log level of the sidecar process."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_seconds <= MAX_LEASE_S:
+            raise ValueError(
+                f"lease_seconds must be in (0, {MAX_LEASE_S:g}], not {self.lease_seconds}"
+            )
+        for name in ("streams", "max_concurrent_pulls", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.max_frame_bytes < MIN_FRAME_BYTES:
+            raise ValueError(f"max_frame_bytes must be at least {MIN_FRAME_BYTES}")
+        for name in ("pull_timeout_s", "connect_timeout_s", "io_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
+        if self.send_rate < 0 or self.min_stream_bytes < 1:
+            raise ValueError("send_rate must be >= 0 and min_stream_bytes >= 1")
+        for name in ("port", "control_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be a port number (0-65535), not {value}")

@@ -4,11 +4,12 @@ leases running out) leaves both staging regions as free as they started."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
 import subprocess
-import sys
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -18,6 +19,7 @@ from dsv4_kvtransfer.auth import proof
 from dsv4_kvtransfer.buffers import BufferSpec
 from dsv4_kvtransfer.client import PullFailed, SidecarClient, SidecarError
 from dsv4_kvtransfer.frames import HANDSHAKE_LIMITS, FrameType, encode, read_frame, send_frame
+from dsv4_kvtransfer.launch import sidecar_argv
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from tests.helpers import wait_for
 from tests.pd.sidecars import SidecarFactory, SidecarProc
@@ -64,7 +66,7 @@ def export(src: SidecarProc, specs: list[BufferSpec], seed: int, request_id: str
 
 
 def pull_and_check(dst: SidecarProc, params: dict, specs: list[BufferSpec], data: dict) -> None:
-    pull_id = dst.client.start_pull(params)
+    pull_id = dst.client.start_pull(params).pull_id
     kv = dst.client.wait_pull(pull_id, timeout_s=60)
     for spec in specs:
         placed = kv.buffers[spec.name]
@@ -112,7 +114,9 @@ def test_kv_moves_bit_exact_and_staging_returns_to_initial(
     assert src.metric("dsv4_kv_released_total", kind="export", reason="pulled") == 2
     assert dst.metric("dsv4_kv_pulls_total", outcome="done") == 2
     assert dst.metric("dsv4_kv_transfer_latency_seconds_count", transport=transport) == 2
-    assert src.stop() == 0 and dst.stop() == 0
+    src.stop()
+    dst.stop()
+    assert src.exit_code() == 0 and dst.exit_code() == 0
     assert not os.path.exists(f"/dev/shm/{src.shm_name}"), "the region outlived its sidecar"
 
 
@@ -122,7 +126,7 @@ def test_concurrent_pulls_of_many_requests(sidecars: SidecarFactory) -> None:
     free_src, free_dst = src.free_bytes(), dst.free_bytes()
     specs = v4_like_specs(bulk_mb=2)
     exported = [export(src, specs, seed, f"req-{seed}") for seed in range(8)]
-    pulls = [(dst.client.start_pull(params), data) for params, data in exported]
+    pulls = [(dst.client.start_pull(params).pull_id, data) for params, data in exported]
     for pull_id, data in pulls:
         kv = dst.client.wait_pull(pull_id, 60)
         for spec in specs:
@@ -144,11 +148,11 @@ def test_wrong_token_is_refused_and_the_export_survives(sidecars: SidecarFactory
     params, data = export(src, specs, 5)
 
     # a sidecar with another token: it sees the source cannot prove the token and gives up
-    pull_id = intruder.client.start_pull(params)
     with pytest.raises(PullFailed) as e:
-        intruder.client.wait_pull(pull_id, 30)
+        intruder.client.wait_pull(intruder.client.start_pull(params).pull_id, 30)
     assert e.value.reason == "auth" and "token" in str(e.value)
-    intruder.client.release_pull(pull_id)
+    assert e.value.pull_id is not None
+    intruder.client.release_pull(e.value.pull_id)
     assert intruder.free_bytes() == free_intruder
     assert intruder.metric("dsv4_kv_pull_failures_total", reason="auth") == 1
 
@@ -237,14 +241,15 @@ def test_source_killed_mid_transfer_fails_the_pull_and_frees_the_decode_side(
     dst = sidecars.start("--streams", "1")
     free_dst = dst.free_bytes()
     params, _ = export(src, [BufferSpec("bulk", "uint8", (24 * MB,), "bulk")], 7)
-    pull_id = dst.client.start_pull(params, timeout_s=60)
+    pull_id = dst.client.start_pull(params, timeout_s=60).pull_id
     st = wait_for(
         "bytes arriving",
-        lambda: (s := dst.client.pull_status(pull_id)) and s["bytes_done"] > 0 and s,
+        lambda: (s := dst.client.poll_pull(pull_id)) and s.bytes_done > 0 and s,
         20,
         0.02,
     )
-    assert st["state"] == "pending" and st["bytes_done"] < 24 * MB
+    assert st.state == "pending" and 0 < st.bytes_done < st.total_bytes == 24 * MB
+    assert st.kv is None
     src.kill()
     with pytest.raises(PullFailed) as e:
         dst.client.wait_pull(pull_id, 30)
@@ -275,8 +280,8 @@ def test_decode_side_killed_mid_transfer_leaves_the_export_to_its_lease(
     dst = sidecars.start("--streams", "1")
     free_src = src.free_bytes()
     params, _ = export(src, [BufferSpec("bulk", "uint8", (24 * MB,), "bulk")], 11)
-    pull_id = dst.client.start_pull(params, timeout_s=60)
-    wait_for("bytes arriving", lambda: dst.client.pull_status(pull_id)["bytes_done"] > 0, 20, 0.02)
+    pull_id = dst.client.start_pull(params, timeout_s=60).pull_id
+    wait_for("bytes arriving", lambda: dst.client.poll_pull(pull_id).bytes_done > 0, 20, 0.02)
     dst.kill()
     # the reader's pin goes with its connection; the lease then frees the export
     wait_for("export freed by its lease", lambda: src.free_bytes() == free_src, 15, 0.1)
@@ -295,21 +300,22 @@ def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
     assert src.free_bytes() < free_src
     wait_for("export lease expiry", lambda: src.free_bytes() == free_src, 5, 0.05)
     assert src.metric("dsv4_kv_lease_expiries_total", kind="export") == 1
-    pull_id = dst.client.start_pull(params)
     with pytest.raises(PullFailed) as e:
-        dst.client.wait_pull(pull_id, 10)
-    assert e.value.reason == "unknown_transfer"
-    dst.client.release_pull(pull_id)
+        dst.client.wait_pull(dst.client.start_pull(params).pull_id, 10)
+    assert e.value.reason == "unknown_transfer" and e.value.pull_id is not None
+    dst.client.release_pull(e.value.pull_id)
     assert dst.free_bytes() == free_dst
 
     # pulled KV the engine never takes: freed on the decode side when its lease runs out
     params, _ = export(src, specs, 10)
-    pull_id = dst.client.start_pull(params)
+    pull_id = dst.client.start_pull(params).pull_id
     dst.client.wait_pull(pull_id, 10)
     wait_for("export freed after pull", lambda: src.free_bytes() == free_src, 5, 0.05)
     assert dst.free_bytes() < free_dst
     wait_for("import lease expiry", lambda: dst.free_bytes() == free_dst, 5, 0.05)
-    assert dst.client.pull_status(pull_id)["state"] == "expired"
+    with pytest.raises(PullFailed) as e:
+        dst.client.poll_pull(pull_id)
+    assert e.value.reason == "expired"
     assert dst.metric("dsv4_kv_lease_expiries_total", kind="import") == 1
 
     # a reservation the engine never commits (it died mid-write) is freed the same way
@@ -319,15 +325,15 @@ def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
 
 def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> None:
     sock = sidecars.tmp / "control.sock"
-    sc = sidecars.start("--control-socket", str(sock), "--metrics-port", "0", staging="16M")
+    sc = sidecars.start(control_socket=str(sock), staging="16M")
     free = sc.free_bytes()
     # the same API on the unix socket
     over_unix = SidecarClient(unix_socket=str(sock))
     assert over_unix.info()["shm_name"] == sc.shm_name
     # the metrics listener serves probes and metrics, and nothing else
-    probes = SidecarClient(f"http://127.0.0.1:{sc.ready['metrics_port']}")
+    probes = SidecarClient(f"http://127.0.0.1:{sc.metrics_port}")
     assert probes.request("GET", "/health")["status"] == "ok"
-    with urllib.request.urlopen(f"http://127.0.0.1:{sc.ready['metrics_port']}/metrics") as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics") as r:
         assert b"dsv4_kv_staging_free_bytes" in r.read()
     with pytest.raises(SidecarError) as e:
         probes.reserve_export("r", [BufferSpec("x", "uint8", (1,))])
@@ -356,27 +362,34 @@ def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> N
     assert sc.client.request("GET", "/health")["status"] == "ok"
 
 
+def test_control_api_errors_are_the_openai_body_naming_the_field(
+    sidecars: SidecarFactory,
+) -> None:
+    sc = sidecars.start(staging="16M")
+    req = urllib.request.Request(
+        sc.url + "/v1/exports",
+        data=json.dumps({"request_id": "r", "buffers": "x"}).encode(),
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400
+    assert json.loads(e.value.read()) == {
+        "error": {
+            "message": "buffers must be a list of {name, dtype, shape}",
+            "type": "invalid_request_error",
+            "param": "buffers",
+            "code": "bad_request",
+        }
+    }
+
+
 @pytest.mark.parametrize(("transport", "needs"), [("hccl", "torch_npu"), ("rdma", "mooncake")])
 def test_unavailable_transports_fail_fast_with_a_clear_message(
     sidecars: SidecarFactory, transport: str, needs: str
 ) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dsv4_common.cli",
-            "kv-sidecar",
-            "--transport",
-            transport,
-            "--port",
-            "0",
-            "--auth-token-file",
-            str(sidecars.token_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = sidecar_argv(sidecars.token_file, transport=transport, port=0)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert needs in proc.stderr and "--transport tcp" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -384,30 +397,19 @@ def test_unavailable_transports_fail_fast_with_a_clear_message(
 
 def test_no_token_is_refused_at_start() -> None:
     env = {k: v for k, v in os.environ.items() if k != "DSV4_KV_AUTH_TOKEN_FILE"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dsv4_common.cli", "kv-sidecar", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    argv = sidecar_argv(None, port=0)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "--auth-token-file is required" in proc.stderr
 
 
 def test_short_token_is_refused_at_start(sidecars: SidecarFactory) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dsv4_common.cli",
-            "kv-sidecar",
-            "--port",
-            "0",
-            "--auth-token-file",
-            str(sidecars.token("short")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = sidecar_argv(sidecars.token("short"), port=0)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "at least 16 are required" in proc.stderr
+
+
+def test_a_setting_out_of_range_is_refused_at_start_naming_it(sidecars: SidecarFactory) -> None:
+    argv = sidecar_argv(sidecars.token_file, port=0, lease_seconds=0)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "lease_seconds must be in (0, 3600], not 0.0" in proc.stderr

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from dsv4_kvtransfer.cli import parse_size
+from dsv4_kvtransfer.config import parse_size
 from dsv4_kvtransfer.peer_server import RateLimiter
 from dsv4_kvtransfer.transports import TransportUnavailable, make_transport
 from dsv4_kvtransfer.transports.tcp import split_ranges
