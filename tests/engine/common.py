@@ -1,10 +1,13 @@
-"""Shared pieces of the engine tier: workloads, running an in-process core to completion."""
+"""Shared pieces of the engine tier: workloads, running an in-process core to completion,
+starting ``dsv4 engine`` processes."""
 
 from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
+from dsv4_common.process import Service, dsv4_argv, free_port
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.engine_core import EngineCore
 from dsv4_serving.engine.request import EngineCoreRequest
@@ -54,3 +57,12 @@ def alone(config: EngineConfig, work: list[tuple[list[int], int]]) -> dict[int, 
     for i, item in enumerate(work):
         out[i] = run(core, [item])[0]
     return out
+
+
+def start_engine(name: str, log_dir: Path, *args: str) -> Service:
+    """``dsv4 engine *args`` on a free port of 127.0.0.1, started (``wait_ready`` next)."""
+    port = free_port()
+    argv = dsv4_argv("engine", "--host", "127.0.0.1", "--port", str(port), *args)
+    server = Service(name, argv, log_dir / f"engine-{name}.log", f"http://127.0.0.1:{port}")
+    server.start(env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    return server

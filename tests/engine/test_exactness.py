@@ -15,11 +15,21 @@ from .common import alone, run, workload
 
 N = 34
 BASE = {
-    "dsv4-tiny": EngineConfig(model="dsv4-tiny", max_model_len=384, num_kv_blocks=1200,
-                              max_num_seqs=48, num_speculative_tokens=0),
-    "dsv3-small": EngineConfig(model="dsv3-small", max_model_len=384, num_kv_blocks=1200,
-                               max_num_seqs=48, num_speculative_tokens=0),
-}  # fmt: skip
+    "dsv4-tiny": EngineConfig(
+        model="dsv4-tiny",
+        max_model_len=384,
+        num_kv_blocks=1200,
+        max_num_seqs=48,
+        num_speculative_tokens=0,
+    ),
+    "dsv3-small": EngineConfig(
+        model="dsv3-small",
+        max_model_len=384,
+        num_kv_blocks=1200,
+        max_num_seqs=48,
+        num_speculative_tokens=0,
+    ),
+}
 SHARED = 50  # tokens of common prefix in the prefix-caching workload
 
 
@@ -38,21 +48,37 @@ def reference() -> dict[str, dict[str, dict[int, list[int]]]]:
 CASES = [
     # (id, model, overrides, workload, waves)
     ("batched", "dsv4-tiny", {"enable_prefix_caching": False}, "mixed", 1),
-    ("chunk7", "dsv4-tiny", {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
-     "mixed", 1),
-    ("chunk61-preempt", "dsv4-tiny", {"max_num_batched_tokens": 61, "num_kv_blocks": 40},
-     "mixed", 1),
+    (
+        "chunk7",
+        "dsv4-tiny",
+        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+        "mixed",
+        1,
+    ),
+    (
+        "chunk61-preempt",
+        "dsv4-tiny",
+        {"max_num_batched_tokens": 61, "num_kv_blocks": 40},
+        "mixed",
+        1,
+    ),
     ("prefix", "dsv4-tiny", {"max_num_batched_tokens": 100}, "shared", 2),
     ("mtp1-prefix", "dsv4-tiny", {"num_speculative_tokens": 1}, "shared", 2),
-    ("mtp3-chunk29-preempt", "dsv4-tiny", {"num_speculative_tokens": 3,
-     "max_num_batched_tokens": 29, "num_kv_blocks": 27}, "mixed", 1),
+    (
+        "mtp3-chunk29-preempt",
+        "dsv4-tiny",
+        {"num_speculative_tokens": 3, "max_num_batched_tokens": 29, "num_kv_blocks": 27},
+        "mixed",
+        1,
+    ),
     ("batched", "dsv3-small", {"max_num_batched_tokens": 45, "num_kv_blocks": 40}, "mixed", 1),
     ("prefix-mtp2", "dsv3-small", {"num_speculative_tokens": 2}, "shared", 2),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("name", "model", "over", "work", "waves"), CASES,
-                         ids=[f"{c[1]}-{c[0]}" for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "model", "over", "work", "waves"), CASES, ids=[f"{c[1]}-{c[0]}" for c in CASES]
+)
 def test_scheduled_tokens_equal_tokens_alone(
     reference: dict[str, dict[str, dict[int, list[int]]]],
     name: str,

@@ -42,8 +42,9 @@ def _pass_through_checkpoint(path: Path) -> None:
 @pytest.mark.parametrize("k", [1, 3])
 def test_right_drafts_are_accepted_and_tokens_unchanged(tmp_path: Path, k: int) -> None:
     _pass_through_checkpoint(tmp_path)
-    base = EngineConfig(model=str(tmp_path), max_model_len=256, num_kv_blocks=400,
-                        num_speculative_tokens=0)  # fmt: skip
+    base = EngineConfig(
+        model=str(tmp_path), max_model_len=256, num_kv_blocks=400, num_speculative_tokens=0
+    )
     work = workload(8, 3)
     want = alone(replace(base, max_num_seqs=1, enable_prefix_caching=False), work)
     core = EngineCore(replace(base, num_speculative_tokens=k))

@@ -10,21 +10,31 @@ import httpx
 import openai
 import pytest
 
-from .conftest import EngineServer
+from dsv4_common.process import Service
 
 MODEL = "tiny"
 ENGINE_ARGS = [
-    "--model", "dsv4-tiny", "--served-model-name", MODEL, "--num-kv-blocks", "400",
-    "--max-model-len", "512", "--max-num-batched-tokens", "96", "--num-speculative-tokens", "1",
-]  # fmt: skip
+    "--model",
+    "dsv4-tiny",
+    "--served-model-name",
+    MODEL,
+    "--num-kv-blocks",
+    "400",
+    "--max-model-len",
+    "512",
+    "--max-num-batched-tokens",
+    "96",
+    "--num-speculative-tokens",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
-def client(engine_server: EngineServer) -> openai.OpenAI:
+def client(engine_server: Service) -> openai.OpenAI:
     return openai.OpenAI(base_url=engine_server.url + "/v1", api_key="x", max_retries=0)
 
 
-def wait_blocks_free(server: EngineServer, timeout_s: float = 30.0) -> None:
+def wait_blocks_free(server: Service, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     total = server.metric("dsv4_kv_cache_total_blocks")
     while time.monotonic() < deadline:
@@ -38,14 +48,19 @@ def wait_blocks_free(server: EngineServer, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"blocks not freed: {server.metric('dsv4_kv_cache_free_blocks')}/{total}")
 
 
-def test_models_and_health(client: openai.OpenAI, engine_server: EngineServer) -> None:
+def test_models_and_health(client: openai.OpenAI, engine_server: Service) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(engine_server.url + "/health").status_code == 200
 
 
 def test_completion_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
-    kw = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 12,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     full = client.completions.create(**kw)
     assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
     chunks = list(
@@ -59,29 +74,43 @@ def test_completion_streaming_equals_non_streaming(client: openai.OpenAI) -> Non
 
 def test_chat_streaming_and_not(client: openai.OpenAI) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
-    s = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    s = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     parts = [c.choices[0].delta.content or "" for c in s]
     assert "".join(parts) == r.choices[0].message.content
 
 
-def test_sse_ends_with_done(engine_server: EngineServer) -> None:
+def test_sse_ends_with_done(engine_server: Service) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True, "temperature": 0}
     with httpx.stream("POST", engine_server.url + "/v1/completions", json=body) as r:
         lines = [x for x in r.iter_lines() if x]
     assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
 
 
-def test_concurrent_requests_equal_requests_alone(client: openai.OpenAI, engine_server) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_requests_equal_requests_alone(
+    client: openai.OpenAI, engine_server: Service
+) -> None:
     prompts = [("x" * (3 + 11 * i)) + str(i) for i in range(32)]
     aclient = openai.AsyncOpenAI(base_url=engine_server.url + "/v1", api_key="x", max_retries=0)
 
     async def one(p: str, i: int) -> list[str]:
-        kw = {"model": MODEL, "prompt": p, "max_tokens": 4 + i % 5, "temperature": 0,
-              "extra_body": {"ignore_eos": True}}  # fmt: skip
+        kw = {
+            "model": MODEL,
+            "prompt": p,
+            "max_tokens": 4 + i % 5,
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+        }
         if i % 2:
             r = await aclient.completions.create(**kw)
             return [r.choices[0].text]
@@ -93,66 +122,132 @@ def test_concurrent_requests_equal_requests_alone(client: openai.OpenAI, engine_
 
     together = asyncio.run(asyncio.wait_for(all_(), 180))
     for i, p in enumerate(prompts):
-        r = client.completions.create(model=MODEL, prompt=p, max_tokens=4 + i % 5,
-                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        r = client.completions.create(
+            model=MODEL,
+            prompt=p,
+            max_tokens=4 + i % 5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert together[i] == [r.choices[0].text], i
     wait_blocks_free(engine_server)
 
 
-def test_stop_string_truncates_and_logprobs_and_seed(client: openai.OpenAI) -> None:
-    kw = {"model": MODEL, "prompt": "stop test", "max_tokens": 20, "temperature": 0,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+def test_a_stop_string_truncates_the_text_before_it(client: openai.OpenAI) -> None:
+    kw = {
+        "model": MODEL,
+        "prompt": "stop test",
+        "max_tokens": 20,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     text = client.completions.create(**kw).choices[0].text
     stop = text[5:7]
     r = client.completions.create(**kw, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.find(stop)]
-    lp = client.completions.create(**kw, logprobs=3).choices[0].logprobs
+
+
+def test_a_streamed_stop_string_is_never_sent(client: openai.OpenAI) -> None:
+    kw = {
+        "model": MODEL,
+        "prompt": "stop test",
+        "max_tokens": 20,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[5:7]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stop=[stop], stream=True)]
+    assert "".join(c.text for c in chunks) == text[: text.find(stop)]
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_logprobs_cover_every_token_with_at_most_the_asked_alternatives(
+    client: openai.OpenAI,
+) -> None:
+    lp = (
+        client.completions.create(
+            model=MODEL,
+            prompt="stop test",
+            max_tokens=20,
+            temperature=0,
+            logprobs=3,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .logprobs
+    )
     assert len(lp.token_logprobs) == 20 and all(len(t) <= 3 for t in lp.top_logprobs)
-    sk = {"model": MODEL, "prompt": "seeded", "max_tokens": 10, "temperature": 1.0, "seed": 5,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+
+def test_the_same_seed_samples_the_same_text(client: openai.OpenAI) -> None:
+    sk = {
+        "model": MODEL,
+        "prompt": "seeded",
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 5,
+        "extra_body": {"ignore_eos": True},
+    }
     a, b = (client.completions.create(**sk).choices[0].text for _ in range(2))
     assert a == b
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "code", "param"),
     [
-        {"model": "no-such-model", "prompt": "hi"},
-        {"model": MODEL, "prompt": "x" * 600},
-        {"model": MODEL, "prompt": "hi", "max_tokens": 600},
-        {"model": MODEL, "prompt": "hi", "temperature": -0.5},
-        {"model": MODEL, "prompt": "hi", "top_p": 0},
-        {"model": MODEL, "prompt": "hi", "max_tokens": 0},
-        {"model": MODEL, "prompt": "hi", "n": 2},
-        {"model": MODEL, "prompt": "hi", "temperature": "hot"},
-        {"model": MODEL, "prompt": [70000]},
-        {"model": MODEL},
-        {"model": MODEL, "messages": []},
+        ({"model": "no-such-model", "prompt": "hi"}, "model_not_found", "model"),
+        ({"model": MODEL, "prompt": "x" * 600}, "context_length_exceeded", "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 600}, "context_length_exceeded", "prompt"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "invalid_request", None),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, "invalid_request", None),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "invalid_request", None),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, "invalid_request", None),
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "invalid_request", None),
+        ({"model": MODEL, "prompt": [70000]}, "invalid_request", "prompt"),
+        ({"model": MODEL}, "invalid_request", None),
+        ({"model": MODEL, "messages": []}, "invalid_request", None),
+        (
+            {"model": MODEL, "prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}},
+            "kv_role_mismatch",
+            "kv_transfer_params",
+        ),
     ],
 )
-def test_bad_input_is_a_400_with_an_openai_error_body(
-    engine_server: EngineServer, body: dict
+def test_bad_input_is_a_400_with_the_common_openai_error_body(
+    engine_server: Service, body: dict, code: str, param: str | None
 ) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = httpx.post(engine_server.url + path, json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["message"] and err["type"] and err["code"] == 400
+    assert err["message"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param)
 
 
-def test_malformed_json_is_a_400(engine_server: EngineServer, client: openai.OpenAI) -> None:
-    r = httpx.post(engine_server.url + "/v1/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})  # fmt: skip
-    assert r.status_code == 400 and "error" in r.json()
+def test_malformed_json_is_a_400(engine_server: Service, client: openai.OpenAI) -> None:
+    r = httpx.post(
+        engine_server.url + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_json"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", temperature=-1)
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(engine_server: EngineServer) -> None:
+def test_disconnect_mid_stream_aborts_and_frees_blocks(engine_server: Service) -> None:
     wait_blocks_free(engine_server)
     aborted0 = engine_server.metric("dsv4_requests_aborted_total")
-    body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 400, "stream": True,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "long " * 20,
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     for _ in range(3):
         with httpx.stream("POST", engine_server.url + "/v1/completions", json=body) as r:
             for i, _line in enumerate(r.iter_lines()):
@@ -160,21 +255,29 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(engine_server: EngineServ
                     break  # closing the response drops the connection
     # non-streaming client that gives up
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(engine_server.url + "/v1/completions", json={**body, "stream": False},
-                   timeout=1.0)  # fmt: skip
+        httpx.post(
+            engine_server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0
+        )
     wait_blocks_free(engine_server, timeout_s=20)
     assert engine_server.metric("dsv4_requests_aborted_total") >= aborted0 + 4
 
 
-def test_metrics_use_vllm_names(engine_server: EngineServer) -> None:
+def test_metrics_use_vllm_names(engine_server: Service) -> None:
     text = httpx.get(engine_server.url + "/metrics").text
     for name in (
-        "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-        "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_running",
-        "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
-        "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-        "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
-    ):  # fmt: skip
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+    ):
         assert name in text, name
     assert engine_server.metric("vllm:prefix_cache_hits_total") > 0  # the repeated prompts
     assert engine_server.metric("vllm:spec_decode_num_draft_tokens_total") > 0

@@ -17,15 +17,30 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.engine_core import EngineInfo, run_engine_core
+from dsv4_serving.engine.engine_core import run_engine_core
+from dsv4_serving.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    EngineInfo,
+    FromCore,
+    Outputs,
+    Ready,
+    Rejected,
+    Shutdown,
+    ToCore,
+)
+from dsv4_serving.engine.observer import EngineObserver, NullObserver
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Logprob
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.engine.stop_strings import StopStrings
 from dsv4_serving.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,32 +72,27 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # a prefill's, for the remote decode
+    kv_transfer_params: RemotePrefillParams | None = None  # a prefill's, for the remote decode
 
 
 @dataclass(slots=True)
 class _State:
     prompt_len: int
-    params: SamplingParams
     detok: IncrementalDetokenizer
+    stops: StopStrings
     q: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     last_token: float | None = None
-    sent: int = 0  # characters of text already sent
     finished: bool = False
-
-
-# on_output(kind, **values) is how metrics learn what happened (kept free of prometheus here)
-MetricsHook = Callable[..., None]
 
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, tokenizer: Tokenizer, on_event: MetricsHook | None = None
+        self, config: EngineConfig, tokenizer: Tokenizer, observer: EngineObserver | None = None
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.on_event = on_event or (lambda *a, **k: None)
+        self.observer: EngineObserver = observer or NullObserver()
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
         self._states: dict[str, _State] = {}
@@ -101,9 +111,11 @@ class AsyncLLM:
         self._in: Any = ctx.Queue()
         self._out: Any = ctx.Queue()
         self._proc = ctx.Process(
-            target=run_engine_core, args=(self.config, self._in, self._out), daemon=True,
+            target=run_engine_core,
+            args=(self.config, self._in, self._out),
+            daemon=True,
             name="dsv4-engine-core",
-        )  # fmt: skip
+        )
         self._proc.start()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -118,11 +130,11 @@ class AsyncLLM:
                 if time.monotonic() > deadline:
                     self.shutdown()
                     raise EngineDeadError(f"engine core not ready after {timeout_s}s") from None
-        if msg[0] == "error":
+        if not isinstance(msg, Ready):
             self.shutdown()
-            raise EngineDeadError(f"engine core failed to start: {msg[1]}")
-        self.info = msg[1]
-        return msg[1]
+            raise EngineDeadError(f"engine core failed to start: {msg.message}")
+        self.info = msg.info
+        return msg.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering core messages to ``loop`` (call from inside it)."""
@@ -140,7 +152,7 @@ class AsyncLLM:
             return
         if self._proc.is_alive():
             with contextlib.suppress(OSError, ValueError):
-                self._in.put(("shutdown", None))
+                self._send(Shutdown())
             self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -163,6 +175,9 @@ class AsyncLLM:
                 return
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
+    def _send(self, msg: ToCore) -> None:
+        self._in.put(msg)
+
     # ---- requests ---------------------------------------------------------------------
 
     def new_request_id(self, prefix: str) -> str:
@@ -173,17 +188,18 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Increments until the request finishes; closing the iterator early aborts it."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
-        st = _State(len(prompt_token_ids), params, IncrementalDetokenizer(self.tokenizer))
+        detok = IncrementalDetokenizer(self.tokenizer)
+        st = _State(len(prompt_token_ids), detok, StopStrings(params.stop))
         self._states[request_id] = st
         req = EngineCoreRequest(
             request_id, list(prompt_token_ids), params, kv_transfer_params=kv_transfer_params
         )
-        self._in.put(("add", req))
+        self._send(AddRequest(req))
         try:
             while True:
                 item = await st.q.get()
@@ -200,9 +216,9 @@ class AsyncLLM:
         st = self._states.pop(request_id, None)
         if st is not None:
             st.finished = True
-            self.on_event("abort")
+            self.observer.aborted()
         if self.alive:
-            self._in.put(("abort", [request_id]))
+            self._send(AbortRequests([request_id]))
 
     # ---- messages from the core (event loop thread) -----------------------------------
 
@@ -213,20 +229,24 @@ class AsyncLLM:
             st.q.put_nowait(EngineDeadError(reason))
         self._states.clear()
 
-    def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            for o in msg[1]:
-                self._on_output(o)
-            self.stats = msg[2]
-            self.on_event("stats", stats=msg[2])
-        elif kind == "reject":
-            st = self._states.pop(msg[1], None)
-            if st is not None:
-                st.finished = True
-                st.q.put_nowait(ValueError(msg[2]))
-        elif kind == "error":
-            self._fail_all(str(msg[1]))
+    def _dispatch(self, msg: FromCore) -> None:
+        match msg:
+            case Outputs(outputs=outputs, stats=stats):
+                for o in outputs:
+                    self._on_output(o)
+                self.stats = stats
+                self.observer.stats(stats)
+            case Rejected(request_id=rid, message=message):
+                st = self._states.pop(rid, None)
+                if st is not None:
+                    st.finished = True
+                    st.q.put_nowait(ValueError(message))
+            case CoreFailed(message=message):
+                self._fail_all(message)
+            case Ready():
+                pass  # only at start (``start`` reads it)
+            case _:
+                assert_never(msg)
 
     def _on_output(self, o: EngineCoreOutput) -> None:
         st = self._states.get(o.request_id)
@@ -236,28 +256,22 @@ class AsyncLLM:
         if o.error is not None:
             st.finished = True
             del self._states[o.request_id]
-            self.on_event("kv_error", reason=o.error[0])
-            st.q.put_nowait(KVTransferError(*o.error))
+            self.observer.kv_error(o.error.reason)
+            st.q.put_nowait(KVTransferError(o.error.reason, o.error.message))
             return
         if st.last_token is None:
-            self.on_event("first_token", seconds=now - st.arrival, prompt_tokens=st.prompt_len)
+            self.observer.first_token(now - st.arrival, st.prompt_len)
         else:
-            self.on_event("inter_token", seconds=now - st.last_token, n=len(o.new_token_ids))
+            self.observer.inter_token(now - st.last_token, len(o.new_token_ids))
         st.last_token = now
-        finish, stop_reason = o.finish_reason, o.stop_token_id
+        finish = o.finish_reason
+        stop_reason: str | int | None = o.stop_token_id
         text = st.detok.add(o.new_token_ids, final=finish is not None)
-        if st.params.stop and finish != "abort":
-            hit = _find_stop(text, st.params.stop, max(0, st.sent - _longest(st.params.stop)))
-            if hit is not None:
-                text, stop_reason = text[: hit[0]], hit[1]
-                if finish is None:
-                    self._in.put(("abort", [o.request_id]))
-                finish = "stop"
-            elif finish is None:
-                # hold back what could be the start of a stop string
-                text = text[: max(st.sent, len(text) - _longest(st.params.stop) + 1)]
-        delta = text[st.sent :]
-        st.sent = len(text)
+        delta, stop = st.stops.update(text, final=finish is not None)
+        if stop is not None:
+            if finish is None:  # the core would go on: stop it
+                self._send(AbortRequests([o.request_id]))
+            finish, stop_reason = "stop", stop
         out = RequestOutput(
             request_id=o.request_id,
             delta_text=delta,
@@ -274,21 +288,5 @@ class AsyncLLM:
         if finish is not None:
             st.finished = True
             del self._states[o.request_id]
-            self.on_event(
-                "finished", seconds=now - st.arrival, reason=finish,
-                prompt_tokens=st.prompt_len, generation_tokens=out.num_output_tokens,
-            )  # fmt: skip
+            self.observer.finished(now - st.arrival, finish, st.prompt_len, out.num_output_tokens)
         st.q.put_nowait(out)
-
-
-def _longest(stops: list[str]) -> int:
-    return max(len(s) for s in stops)
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best

@@ -18,6 +18,9 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True)
 class EngineConfig:
+    """Every engine setting, declared once: ``dsv4 engine``'s flags and ``--config`` file keys
+    are these fields; ``__post_init__`` is the one place they are validated."""
+
     model: str = "dsv4-tiny"
     """Checkpoint directory or preset name (presets load dummy weights unless told otherwise)."""
     served_model_name: str | None = None
@@ -69,8 +72,11 @@ class EngineConfig:
     num_speculative_tokens: int = -1
     """MTP draft tokens per step (0-3); -1 = 1 when the model has an MTP layer, else 0."""
     tensor_parallel_size: int = 1
+    """Devices each layer is split across (one per process on CPU: see ``check_parallel``)."""
     data_parallel_size: int = 1
+    """Replicas of the attention layers inside one engine."""
     expert_parallel_size: int = 1
+    """Devices the MoE experts are spread over."""
     rank_table: str | None = None
     """HCCL rank table (Ascend multi-node)."""
 

@@ -1,10 +1,8 @@
 """The engine core: scheduler + KV cache manager + model runner, stepped in a loop.
 
 ``EngineCore`` is usable in-process (tests, benchmarks); ``run_engine_core`` is the body of the
-engine-core process the HTTP front end starts, so the front end never waits on compute. Messages
-in: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown", None)``. Messages out:
-``("ready", EngineInfo)``, ``("outputs", [EngineCoreOutput], SchedulerStats)``,
-``("error", text)``.
+engine-core process the HTTP front end starts, so the front end never waits on compute. The
+messages between the two are ``messages.py``'s.
 """
 
 from __future__ import annotations
@@ -15,32 +13,31 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, assert_never
 
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.kv_connector.compat import KVCompat
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
-from dsv4_serving.engine.kv_connector.validation import check_kv_request
+from dsv4_serving.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    EngineInfo,
+    Outputs,
+    Ready,
+    Rejected,
+    Shutdown,
+    ToCore,
+)
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
+if TYPE_CHECKING:
+    from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineInfo:
-    """What the front end needs to know about the core (sent once, when ready)."""
-
-    max_model_len: int
-    vocab_size: int
-    eos_token_id: int | None
-    block_size: int
-    num_kv_blocks: int
-    num_speculative_tokens: int
-    architecture: str
-    kv_dtype: str = "float32"
 
 
 class EngineCore:
@@ -49,8 +46,6 @@ class EngineCore:
         from dsv4_serving.engine.model_loader import load_model, num_kv_blocks
         from dsv4_serving.engine.model_runner import ModelRunner
 
-        if config.role != "both" and not config.kv_sidecar:
-            raise ConfigError(f"role {config.role!r} needs --kv-sidecar URL (the local sidecar)")
         self.config = config
         lm = load_model(config)
         k = config.num_speculative_tokens
@@ -70,9 +65,14 @@ class EngineCore:
                 f"max_model_len {lm.max_model_len}; lower max_model_len or add blocks"
             )
         self.kv = KVCacheManager(
-            n_blocks, lm.block_size, config.max_num_seqs, caching, has_state, snaps,
+            n_blocks,
+            lm.block_size,
+            config.max_num_seqs,
+            caching,
+            has_state,
+            snaps,
             key_next_token=k > 0,
-        )  # fmt: skip
+        )
         self.kv_scheduler: SidecarConnectorScheduler | None = None
         if config.kv_sidecar:
             self.kv_scheduler = SidecarConnectorScheduler(config.kv_failure_policy)
@@ -88,16 +88,18 @@ class EngineCore:
             self.kv_scheduler,
         )
         self.runner = ModelRunner(lm, n_blocks, self.kv.num_slots, k, config.seed)
-        self.kv_worker: Any = None  # SidecarConnectorWorker (imports torch)
+        kv_dtype = str(lm.dtype).removeprefix("torch.")
+        self.kv_worker: SidecarConnectorWorker | None = None
         if config.kv_sidecar and self.kv_scheduler is not None:
             self.kv_worker = SidecarConnectorWorker(
                 config.kv_sidecar,
-                KVCompat(lm.hf_config["architectures"][0], lm.block_size, k,
-                         str(lm.dtype).removeprefix("torch.")),
+                KVCompat(lm.hf_config["architectures"][0], lm.block_size, k, kv_dtype),
                 self.kv_scheduler.stats,
                 config.kv_pull_timeout,
-            )  # fmt: skip
+            )
             self.kv_worker.register_kv_caches(self.runner.cache)
+        # the last step ran nothing and produced nothing: every request waits for its KV
+        self.idle_waiting_for_kv = False
         eos = lm.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.info = EngineInfo(
@@ -108,67 +110,77 @@ class EngineCore:
             num_kv_blocks=n_blocks,
             num_speculative_tokens=k,
             architecture=lm.hf_config["architectures"][0],
-            kv_dtype=str(lm.dtype).removeprefix("torch."),
+            kv_dtype=kv_dtype,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue ``req``. The API edge (``entrypoints.checks``) has validated it: the prompt
+        fits, the PD params suit this engine's role and a prefill for a remote decode makes one
+        token. In-process callers must do the same; this only asserts."""
         n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.info.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; this model's maximum context length is "
-                f"{self.info.max_model_len} (prompt and output)"
-            )
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.info.vocab_size}): {bad[:5]}")
+        assert 0 < n < self.info.max_model_len, f"prompt of {n} tokens"
         p = req.kv_transfer_params
-        if p and (p.get("do_remote_decode") or p.get("do_remote_prefill")):
-            check_kv_request(self.config.role, self.kv_worker is not None, p)
-            if p.get("do_remote_decode"):
-                # the export is the prompt's KV: the prefill stops at the first token
-                sp = req.sampling_params
-                req.sampling_params = replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1))
+        assert p is None or self.kv_worker is not None, "a PD request needs a KV connector"
+        if isinstance(p, PrefillRequestParams):
+            assert self.config.role != "decode" and req.sampling_params.max_tokens == 1
+        elif isinstance(p, RemotePrefillParams):
+            assert self.config.role != "prefill"
         self.scheduler.add_request(Request(req, self.eos_token_id))
-
-    last_step_idle = False
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         aborted = self.scheduler.abort_requests(request_ids)
-        if self.kv_worker is not None:
-            self._sync_kv(self.kv_worker)  # their pulls let go now, not at the next step
+        self._start_kv_loads()  # their pulls let go now, not at the next step
         return aborted
 
     def kv_housekeeping(self) -> None:
         """An idle engine still finishes what its pulls left (cancelled ones release)."""
-        if self.kv_worker is not None:
-            self._sync_kv(self.kv_worker)
-            self.scheduler.update_from_connector(self.kv_worker.get_finished())
+        self._start_kv_loads()
+        self._finish_kv_loads()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        w = self.kv_worker
-        if w is not None:
-            self._sync_kv(w)  # cancels of aborted loads first, then what finished
-            self.scheduler.update_from_connector(w.get_finished())
+        """One forward. With a KV connector, its calls come in this order (vLLM's):
+
+        1. ``_start_kv_loads``: cancels the scheduler side queued (aborted loads) reach the
+           worker side before anything else;
+        2. ``_finish_kv_loads``: loads that ended since the last step are in their blocks, so
+           ``schedule`` runs those requests (or applies the failure policy);
+        3. ``schedule``, which may park new decode requests with fresh blocks;
+        4. ``_start_kv_loads`` again: those pulls start now, not a step later;
+        5. the forward and ``update_from_output``;
+        6. ``_save_kv``: prefills finished in 5 export their KV before their blocks are freed.
+        """
+        self._start_kv_loads()
+        self._finish_kv_loads()
         out = self.scheduler.schedule()
-        if w is not None:
-            self._sync_kv(w)  # start the pulls of requests parked just now
+        self._start_kv_loads()
         results = self.runner.execute(out)
         outputs = self.scheduler.update_from_output(out, results)
-        if w is not None and self.kv_scheduler is not None:
-            saves = self.kv_scheduler.take_saves()
-            if saves:
-                self.scheduler.saves_done(w.save_kv(saves), outputs)
-            self.last_step_idle = not out.scheduled and not outputs
+        self._save_kv(outputs)
+        self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
         return outputs
 
-    def _sync_kv(self, w: Any) -> None:
+    def _start_kv_loads(self) -> None:
+        """Hand the worker side the loads (and cancels) the scheduler side queued."""
+        if self.kv_worker is not None:
+            assert self.kv_scheduler is not None
+            self.kv_worker.start_load_kv(self.kv_scheduler.build_connector_meta())
+
+    def _finish_kv_loads(self) -> None:
+        """Loads that ended: imported into their blocks (or failed), told to the scheduler."""
+        if self.kv_worker is not None:
+            self.scheduler.update_from_connector(self.kv_worker.get_finished())
+
+    def _save_kv(self, outputs: list[EngineCoreOutput]) -> None:
+        """Export the KV of prefills (for a remote decode) that finished this step."""
+        if self.kv_worker is None:
+            return
         assert self.kv_scheduler is not None
-        w.start_load_kv(self.kv_scheduler.build_connector_meta())
+        saves = self.kv_scheduler.take_saves()
+        if saves:
+            self.scheduler.saves_done(self.kv_worker.save_kv(saves), outputs)
 
     def wait_for_kv(self, timeout_s: float) -> None:
         """Nothing ran last step (every request waits for its KV): sleep until a pull ends."""
@@ -184,26 +196,43 @@ class EngineCore:
 
 
 def run_engine_core(config: EngineConfig, in_q: Any, out_q: Any) -> None:
-    """Body of the engine-core process."""
+    """Body of the engine-core process: ``ToCore`` messages in, ``FromCore`` messages out."""
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
     parent = os.getppid()
     try:
         core = EngineCore(config)
     except Exception as exc:
-        out_q.put(("error", f"{type(exc).__name__}: {exc}"))
+        out_q.put(CoreFailed(f"{type(exc).__name__}: {exc}"))
         log.debug("engine core failed to start:\n%s", traceback.format_exc())
         return
-    out_q.put(("ready", core.info))
+    out_q.put(Ready(core.info))
     try:
         _loop(core, in_q, out_q, parent)
     finally:
         core.close()
 
 
+def _handle(core: EngineCore, msg: ToCore, out_q: Any) -> bool:
+    """Apply one message; False when the core must stop."""
+    match msg:
+        case AddRequest(request=req):
+            try:
+                core.add_request(req)
+            except ValueError as exc:  # the scheduler's own refusals (a duplicate id)
+                out_q.put(Rejected(req.request_id, str(exc)))
+        case AbortRequests(request_ids=ids):
+            core.abort_requests(ids)
+        case Shutdown():
+            return False
+        case _:
+            assert_never(msg)
+    return True
+
+
 def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
     stats_due = True
     while True:
-        msgs = []
+        msgs: list[ToCore] = []
         if not core.has_unfinished_requests():
             with contextlib.suppress(queue.Empty):  # idle: block briefly, do not spin
                 msgs.append(in_q.get(timeout=0.5))
@@ -212,30 +241,23 @@ def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
                 msgs.append(in_q.get_nowait())
             except queue.Empty:
                 break
-        for kind, payload in msgs:
-            if kind == "shutdown":
+        for msg in msgs:
+            if not _handle(core, msg, out_q):
                 return
-            if kind == "add":
-                try:
-                    core.add_request(payload)
-                except ValueError as exc:
-                    out_q.put(("reject", payload.request_id, str(exc)))
-            elif kind == "abort":
-                core.abort_requests(payload)
             stats_due = True
         if core.has_unfinished_requests():
             t = time.perf_counter()
             outputs = core.step()
             log.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t), len(outputs))
-            if core.last_step_idle and not stats_due:
+            if core.idle_waiting_for_kv and not stats_due:
                 core.wait_for_kv(0.02)  # only parked requests: no busy loop, no message flood
                 continue
-            out_q.put(("outputs", outputs, core.stats()))
+            out_q.put(Outputs(outputs, core.stats()))
             stats_due = False
         else:
             core.kv_housekeeping()
             if stats_due:
-                out_q.put(("outputs", [], core.stats()))
+                out_q.put(Outputs([], core.stats()))
                 stats_due = False
             elif os.getppid() != parent:
                 return  # the front end died without telling us

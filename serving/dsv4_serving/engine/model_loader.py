@@ -45,7 +45,11 @@ class LoadedModel:
 
 
 def default_block_size(model_config: Any) -> int:
-    ratios = [r for r in (getattr(model_config, "csa_ratio", 0), getattr(model_config, "hca_ratio", 0)) if r]  # fmt: skip
+    ratios = [
+        r
+        for r in (getattr(model_config, "csa_ratio", 0), getattr(model_config, "hca_ratio", 0))
+        if r
+    ]
     lcm = math.lcm(*ratios) if ratios else 1
     return lcm * max(1, -(-16 // lcm))
 

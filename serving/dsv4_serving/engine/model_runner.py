@@ -118,9 +118,11 @@ class ModelRunner:
         mmeta = AttentionMetadata.build(chunks, self.block_size, self.device)
         dev = self.device
         logits, mh = self.model.mtp_forward(
-            torch.tensor(next_ids, device=dev), hidden[torch.tensor(rows, device=dev)],
-            mmeta, self.cache,
-        )  # fmt: skip
+            torch.tensor(next_ids, device=dev),
+            hidden[torch.tensor(rows, device=dev)],
+            mmeta,
+            self.cache,
+        )
         last_rows = mmeta.last_token_indices()
         drafting = [i for i, s in enumerate(sched) if s.sample]
         if not drafting:

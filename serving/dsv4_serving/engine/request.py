@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_serving.engine.kv_connector.metadata import KVTransferFailure
 from dsv4_serving.engine.prefix_hash import BlockHash, hash_block_tokens
 from dsv4_serving.engine.sampling_params import SamplingParams
 
@@ -39,7 +40,8 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
-    kv_transfer_params: dict[str, Any] | None = None  # vLLM's PD protocol, as the client sent it
+    kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None
+    """vLLM's PD protocol, parsed and checked once at the API edge (the core only asserts)."""
 
 
 @dataclass(slots=True)
@@ -59,8 +61,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    kv_transfer_params: dict[str, Any] | None = None  # prefill for a remote decode: where its KV is
-    error: tuple[str, str] | None = None  # (reason, message) of finish_reason "error"
+    kv_transfer_params: RemotePrefillParams | None = None  # a prefill's: where its KV is
+    error: KVTransferFailure | None = None  # why finish_reason is "error"
 
 
 class Request:
@@ -110,10 +112,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend the chained hashes over every full block of known tokens."""

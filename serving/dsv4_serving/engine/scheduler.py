@@ -10,14 +10,19 @@ in arrival order while budget, sequence slots and blocks last.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
-from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, KVLoadFailure
-from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
+from dsv4_serving.engine.kv_connector.metadata import (
+    KVConnectorOutput,
+    KVConnectorStats,
+    KVTransferFailure,
+)
 from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
 
@@ -77,6 +82,14 @@ class SchedulerStats:
     spec_accepted_tokens: int = 0
     num_preemptions: int = 0
     kv_transfer: KVConnectorStats | None = None  # with a KV connector (PD roles)
+
+
+class RemoteKV(enum.Enum):
+    """What admitting the first waiting request did about remote KV."""
+
+    LOCAL = "local"  # its prompt is computed here: admit it as usual
+    PARKED = "parked"  # blocks and slot allocated, its KV is on the way
+    NO_BLOCKS = "no_blocks"  # it needs remote KV but its blocks cannot be had yet
 
 
 class Scheduler:
@@ -162,7 +175,7 @@ class Scheduler:
             if req is not None:
                 self._load_failed(req, failure)
 
-    def _load_failed(self, req: Request, failure: KVLoadFailure) -> None:
+    def _load_failed(self, req: Request, failure: KVTransferFailure) -> None:
         assert self.connector is not None
         if self.connector.on_load_failed(req, failure):
             # prefill it here instead: nothing was written to its blocks, start from scratch
@@ -173,12 +186,13 @@ class Scheduler:
             return
         self._finish(req, RequestStatus.FINISHED_ERROR)
         self._extra_outputs.append(
-            EngineCoreOutput(req.request_id, [], finish_reason="error",
-                             error=(failure.reason, failure.message))
-        )  # fmt: skip
+            EngineCoreOutput(req.request_id, [], finish_reason="error", error=failure)
+        )
 
     def saves_done(
-        self, results: dict[str, dict[str, object] | KVLoadFailure], outputs: list[EngineCoreOutput]
+        self,
+        results: dict[str, RemotePrefillParams | KVTransferFailure],
+        outputs: list[EngineCoreOutput],
     ) -> None:
         """The worker side saved (or failed to save) the KV of finished prefills: free their
         blocks and put the ``kv_transfer_params`` (or the error) into their last output."""
@@ -190,10 +204,10 @@ class Scheduler:
             o = by_id.get(rid)
             if o is None:
                 continue
-            if isinstance(res, KVLoadFailure):
-                o.error = (res.reason, res.message)
+            if isinstance(res, KVTransferFailure):
+                o.error = res
             else:
-                o.kv_transfer_params = dict(res)
+                o.kv_transfer_params = res
         for rid in [r for r in self._saving if r not in results]:  # never left behind
             self.kv.free(self._saving.pop(rid))
 
@@ -249,11 +263,11 @@ class Scheduler:
         ):
             req = self.waiting[0]
             if self.connector is not None:
-                parked = self._park_for_remote_kv(req)
-                if parked:
+                remote = self._park_for_remote_kv(req)
+                if remote is RemoteKV.PARKED:
                     continue
-                if parked is not None:
-                    break  # its blocks cannot be had yet: FCFS, it stays first in line
+                if remote is RemoteKV.NO_BLOCKS:
+                    break  # FCFS: it stays first in line
             computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - computed.num_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -282,23 +296,22 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
 
-    def _park_for_remote_kv(self, req: Request) -> bool | None:
+    def _park_for_remote_kv(self, req: Request) -> RemoteKV:
         """A request whose prompt KV comes from a prefill engine gets blocks for its whole
-        prompt (+ lookahead) and a slot, then waits parked until the KV is in them: True.
-        False: such a request whose blocks cannot be had now; None: a local request."""
+        prompt (+ lookahead) and a slot, then waits parked until the KV is in them."""
         assert self.connector is not None
         if self.connector.get_num_new_matched_tokens(req) is None:
-            return None
+            return RemoteKV.LOCAL
         if not self.kv.allocate_slots(
             req, req.num_tokens, None, self.config.num_speculative_tokens
         ):
-            return False
+            return RemoteKV.NO_BLOCKS
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[req.request_id] = req
         rid = req.request_id
         self.connector.update_state_after_alloc(req, self.kv.block_ids(rid), self.kv.req_slot[rid])
-        return True
+        return RemoteKV.PARKED
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
         ctx = req.num_computed_tokens

@@ -7,11 +7,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
+from dsv4_serving.engine.kv_connector.metadata import KVConnectorStats
 from dsv4_serving.engine.scheduler import SchedulerStats
 
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+# vLLM's latency buckets
+_LATENCY = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0),
+)
 
 
 class EngineMetrics:
@@ -41,9 +44,11 @@ class EngineMetrics:
         self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.")
         self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.")
         self.success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.",
-            ["model_name", "finished_reason"], registry=r,
-        )  # fmt: skip
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self.spec_drafts = c("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_accepted = c(
@@ -58,54 +63,70 @@ class EngineMetrics:
         # PD: this engine's side of KV transfers (its sidecar has the wire-level ones)
         kv_labels = ["model_name", "reason"]
         self.kv_pull_failures = Counter(
-            "dsv4_kv_pull_failures", "Decode requests whose KV pull failed, by reason.",
-            kv_labels, registry=r,
-        )  # fmt: skip
+            "dsv4_kv_pull_failures",
+            "Decode requests whose KV pull failed, by reason.",
+            kv_labels,
+            registry=r,
+        )
         self.kv_recomputes = c(
             "dsv4_kv_recomputes", "Decode requests prefilled locally after a failed KV pull."
         )
         self.kv_transfers = Counter(
-            "dsv4_kv_engine_transfers", "KV exports (prefill) and pulls (decode) that finished.",
-            ["model_name", "direction", "outcome"], registry=r,
-        )  # fmt: skip
+            "dsv4_kv_engine_transfers",
+            "KV exports (prefill) and pulls (decode) that finished.",
+            ["model_name", "direction", "outcome"],
+            registry=r,
+        )
         self.kv_bytes = Counter(
-            "dsv4_kv_engine_bytes", "KV bytes copied between the cache and the staging region.",
-            ["model_name", "direction"], registry=r,
-        )  # fmt: skip
+            "dsv4_kv_engine_bytes",
+            "KV bytes copied between the cache and the staging region.",
+            ["model_name", "direction"],
+            registry=r,
+        )
         self.kv_seconds = Histogram(
             "dsv4_kv_engine_transfer_seconds",
             "Engine-side KV transfer latency: export = reserve + copy + commit on the prefill "
             "engine; pull = decode request parked until its KV is in its blocks.",
-            ["model_name", "direction"], buckets=_LATENCY, registry=r,
-        )  # fmt: skip
+            ["model_name", "direction"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.kv_waiting = g(
             "dsv4_kv_requests_waiting_for_remote_kv", "Decode requests waiting for their KV."
         )
         self.kv_errors = Counter(
-            "dsv4_kv_request_errors", "Requests failed for their KV (HTTP 5xx), by reason.",
-            kv_labels, registry=r,
-        )  # fmt: skip
+            "dsv4_kv_request_errors",
+            "Requests failed for their KV (HTTP 5xx), by reason.",
+            kv_labels,
+            registry=r,
+        )
         self._last = SchedulerStats()
 
-    def on_event(self, kind: str, **v: Any) -> None:
-        if kind == "first_token":
-            self.ttft.observe(v["seconds"])
-        elif kind == "inter_token":
-            for _ in range(max(1, v["n"])):  # a speculative step yields several tokens at once
-                self.itl.observe(v["seconds"] / max(1, v["n"]))
-        elif kind == "finished":
-            self.e2e.observe(v["seconds"])
-            self.prompt_tokens.inc(v["prompt_tokens"])
-            self.generation_tokens.inc(v["generation_tokens"])
-            self.success.labels(finished_reason=v["reason"], **self._label).inc()
-        elif kind == "abort":
-            self.aborts.inc()
-        elif kind == "kv_error":
-            self.kv_errors.labels(reason=v["reason"], **self._label).inc()
-        elif kind == "stats":
-            self._stats(v["stats"])
+    # ---- the engine's events (``engine.observer.EngineObserver``) -----------------------
 
-    def _stats(self, s: SchedulerStats) -> None:
+    def first_token(self, seconds: float, prompt_tokens: int) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, num_tokens: int) -> None:
+        n = max(1, num_tokens)  # a speculative step yields several tokens at once
+        for _ in range(n):
+            self.itl.observe(seconds / n)
+
+    def finished(
+        self, seconds: float, reason: str, prompt_tokens: int, generation_tokens: int
+    ) -> None:
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.success.labels(finished_reason=reason, **self._label).inc()
+
+    def aborted(self) -> None:
+        self.aborts.inc()
+
+    def kv_error(self, reason: str) -> None:
+        self.kv_errors.labels(reason=reason, **self._label).inc()
+
+    def stats(self, s: SchedulerStats) -> None:
         last = self._last
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)

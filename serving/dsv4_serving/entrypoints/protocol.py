@@ -1,5 +1,5 @@
 """OpenAI request bodies (the fields this engine honours; unknown fields are ignored, as
-OpenAI-compatible servers do) and the error body."""
+OpenAI-compatible servers do). Errors are ``dsv4_serving.http_errors``'s common body."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     echo: bool = False
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, default_max: int) -> SamplingParams:
+        """``default_max`` is unused: OpenAI's completions default is 16 (``max_tokens``)."""
         if self.echo:
             raise ValueError("echo is not supported")
         return self._params(self.max_tokens, self.logprobs)
@@ -89,11 +90,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
+        """``default_max``: what is left of the context after the prompt (vLLM's default)."""
         mt = self.max_completion_tokens or self.max_tokens or default_max
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(mt, lp)
-
-
-def error_body(message: str, type_: str = "BadRequestError", code: int = 400,
-               param: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.engine.async_llm import AsyncLLM, RequestOutput
 from dsv4_serving.engine.request import Logprob
 from dsv4_serving.engine.sampling_params import SamplingParams
@@ -76,7 +77,7 @@ class OpenAIServing:
         stream: bool,
         include_usage: bool,
         chat: bool,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
         return_token_ids: bool = False,
     ) -> AsyncIterator[str] | dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
@@ -118,7 +119,8 @@ class OpenAIServing:
             "usage": _usage(last),
         }
         if kv_transfer_params is not None:  # PD (vLLM's protocol): what the decode side needs
-            body["kv_transfer_params"] = last.kv_transfer_params
+            kv = last.kv_transfer_params
+            body["kv_transfer_params"] = kv.to_dict() if kv is not None else None
         return body
 
     async def _stream(
@@ -140,8 +142,12 @@ class OpenAIServing:
         }
         try:
             if chat:
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}  # fmt: skip
+                role = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield _sse({**base, "choices": [role]})
             o: RequestOutput | None = first
             last = first

@@ -6,15 +6,27 @@ from __future__ import annotations
 
 import pytest
 
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
-from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, KVLoadFailure
+from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, KVTransferFailure
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
 from dsv4_serving.engine.request import EngineCoreRequest, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import RunnerResult, Scheduler, SchedulerConfig
 
-REMOTE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_transfer_id": "t"}
+REMOTE = RemotePrefillParams(
+    remote_engine_id="p",
+    remote_request_id="r",
+    remote_block_ids=(0, 1, 2),
+    remote_host="127.0.0.1",
+    remote_port=14579,
+    remote_transfer_id="t",
+    remote_lease_expires_at=0.0,
+    remote_num_tokens=10,
+    remote_total_bytes=1,
+)
+KVParams = PrefillRequestParams | RemotePrefillParams
 
 
 def make(policy: str = "recompute", blocks: int = 64) -> tuple[Scheduler, KVCacheManager]:
@@ -23,7 +35,7 @@ def make(policy: str = "recompute", blocks: int = 64) -> tuple[Scheduler, KVCach
     return Scheduler(cfg, kv, SidecarConnectorScheduler(policy)), kv  # type: ignore[arg-type]
 
 
-def req(rid: str, n: int, params: dict | None = None, max_tokens: int = 3) -> Request:
+def req(rid: str, n: int, params: KVParams | None = None, max_tokens: int = 3) -> Request:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return Request(EngineCoreRequest(rid, list(range(1, n + 1)), sp, kv_transfer_params=params), 0)
 
@@ -37,8 +49,8 @@ def test_a_remote_prefill_request_parks_with_blocks_and_runs_only_after_its_kv()
     assert [x.request_id for x in out.scheduled] == ["l"]  # the parked one does not run
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KV and len(kv.block_ids("d")) == 3
     meta = s.connector.build_connector_meta()  # type: ignore[union-attr]
-    assert [(x.request_id, x.block_ids, x.num_tokens) for x in meta.loads] == [
-        ("d", kv.block_ids("d"), 10)
+    assert [(x.request_id, x.params, x.block_ids, x.num_tokens) for x in meta.loads] == [
+        ("d", REMOTE, kv.block_ids("d"), 10)
     ]
     s.update_from_connector(KVConnectorOutput(loaded=["d"]))
     out = s.schedule()
@@ -50,7 +62,7 @@ def test_recompute_policy_prefills_locally_and_fail_policy_errors() -> None:
     s, kv = make("recompute")
     s.add_request(req("d", 10, REMOTE))
     s.schedule()
-    s.update_from_connector(KVConnectorOutput(failed={"d": KVLoadFailure("connection", "x")}))
+    s.update_from_connector(KVConnectorOutput(failed={"d": KVTransferFailure("connection", "x")}))
     out = s.schedule()
     assert out.scheduled[0].context_len == 0 and len(out.scheduled[0].token_ids) == 10
     assert s.connector.stats.recomputes == 1  # type: ignore[union-attr]
@@ -59,10 +71,10 @@ def test_recompute_policy_prefills_locally_and_fail_policy_errors() -> None:
     free = kv.num_free_blocks
     s.add_request(req("d", 10, REMOTE))
     s.schedule()
-    s.update_from_connector(KVConnectorOutput(failed={"d": KVLoadFailure("auth", "bad token")}))
+    s.update_from_connector(KVConnectorOutput(failed={"d": KVTransferFailure("auth", "bad token")}))
     outs = s.update_from_output(s.schedule(), {})
     assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [
-        ("d", "error", ("auth", "bad token"))
+        ("d", "error", KVTransferFailure("auth", "bad token"))
     ]
     assert kv.num_free_blocks == free and not s.has_unfinished_requests()
 
@@ -71,7 +83,7 @@ def test_an_incompatible_load_fails_even_under_recompute() -> None:
     s, _ = make("recompute")
     s.add_request(req("d", 6, REMOTE))
     s.schedule()
-    s.update_from_connector(KVConnectorOutput(failed={"d": KVLoadFailure("incompatible", "x")}))
+    s.update_from_connector(KVConnectorOutput(failed={"d": KVTransferFailure("incompatible", "x")}))
     assert [o.finish_reason for o in s.take_extra_outputs()] == ["error"]
 
 
@@ -89,15 +101,15 @@ def test_aborting_a_parked_request_frees_its_blocks_and_cancels_its_load() -> No
 def test_a_prefill_for_a_remote_decode_keeps_its_blocks_until_saved() -> None:
     s, kv = make()
     free = kv.num_free_blocks
-    s.add_request(req("p", 9, {"do_remote_decode": True}, max_tokens=1))
+    s.add_request(req("p", 9, PrefillRequestParams(), max_tokens=1))
     out = s.schedule()
     outs = s.update_from_output(out, {"p": RunnerResult([42])})
     saves = s.connector.take_saves()  # type: ignore[union-attr]
     assert [(x.request_id, x.num_tokens, x.first_token) for x in saves] == [("p", 9, 42)]
     assert kv.num_free_blocks == free - 3  # held for the export
-    s.saves_done({"p": {"do_remote_prefill": True}}, outs)
+    s.saves_done({"p": REMOTE}, outs)
     assert kv.num_free_blocks == free
-    assert outs[0].kv_transfer_params == {"do_remote_prefill": True}
+    assert outs[0].kv_transfer_params is REMOTE
 
 
 def test_compat_refuses_other_layouts_and_other_prompts() -> None:

@@ -60,9 +60,17 @@ def test_logprobs_are_the_raw_log_softmax_with_the_best_alternatives() -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [{"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"max_tokens": 0}, {"logprobs": 21},
-           {"stop": [""]}, {"min_tokens": 5, "max_tokens": 2}],
-)  # fmt: skip
+    "kw",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"max_tokens": 0},
+        {"logprobs": 21},
+        {"stop": [""]},
+        {"min_tokens": 5, "max_tokens": 2},
+    ],
+)
 def test_invalid_sampling_params_raise(kw: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)

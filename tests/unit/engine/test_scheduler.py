@@ -91,8 +91,9 @@ def test_budget_splits_prefill_into_chunks_mixed_with_decodes() -> None:
     runner = FakeRunner()
     out = sched.schedule()
     assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
-        ("a", 8, True), ("b", 2, False),
-    ]  # fmt: skip
+        ("a", 8, True),
+        ("b", 2, False),
+    ]
     sched.update_from_output(out, runner.execute(out))
     out = sched.schedule()  # a decodes 1 token, b continues with the remaining budget
     assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 9)]

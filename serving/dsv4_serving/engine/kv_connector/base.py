@@ -1,25 +1,18 @@
-"""The two halves of a KV connector, as vLLM's ``KVConnectorBase_V1`` splits it.
-
-The scheduler side runs inside ``Scheduler`` (pure Python, no I/O): it says which requests
-take their prompt's KV from elsewhere and how much, records where that KV must land once blocks
-are allocated, and decides what a finished request's blocks are for. The worker side owns the
-bytes: it sees the model's cache tensors and moves KV between them and the transfer layer.
-The engine core calls both each step, always between forwards (the cache is never touched
-while the model runs).
-"""
+"""The two interfaces of a KV connector (the story is in this package's ``__init__``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any
 
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
-    KVLoadFailure,
+    KVConnectorStats,
+    KVTransferFailure,
     SaveSpec,
 )
-from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
 from dsv4_serving.engine.request import Request, RequestStatus
 
 
@@ -44,7 +37,7 @@ class KVConnectorScheduler(ABC):
         """Account for loads the worker side finished."""
 
     @abstractmethod
-    def on_load_failed(self, req: Request, failure: KVLoadFailure) -> bool:
+    def on_load_failed(self, req: Request, failure: KVTransferFailure) -> bool:
         """A load failed: True to prefill the request locally instead (the failure policy)."""
 
     @abstractmethod
@@ -73,7 +66,7 @@ class KVConnectorWorker(ABC):
         """Loads finished since the last call; successful ones are already in their blocks."""
 
     @abstractmethod
-    def save_kv(self, saves: list[SaveSpec]) -> dict[str, dict[str, Any] | KVLoadFailure]:
+    def save_kv(self, saves: list[SaveSpec]) -> dict[str, RemotePrefillParams | KVTransferFailure]:
         """Export each request's KV; -> its ``kv_transfer_params`` or why it failed."""
 
     @abstractmethod

@@ -34,10 +34,14 @@ class KVLayout:
         return -(-num_tokens // self.block_size)
 
     def specs(self, n_blocks: int) -> list[BufferSpec]:
-        out = [BufferSpec(name, dtype_name(t.dtype), (n_blocks, *t.shape[1:]), group)
-               for name, group, t in self.paged]  # fmt: skip
-        out += [BufferSpec(name, dtype_name(t.dtype), tuple(t.shape[1:]), group)
-                for name, group, t in self.state]  # fmt: skip
+        out = [
+            BufferSpec(name, dtype_name(t.dtype), (n_blocks, *t.shape[1:]), group)
+            for name, group, t in self.paged
+        ]
+        out += [
+            BufferSpec(name, dtype_name(t.dtype), tuple(t.shape[1:]), group)
+            for name, group, t in self.state
+        ]
         return out
 
     def cache_groups(self, n_blocks: int) -> dict[str, int]:

@@ -1,10 +1,11 @@
-"""What the scheduler side hands the worker side each step, and what comes back (as vLLM's
-``KVConnectorMetadata`` and ``KVConnectorOutput``). Pure data."""
+"""The data the two connector sides and the core exchange (as vLLM's ``KVConnectorMetadata``,
+``KVConnectorOutput`` and ``KVConnectorStats``). Pure data."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 
 
 @dataclass(slots=True)
@@ -12,7 +13,7 @@ class LoadSpec:
     """Pull the KV named by ``params`` into ``block_ids`` / ``state_slot`` of a decode request."""
 
     request_id: str
-    params: dict[str, Any]  # the decode request's kv_transfer_params (RemotePrefillParams)
+    params: RemotePrefillParams
     block_ids: list[int]  # allocated for the whole prompt (+ lookahead)
     state_slot: int
     num_tokens: int  # tokens of KV to import (the prompt's)
@@ -37,8 +38,10 @@ class KVConnectorMetadata:
 
 
 @dataclass(slots=True)
-class KVLoadFailure:
-    reason: str  # auth, timeout, unknown_transfer, connection, incompatible, sidecar, ...
+class KVTransferFailure:
+    """Why a pull (decode) or an export (prefill) failed."""
+
+    reason: str  # auth, timeout, unknown_transfer, connection, incompatible, export_failed, ...
     message: str
 
     @property
@@ -52,6 +55,41 @@ class KVConnectorOutput:
     """Loads that finished since the last step (the KV is in the request's blocks)."""
 
     loaded: list[str] = field(default_factory=list)
-    failed: dict[str, KVLoadFailure] = field(default_factory=dict)
+    failed: dict[str, KVTransferFailure] = field(default_factory=dict)
     pull_seconds: list[float] = field(default_factory=list)
     bytes_pulled: int = 0
+
+
+@dataclass(slots=True)
+class KVConnectorStats:
+    """Counters of the engine's KV transfers, shipped to the front end with the scheduler
+    stats."""
+
+    num_waiting_for_remote_kv: int = 0
+    pulls_ok: int = 0
+    pull_failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    recomputes: int = 0  # failed pulls prefilled locally (policy recompute)
+    exports_ok: int = 0
+    export_failures: int = 0
+    bytes_pulled: int = 0
+    bytes_exported: int = 0
+    # observations since the last take() (histograms)
+    pull_seconds: list[float] = field(default_factory=list)
+    export_seconds: list[float] = field(default_factory=list)
+
+    def take(self) -> KVConnectorStats:
+        """A copy for the front end; the observations move with it (each is sent once)."""
+        out = KVConnectorStats(
+            num_waiting_for_remote_kv=self.num_waiting_for_remote_kv,
+            pulls_ok=self.pulls_ok,
+            pull_failures=dict(self.pull_failures),
+            recomputes=self.recomputes,
+            exports_ok=self.exports_ok,
+            export_failures=self.export_failures,
+            bytes_pulled=self.bytes_pulled,
+            bytes_exported=self.bytes_exported,
+            pull_seconds=self.pull_seconds,
+            export_seconds=self.export_seconds,
+        )
+        self.pull_seconds, self.export_seconds = [], []
+        return out

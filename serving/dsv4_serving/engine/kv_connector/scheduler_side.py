@@ -1,43 +1,37 @@
 """The scheduler side of the sidecar connector: pure bookkeeping, no I/O.
 
-Decode: a request whose ``kv_transfer_params`` say ``do_remote_prefill`` gets blocks for its
-whole prompt (+ MTP lookahead) and a state slot, then waits parked (``WAITING_FOR_REMOTE_KV``,
-skipped by ``schedule()``) while the worker side pulls. It imports every exported token and
-then recomputes the last prompt token, as vLLM does, so its first step produces the logits of
-the first output token exactly as a local prefill's last chunk would.
-
-Prefill: a request with ``do_remote_decode`` keeps its blocks past its finish until the worker
-side copied them into the sidecar's staging region (in the same engine step); the staging copy
-then lives under the sidecar's lease and the engine's blocks are freed at once, so an engine
-never leaks blocks to a decode that does not come.
+A decode imports every exported token and then recomputes the last prompt token, as vLLM does,
+so its first step produces the logits of the first output token exactly as a local prefill's
+last chunk would. A prefill's blocks are freed in the same engine step that exported them: the
+staging copy lives under the sidecar's lease, so an engine never leaks blocks to a decode that
+does not come.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
-    KVLoadFailure,
+    KVConnectorStats,
+    KVTransferFailure,
     LoadSpec,
     SaveSpec,
 )
-from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
 from dsv4_serving.engine.request import Request, RequestStatus
 
 FailurePolicy = Literal["fail", "recompute"]
 
 
 def wants_remote_decode(req: Request) -> bool:
-    p = req.kv_transfer_params
-    return bool(p and p.get("do_remote_decode"))
+    return isinstance(req.kv_transfer_params, PrefillRequestParams)
 
 
 def wants_remote_prefill(req: Request) -> bool:
-    p = req.kv_transfer_params
-    return bool(p and p.get("do_remote_prefill"))
+    return isinstance(req.kv_transfer_params, RemotePrefillParams)
 
 
 class SidecarConnectorScheduler(KVConnectorScheduler):
@@ -55,12 +49,12 @@ class SidecarConnectorScheduler(KVConnectorScheduler):
         return req.num_prompt_tokens - 1
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], slot: int) -> None:
-        assert req.kv_transfer_params is not None
+        params = req.kv_transfer_params
+        assert isinstance(params, RemotePrefillParams)
         self._loading.add(req.request_id)
         self._meta.loads.append(
-            LoadSpec(req.request_id, dict(req.kv_transfer_params), list(block_ids), slot,
-                     req.num_prompt_tokens)
-        )  # fmt: skip
+            LoadSpec(req.request_id, params, list(block_ids), slot, req.num_prompt_tokens)
+        )
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVConnectorMetadata()
@@ -78,7 +72,7 @@ class SidecarConnectorScheduler(KVConnectorScheduler):
             self.stats.pull_failures[f.reason] = self.stats.pull_failures.get(f.reason, 0) + 1
         self.stats.num_waiting_for_remote_kv = len(self._loading)
 
-    def on_load_failed(self, req: Request, failure: KVLoadFailure) -> bool:
+    def on_load_failed(self, req: Request, failure: KVTransferFailure) -> bool:
         if self.failure_policy == "recompute" and not failure.always_fails:
             req.kv_load_failed = True
             self.stats.recomputes += 1
@@ -97,11 +91,11 @@ class SidecarConnectorScheduler(KVConnectorScheduler):
             return False
         if slot is None or not block_ids:
             return False
+        n = req.num_prompt_tokens
+        first = req.all_token_ids[n] if req.num_output_tokens else None
         self._saves.append(
-            SaveSpec(rid, list(block_ids), slot, req.num_prompt_tokens,
-                     req.all_token_ids[: req.num_prompt_tokens],
-                     req.all_token_ids[req.num_prompt_tokens] if req.num_output_tokens else None)
-        )  # fmt: skip
+            SaveSpec(rid, list(block_ids), slot, n, req.all_token_ids[:n], first_token=first)
+        )
         return True
 
     def take_saves(self) -> list[SaveSpec]:

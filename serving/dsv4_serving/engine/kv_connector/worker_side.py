@@ -1,5 +1,4 @@
-"""The worker side of the sidecar connector: KV bytes between the model's cache and the local
-``dsv4 kv-sidecar`` (its control API and its shared-memory staging region).
+"""The worker side of the sidecar connector.
 
 Loads run on one thread per pull (HTTP long-polls of the sidecar, never the engine loop); the
 copy into the cache happens in ``get_finished``, which the engine core calls between forwards.
@@ -19,17 +18,18 @@ from typing import Any
 
 from dsv4_kvtransfer.buffers import LayoutError
 from dsv4_kvtransfer.client import PulledKV, PullFailed, SidecarClient, SidecarError
+from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams
 from dsv4_serving.engine.kv_connector.base import KVConnectorWorker
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible
 from dsv4_serving.engine.kv_connector.kv_layout import KVLayout
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
-    KVLoadFailure,
+    KVConnectorStats,
+    KVTransferFailure,
     LoadSpec,
     SaveSpec,
 )
-from dsv4_serving.engine.kv_connector.stats import KVConnectorStats
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # one long-poll of the sidecar; also how fast a cancelled pull lets go
@@ -56,7 +56,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
         self.pull_timeout_s = pull_timeout_s
         self.layout: KVLayout | None = None
         self._pulls: dict[str, _Pull] = {}
-        self._done: queue.SimpleQueue[tuple[_Pull, str | None, PulledKV | KVLoadFailure]] = (
+        self._done: queue.SimpleQueue[tuple[_Pull, str | None, PulledKV | KVTransferFailure]] = (
             queue.SimpleQueue()
         )
         self._event = threading.Event()
@@ -82,11 +82,13 @@ class SidecarConnectorWorker(KVConnectorWorker):
     def _pull(self, p: _Pull) -> None:
         c = self.client
         pull_id: str | None = None
-        result: PulledKV | KVLoadFailure
+        result: PulledKV | KVTransferFailure
         # the sidecar gives up at pull_timeout_s; this bounds us if it stops answering
         deadline = p.started + self.pull_timeout_s + 5.0
         try:
-            st = c.start_pull_status(p.spec.params, timeout_s=self.pull_timeout_s, wait_s=POLL_S)
+            # the client speaks the wire form: this is the one place the typed params become it
+            params = p.spec.params.to_dict()
+            st = c.start_pull_status(params, timeout_s=self.pull_timeout_s, wait_s=POLL_S)
             pull_id = str(st["pull_id"])
             while True:
                 kv = c.pull_result(st)
@@ -94,24 +96,24 @@ class SidecarConnectorWorker(KVConnectorWorker):
                     result = kv
                     break
                 if p.cancelled.is_set() or self._closed:
-                    result = KVLoadFailure("cancelled", "the request went away")
+                    result = KVTransferFailure("cancelled", "the request went away")
                     break
                 if time.monotonic() > deadline:
-                    result = KVLoadFailure(
+                    result = KVTransferFailure(
                         "timeout", f"KV pull not done after {self.pull_timeout_s:g}s"
                     )
                     break
                 st = c.pull_status(pull_id, wait_s=POLL_S)
         except PullFailed as e:
-            result = KVLoadFailure(e.reason or "unknown", f"KV pull failed ({e.reason}): {e}")
+            result = KVTransferFailure(e.reason or "unknown", f"KV pull failed ({e.reason}): {e}")
             pull_id = None  # the sidecar freed it already
         except SidecarError as e:
             reason = "bad_params" if e.status == 400 else "sidecar"
-            result = KVLoadFailure(reason, f"local KV sidecar: {e}")
+            result = KVTransferFailure(reason, f"local KV sidecar: {e}")
         except Exception as e:  # a bug here must fail the request, not hang it
             log.exception("KV pull of %s", p.spec.request_id)
-            result = KVLoadFailure("internal", f"{type(e).__name__}: {e}")
-        if pull_id is not None and (isinstance(result, KVLoadFailure) or p.cancelled.is_set()):
+            result = KVTransferFailure("internal", f"{type(e).__name__}: {e}")
+        if pull_id is not None and (isinstance(result, KVTransferFailure) or p.cancelled.is_set()):
             self._release(pull_id)
             pull_id = None
         self._done.put((p, pull_id, result))
@@ -135,7 +137,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
                 if pull_id is not None:
                     self._release(pull_id)
                 continue
-            if isinstance(result, KVLoadFailure):
+            if isinstance(result, KVTransferFailure):
                 log.warning("request %s: %s", rid, result.message)
                 out.failed[rid] = result
                 continue
@@ -146,9 +148,9 @@ class SidecarConnectorWorker(KVConnectorWorker):
                 out.pull_seconds.append(time.monotonic() - p.started)
             except KVIncompatible as e:
                 log.error("request %s: %s", rid, e)
-                out.failed[rid] = KVLoadFailure("incompatible", str(e))
+                out.failed[rid] = KVTransferFailure("incompatible", str(e))
             except (SidecarError, LayoutError, KeyError) as e:
-                out.failed[rid] = KVLoadFailure("import", f"KV import failed: {e}")
+                out.failed[rid] = KVTransferFailure("import", f"KV import failed: {e}")
             finally:
                 self._release(pull_id)
         return out
@@ -173,21 +175,21 @@ class SidecarConnectorWorker(KVConnectorWorker):
 
     # ---- prefill: exports ----------------------------------------------------------------
 
-    def save_kv(self, saves: list[SaveSpec]) -> dict[str, dict[str, Any] | KVLoadFailure]:
-        out: dict[str, dict[str, Any] | KVLoadFailure] = {}
+    def save_kv(self, saves: list[SaveSpec]) -> dict[str, RemotePrefillParams | KVTransferFailure]:
+        out: dict[str, RemotePrefillParams | KVTransferFailure] = {}
         for s in saves:
             t0 = time.monotonic()
             try:
                 out[s.request_id] = self._save(s)
                 self.stats.exports_ok += 1
                 self.stats.export_seconds.append(time.monotonic() - t0)
-            except (SidecarError, LayoutError) as e:
+            except (SidecarError, LayoutError, KVParamsError) as e:
                 log.warning("request %s: KV export failed: %s", s.request_id, e)
                 self.stats.export_failures += 1
-                out[s.request_id] = KVLoadFailure("export_failed", f"KV export failed: {e}")
+                out[s.request_id] = KVTransferFailure("export_failed", f"KV export failed: {e}")
         return out
 
-    def _save(self, s: SaveSpec) -> dict[str, Any]:
+    def _save(self, s: SaveSpec) -> RemotePrefillParams:
         assert self.layout is not None
         lay = self.layout
         n = lay.num_blocks(s.num_tokens)
@@ -204,7 +206,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
         )
         try:
             lay.export(self.client, res.buffers, s.block_ids[:n], s.state_slot)
-            params = self.client.commit_export(res.transfer_id)
+            # the sidecar's answer is parsed once, here; the typed params travel on
+            params = RemotePrefillParams.from_dict(self.client.commit_export(res.transfer_id))
         except BaseException:
             with contextlib.suppress(SidecarError):
                 self.client.abort_export(res.transfer_id)

@@ -1,0 +1,81 @@
+"""The messages between the front end (``AsyncLLM``) and the engine-core process, over two
+multiprocessing queues (pickled). One frozen dataclass per kind; each side dispatches with
+``match`` and ``assert_never``, so a kind nobody handles is a type error, not a dropped message.
+(vLLM tags its msgpack frames with an ``EngineCoreRequestType`` enum; pickled dataclasses carry
+their class, which is the tag here.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
+from dsv4_serving.engine.scheduler import SchedulerStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the front end needs to know about the core (sent once, when ready)."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    num_kv_blocks: int
+    num_speculative_tokens: int
+    architecture: str
+    kv_dtype: str = "float32"
+
+
+# ---- front end -> core ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request: EngineCoreRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+ToCore = AddRequest | AbortRequests | Shutdown
+
+
+# ---- core -> front end ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """One step's outputs (possibly none) and the scheduler's stats after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The core refused a request (e.g. a duplicate id); the front end fails it."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """The core could not start, or stopped: every request fails with ``message``."""
+
+    message: str
+
+
+FromCore = Ready | Outputs | Rejected | CoreFailed
