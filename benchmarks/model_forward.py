@@ -47,8 +47,9 @@ def bench(preset: str, batch: int, prompt: int, steps: int, reps: int) -> dict[s
     config = preset_config(preset)
     ours = _ours(config)
     ref = transformers_reference(config, ours)
-    ids = torch.randint(0, config["vocab_size"], (batch, prompt + steps),
-                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    ids = torch.randint(
+        0, config["vocab_size"], (batch, prompt + steps), generator=torch.Generator().manual_seed(0)
+    )
     nb = -(-(prompt + steps) // BLOCK)
     blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
 
@@ -101,8 +102,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU float32, prompt {args.prompt} tokens, {args.decode_steps} decode steps, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"CPU float32, prompt {args.prompt} tokens, {args.decode_steps} decode steps, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     head = (
         f"{'model':<11} {'batch':>5} | {'prefill tok/s ours':>18} {'transformers':>12} "
         f"{'ratio':>6} | {'decode ms ours':>14} {'transformers':>12} {'ratio':>6}"
