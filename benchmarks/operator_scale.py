@@ -1,5 +1,6 @@
 """Operator benchmark: time from `kubectl apply` to every child created and to Ready, for 1 and
-for N DeepSeekV4Deployments at once, and the operator's memory.
+for N DeepSeekV4Deployments at once, the operator's memory, and the Kubernetes API requests one
+sync of an unchanged deployment makes, by verb (the goal: reads only).
 
 Runs everything for real on this machine: the local control plane (etcd, kube-apiserver,
 controller manager, scheduler, kwok fake Ascend nodes), `helm install` of charts/dsv4, and the
@@ -23,14 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4_common.process import metric_value
+from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster
+from dsv4_operator.devcluster.binaries import ensure_binaries
+from dsv4_operator.devcluster.operator_process import OperatorService
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.k8s.conftest import RELEASE_NAMESPACE, service_account_kubeconfig  # noqa: E402
-from tests.k8s.operator_fixtures import OperatorProcess  # noqa: E402
-
-from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster  # noqa: E402
-from dsv4_operator.devcluster.binaries import ensure_binaries  # noqa: E402
+RELEASE_NAMESPACE = "dsv4-system"
+VERBS = ("get", "list", "apply", "delete", "patch_status", "create")
 
 KINDS = "statefulsets,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies"
 CHILDREN_PER_CR = 15  # what the tiny CPU example owns (see tests/k8s/test_operator.py)
@@ -73,6 +74,44 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+def _requests(op: OperatorService) -> dict[str, float]:
+    text = op.metrics_text()
+    out = {v: metric_value(text, "dsv4_operator_api_requests_total", verb=v) for v in VERBS}
+    out["syncs"] = metric_value(text, "dsv4_operator_syncs_total")
+    return out
+
+
+def _quiet(op: OperatorService, settle_s: float = 2.0, timeout_s: float = 60.0) -> dict[str, float]:
+    """The request counters once they have not moved for ``settle_s``."""
+    last, since = _requests(op), time.monotonic()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _requests(op)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            return now
+    return last
+
+
+def requests_of_one_sync(
+    cluster: LocalCluster, op: OperatorService, ns: str, name: str
+) -> dict[str, float]:
+    """Touch an annotation of a Ready deployment (no spec change: its sync has nothing to do) and
+    count the operator's API requests per sync that follows, by verb."""
+    before = _quiet(op)
+    cluster.kubectl("annotate", "dsv4", name, "-n", ns, f"bench/poke={time.time()}", "--overwrite")
+    deadline = time.monotonic() + 30
+    while _requests(op)["syncs"] <= before["syncs"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = _quiet(op)
+    syncs = max(1.0, after["syncs"] - before["syncs"])
+    return {v: (after[v] - before[v]) / syncs for v in VERBS} | {
+        "syncs": after["syncs"] - before["syncs"]
+    }
+
+
 def run_round(cluster: LocalCluster, n: int, ns: str, timeout_s: float) -> dict[str, Any]:
     cluster.kubectl("create", "namespace", ns)
     names = [f"b{i}" for i in range(n)]
@@ -109,7 +148,6 @@ def run_round(cluster: LocalCluster, n: int, ns: str, timeout_s: float) -> dict[
                 ready[x] = now
         time.sleep(0.2)
     wall = time.monotonic() - t0
-    cluster.kubectl("delete", "namespace", ns, "--wait=false")
     return {"n": n, "created": list(created.values()), "ready": list(ready.values()), "wall": wall}
 
 
@@ -153,22 +191,27 @@ def main() -> int:
         cluster.kubectl(
             "wait", "--for=condition=Established", "crd/deepseekv4deployments.serving.dsv4.io"
         )
-        op = OperatorProcess(
-            service_account_kubeconfig(cluster, RELEASE_NAMESPACE, "dsv4-operator"), cluster.log_dir
-        ).start()
+        op = OperatorService(
+            cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator"), cluster.log_dir
+        ).launch()
+        one_sync: dict[str, float] = {}
         try:
-            assert op.proc.pid is not None
-            idle_rss, _ = _rss_mb(op.proc.pid)
+            assert op.pid is not None
+            idle_rss, _ = _rss_mb(op.pid)
             for i, n in enumerate(args.counts):
-                r = run_round(cluster, n, f"bench-{i}", args.timeout)
-                r["rss_mb"], r["peak_rss_mb"] = _rss_mb(op.proc.pid)
+                ns = f"bench-{i}"
+                r = run_round(cluster, n, ns, args.timeout)
+                if not one_sync and r["ready"]:
+                    one_sync = requests_of_one_sync(cluster, op, ns, "b0")
+                cluster.kubectl("delete", "namespace", ns, "--wait=false")
+                r["rss_mb"], r["peak_rss_mb"] = _rss_mb(op.pid)
                 r["idle_rss_mb"] = idle_rss
                 results.append(r)
         finally:
             op.stop()
 
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({"rounds": results, "one_unchanged_sync": one_sync}, indent=2))
         return 0
     print(
         f"\nOperator scale benchmark ({os.cpu_count()} CPUs, {args.nodes} kwok nodes, tiny CPU CRs of {CHILDREN_PER_CR} children)\n"
@@ -184,6 +227,13 @@ def main() -> int:
             f"{len(rd):>4}/{r['n']:<4} | {r['rss_mb']:>7.0f} {r['peak_rss_mb']:>6.0f}"
         )
     print(f"\noperator RSS when idle: {results[0]['idle_rss_mb']:.0f} MB" if results else "")
+    if one_sync:
+        calls = ", ".join(f"{v} {one_sync[v]:g}" for v in VERBS)
+        writes = sum(one_sync[v] for v in VERBS if v not in ("get", "list"))
+        print(
+            f"API requests of one sync of an unchanged deployment ({one_sync['syncs']:g} syncs "
+            f"seen): {calls}; writes: {writes:g}"
+        )
     if results and statistics.mean(len(r["ready"]) / r["n"] for r in results) < 1:
         print("some CRs did not reach Ready within --timeout")
         return 1

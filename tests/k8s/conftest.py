@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import uuid
@@ -76,36 +75,17 @@ def dsv4_crd(helm_release):  # type: ignore[no-untyped-def]
     return crd()
 
 
-def service_account_kubeconfig(cluster: Any, namespace: str, account: str) -> Path:
-    """A kubeconfig that authenticates as a ServiceAccount (a real token from the TokenRequest API)."""
-    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=2h").strip()
-    admin = json.loads(Path(cluster.kubeconfig).read_text())
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": admin["clusters"],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [
-            {"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": account}}
-        ],
-        "current-context": "sa",
-    }
-    path = Path(cluster.work_dir) / f"sa-{namespace}-{account}.kubeconfig"
-    path.write_text(json.dumps(cfg))
-    return path
-
-
 @pytest.fixture(scope="session")
 def operator_kubeconfig(k8s_cluster, helm_release) -> Path:  # type: ignore[no-untyped-def]
     """Credentials of the chart's operator ServiceAccount: the operator runs with exactly its RBAC."""
-    return service_account_kubeconfig(k8s_cluster, RELEASE_NAMESPACE, "dsv4-operator")
+    return k8s_cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator")
 
 
 @pytest.fixture(scope="module")
 def operator(k8s_cluster, operator_kubeconfig):  # type: ignore[no-untyped-def]
     """A running `dsv4 operator` process with the chart's RBAC and peering, stopped after the module."""
-    from tests.k8s.operator_fixtures import OperatorProcess
+    from dsv4_operator.devcluster.operator_process import OperatorService
 
-    proc = OperatorProcess(operator_kubeconfig, k8s_cluster.log_dir).start()
+    proc = OperatorService(operator_kubeconfig, k8s_cluster.log_dir).launch()
     yield proc
     proc.stop()

@@ -111,6 +111,33 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("name starting with a digit", _named("4v"), "metadata.name must be a DNS label"),
     ("name too long", _named("v" * 41), "at most 40 characters"),
     ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),
+    # no knob without behaviour: accepted only at their defaults until something acts on them
+    (
+        "autoscaling enabled",
+        _cr(autoscaling={"enabled": True}),
+        "autoscaling.enabled is not supported yet (no controller scales instances)",
+    ),
+    (
+        "EPLB enabled",
+        _cr(features={"eplb": {"enabled": True}}),
+        "features.eplb is not supported yet (the engine does not balance experts)",
+    ),
+    (
+        "EPLB redundant experts",
+        _cr(features={"eplb": {"redundantExperts": 16}}),
+        "features.eplb is not supported yet",
+    ),
+    (
+        "MLAPO off",
+        _cr(features={"mlapo": False}),
+        "features.mlapo is not supported yet",
+    ),
+    ("C8 on", _cr(features={"c8": "on"}), "features.c8 is not supported yet"),
+    (
+        "quantized checkpoint",
+        _cr(model={"path": "/data/v4", "servedName": "v4", "quantization": "fp8"}),
+        "model.quantization is not supported yet (the engine loads unquantized checkpoints only)",
+    ),
 ]
 
 
@@ -121,6 +148,16 @@ def test_invalid_deployment_is_rejected(
     res = _apply(k8s_control_plane, copy.deepcopy(obj))
     assert res.returncode != 0, f"{case}: accepted"
     assert message in res.stderr, res.stderr
+
+
+def test_knobs_at_their_defaults_are_accepted(k8s_control_plane, dsv4_crd) -> None:
+    cr = _cr(
+        autoscaling={"enabled": False, "decode": {"min": 1, "max": 8}},
+        features={"eplb": {"enabled": False}, "mlapo": True, "c8": "auto"},
+        model={"path": "/data/v4", "servedName": "v4", "quantization": "none"},
+    )
+    res = _apply(k8s_control_plane, cr)
+    assert res.returncode == 0, res.stderr
 
 
 def test_valid_examples_are_accepted(k8s_control_plane, dsv4_crd) -> None:

@@ -12,7 +12,6 @@ from dsv4_operator.api.spec import parse
 from dsv4_operator.reconcile.gateway import gateway_objects
 from tests.gateway.conftest import gateway
 from tests.helpers import wait_for
-from tests.k8s.conftest import service_account_kubeconfig
 
 
 def _slice(name: str, role: str, endpoints: list[tuple[str, str, bool]]) -> dict[str, Any]:
@@ -60,7 +59,7 @@ def test_gateway_watches_endpointslices(k8s_control_plane, namespace) -> None:
         if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
             obj["metadata"].pop("ownerReferences")
             cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
-    kubeconfig = service_account_kubeconfig(cluster, ns, "demo-gateway")
+    kubeconfig = cluster.service_account_kubeconfig(ns, "demo-gateway")
 
     def apply(obj: dict[str, Any]) -> None:
         cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))

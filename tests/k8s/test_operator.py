@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import wait_for
-from tests.k8s.operator_fixtures import OperatorProcess, apply_yaml, kubectl_json
+from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
 CHILD_KINDS = "statefulsets,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies"
@@ -40,139 +44,159 @@ def _phase_is(cluster: Any, ns: str, name: str, phase: str) -> dict[str, Any] | 
     return st if st.get("phase") == phase else None
 
 
-def test_tiny_example_lifecycle(
-    k8s_cluster, operator: OperatorProcess, operator_kubeconfig, namespace: str
-) -> None:
-    cluster, ns = k8s_cluster, namespace
-    apply_yaml(cluster, (EXAMPLES / "tiny-cpu.yaml").read_text(), ns)
+@pytest.fixture(scope="module")
+def tiny(k8s_cluster: Any, operator: OperatorService) -> Iterator[tuple[Any, str]]:
+    """manifests/examples/tiny-cpu.yaml applied once, in a namespace of its own; the tests below
+    run in file order, each checking one behaviour of the same deployment."""
+    ns = f"tiny-{uuid.uuid4().hex[:8]}"
+    k8s_cluster.kubectl("create", "namespace", ns)
+    apply_yaml(k8s_cluster, (EXAMPLES / "tiny-cpu.yaml").read_text(), ns)
+    yield k8s_cluster, ns
+    k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
-    expected = {
-        "StatefulSet/tiny-prefill-0",
-        "StatefulSet/tiny-decode-0",
-        "Deployment/tiny-gateway",
-        "Service/tiny-prefill",
-        "Service/tiny-decode",
-        "Service/tiny-gateway",
-        "ConfigMap/tiny-engine",
-        "Secret/tiny-kv-auth",
-        "ServiceAccount/tiny-gateway",
-        "Role/tiny-gateway",
-        "RoleBinding/tiny-gateway",
-        "PodDisruptionBudget/tiny-prefill",
-        "PodDisruptionBudget/tiny-decode",
-        "NetworkPolicy/tiny-gateway",
-        "NetworkPolicy/tiny-engines",
-    }
-    wait_for("every child", lambda: expected <= set(_children(cluster, ns, "tiny")), timeout_s=60)
+
+TINY_CHILDREN = {
+    "StatefulSet/tiny-prefill-0",
+    "StatefulSet/tiny-decode-0",
+    "Deployment/tiny-gateway",
+    "Service/tiny-prefill",
+    "Service/tiny-decode",
+    "Service/tiny-gateway",
+    "ConfigMap/tiny-engine",
+    "Secret/tiny-kv-auth",
+    "ServiceAccount/tiny-gateway",
+    "Role/tiny-gateway",
+    "RoleBinding/tiny-gateway",
+    "PodDisruptionBudget/tiny-prefill",
+    "PodDisruptionBudget/tiny-decode",
+    "NetworkPolicy/tiny-gateway",
+    "NetworkPolicy/tiny-engines",
+}
+
+
+def _patch(cluster: Any, ns: str, spec: dict[str, Any]) -> None:
+    cluster.kubectl(
+        "patch", "dsv4", "tiny", "-n", ns, "--type=merge", "-p", json.dumps({"spec": spec})
+    )
+
+
+def _ready_with(cluster: Any, ns: str, prefill: str) -> bool:
+    st = _status(cluster, ns, "tiny")
+    return st.get("prefill", {}).get("summary") == prefill and st.get("phase") == "Ready"
+
+
+def test_tiny_example_creates_every_child(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
+    wait_for(
+        "every child", lambda: set(_children(cluster, ns, "tiny")) >= TINY_CHILDREN, timeout_s=60
+    )
+    assert set(_children(cluster, ns, "tiny")) == TINY_CHILDREN
+
+
+def test_tiny_example_becomes_ready_with_its_printer_columns(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
     st = wait_for("phase Ready", lambda: _phase_is(cluster, ns, "tiny", "Ready"), timeout_s=120)
     assert st["prefill"]["summary"] == "1/1" and st["decode"]["summary"] == "1/1"
     assert st["observedGeneration"] == 1
-    pods = kubectl_json(cluster, "get", "pods", "-n", ns, "-l", "serving.dsv4.io/role=prefill")[
-        "items"
-    ]
-    assert [p["status"]["phase"] for p in pods] == ["Running"]
-    assert [c["name"] for c in pods[0]["spec"]["containers"]] == ["engine", "kv-sidecar"]
-    table = cluster.kubectl("get", "dsv4", "-n", ns)
-    assert "PREFILL" in table and "DECODE" in table and "Ready" in table
-    row = table.splitlines()[1].split()
-    assert row[:4] == ["tiny", "1/1", "1/1", "Ready"]
+    pods = kubectl_json(cluster, "get", "pods", "-n", ns, "-l", "serving.dsv4.io/role=prefill")
+    assert [p["status"]["phase"] for p in pods["items"]] == ["Running"]
+    assert [c["name"] for c in pods["items"][0]["spec"]["containers"]] == ["engine", "kv-sidecar"]
+    table = cluster.kubectl("get", "dsv4", "-n", ns).splitlines()
+    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "PHASE", "AGE"]
+    assert table[1].split()[:4] == ["tiny", "1/1", "1/1", "Ready"]
 
-    # scale prefill: a second instance appears and becomes ready
-    cluster.kubectl(
-        "patch",
-        "dsv4",
-        "tiny",
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        '{"spec":{"prefill":{"instances":2}}}',
-    )
+
+def test_scaling_up_adds_an_instance_that_becomes_ready(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
+    _patch(cluster, ns, {"prefill": {"instances": 2}})
     wait_for(
         "StatefulSet tiny-prefill-1",
         lambda: "StatefulSet/tiny-prefill-1" in _children(cluster, ns, "tiny"),
     )
-    wait_for(
-        "prefill 2/2",
-        lambda: (
-            _status(cluster, ns, "tiny").get("prefill", {}).get("summary") == "2/2"
-            and _status(cluster, ns, "tiny").get("phase") == "Ready"
-        ),
-        timeout_s=120,
-    )
-    # and back down: the extra StatefulSet is pruned
-    cluster.kubectl(
-        "patch",
-        "dsv4",
-        "tiny",
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        '{"spec":{"prefill":{"instances":1}}}',
-    )
+    wait_for("prefill 2/2 and Ready", lambda: _ready_with(cluster, ns, "2/2"), timeout_s=120)
+
+
+def test_scaling_down_prunes_the_extra_instance(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
+    _patch(cluster, ns, {"prefill": {"instances": 1}})
     wait_for(
         "tiny-prefill-1 pruned",
         lambda: "StatefulSet/tiny-prefill-1" not in _children(cluster, ns, "tiny"),
     )
+    wait_for("prefill 1/1 and Ready", lambda: _ready_with(cluster, ns, "1/1"), timeout_s=120)
 
-    # drift: hand edits are reverted, deleted children come back
+
+def test_a_hand_edit_of_a_child_is_reverted(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
     cluster.kubectl("scale", "statefulset/tiny-decode-0", "-n", ns, "--replicas=3")
-    cluster.kubectl("delete", "configmap", "tiny-engine", "-n", ns)
     wait_for(
         "decode replicas reverted to 1",
         lambda: (
             kubectl_json(cluster, "get", "sts", "tiny-decode-0", "-n", ns)["spec"]["replicas"] == 1
         ),
     )
+
+
+def test_a_deleted_child_is_recreated(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
+    cluster.kubectl("delete", "configmap", "tiny-engine", "-n", ns)
     wait_for(
         "engine ConfigMap recreated",
         lambda: "ConfigMap/tiny-engine" in _children(cluster, ns, "tiny"),
     )
     wait_for("Ready again", lambda: _phase_is(cluster, ns, "tiny", "Ready"), timeout_s=120)
 
-    # events say what the operator did
+
+def test_events_say_what_the_operator_did(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
     events = kubectl_json(
         cluster, "get", "events", "-n", ns, "--field-selector", "involvedObject.name=tiny"
     )["items"]
-    reasons = {e["reason"] for e in events}
-    assert {"Created", "Ready"} <= reasons
+    messages = {e["reason"]: e["message"] for e in events}
+    assert {"Created", "Deleted", "Ready"} <= set(messages)
+    assert "deleted StatefulSet tiny-prefill-1" in [
+        e["message"] for e in events if e["reason"] == "Deleted"
+    ]
 
-    # a restart changes nothing
+
+def test_a_restarted_operator_changes_nothing(
+    tiny: tuple[Any, str], operator: OperatorService, operator_kubeconfig: Path
+) -> None:
+    cluster, ns = tiny
+    wait_for("Ready", lambda: _phase_is(cluster, ns, "tiny", "Ready"), timeout_s=120)
     time.sleep(2)
     before = {
         k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, ns, "tiny").items()
     }
-    cr_before = kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"][
-        "resourceVersion"
-    ]
+    cr_before = kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"]
     operator.stop()
-    restarted = OperatorProcess(operator_kubeconfig, cluster.log_dir).start()
+    restarted = OperatorService(operator_kubeconfig, cluster.log_dir).launch()
     try:
         wait_for(
             "the restarted operator to sync",
-            lambda: restarted.metric("dsv4_operator_syncs_total") >= 1,
+            lambda: restarted.metric("dsv4_operator_syncs_total", result="ok") >= 1,
         )
         time.sleep(3)
         after = {
             k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, ns, "tiny").items()
         }
         assert after == before
-        assert (
-            kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"]["resourceVersion"]
-            == cr_before
-        )
-
-        # deleting the CR removes every child
-        cluster.kubectl("delete", "dsv4", "tiny", "-n", ns, "--wait=true", "--timeout=60s")
-        wait_for(
-            "every child garbage-collected",
-            lambda: not _children(cluster, ns, "tiny"),
-            timeout_s=60,
-        )
+        cr_after = kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"]
+        assert cr_after["resourceVersion"] == cr_before["resourceVersion"]
+        # not even a no-op write: every live child already holds what would be applied
+        for verb in ("apply", "delete", "patch_status", "create"):
+            assert restarted.metric("dsv4_operator_api_requests_total", verb=verb) == 0, verb
     finally:
         restarted.stop()
-        operator.start()  # leave the module's operator running for the next test
+        operator.launch()  # leave the module's operator running for the next tests
+
+
+def test_deleting_the_deployment_collects_every_child(tiny: tuple[Any, str]) -> None:
+    cluster, ns = tiny
+    cluster.kubectl("delete", "dsv4", "tiny", "-n", ns, "--wait=true", "--timeout=60s")
+    wait_for(
+        "every child garbage-collected", lambda: not _children(cluster, ns, "tiny"), timeout_s=60
+    )
 
 
 def test_npu_pods_are_scheduled_and_rank_table_completes(k8s_cluster, operator, namespace) -> None:
@@ -257,9 +281,9 @@ def test_two_replicas_elect_one_active(
     k8s_cluster, operator, operator_kubeconfig, namespace
 ) -> None:
     cluster, ns = k8s_cluster, namespace
-    high = OperatorProcess(
-        operator_kubeconfig, cluster.log_dir, extra=["--priority", "100"]
-    ).start()
+    high = OperatorService(
+        operator_kubeconfig, cluster.log_dir, extra=("--priority", "100")
+    ).launch()
     try:
         wait_for(
             "the low-priority replica to pause",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.ports import KV_PORT, SIDECAR_CONTROL_OFFSET, SIDECAR_METRICS_OFFSET
 from dsv4_operator.api import (
     DEFAULT_NPU_RESOURCE,
     GROUP,
@@ -34,6 +35,12 @@ from dsv4_operator.api.schema import (
 DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
 DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (no torch)
 MAX_NAME = 40  # children append "-prefill-NN-ranktable"; pod names must stay DNS labels (63)
+
+
+def _not_yet(field: str, why: str, fix: str) -> str:
+    """The message of a rule that keeps a field at its default until something acts on it."""
+    return f"{field} is not supported yet ({why}); {fix}"
+
 
 _NAME_RULE = (
     f"self.metadata.name.size() <= {MAX_NAME} && "
@@ -79,7 +86,7 @@ def _model() -> Schema:
                 enum=["auto", "bfloat16", "float16", "float32"],
             ),
             "quantization": string(
-                "Weight format of the checkpoint; quantized formats are dequantized or run natively.",
+                "Weight format of the checkpoint. Only none is supported yet.",
                 default="none",
                 enum=["none", "fp8", "fp4", "w8a8"],
             ),
@@ -93,7 +100,15 @@ def _model() -> Schema:
             (
                 "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.preset) ? 1 : 0) == 1",
                 "model: set exactly one of path, pvc or preset",
-            )
+            ),
+            (
+                "self.quantization == 'none'",
+                _not_yet(
+                    "model.quantization",
+                    "the engine loads unquantized checkpoints only",
+                    "use none",
+                ),
+            ),
         ],
         description="What to serve and where the weights are.",
     )
@@ -194,8 +209,9 @@ def _kv_transfer() -> Schema:
                 enum=["hccl", "tcp", "rdma"],
             ),
             "port": integer(
-                "KV sidecar port (its control API uses port+1 on 127.0.0.1, its metrics port+2).",
-                default=14579,
+                f"KV sidecar port (its control API uses port+{SIDECAR_CONTROL_OFFSET} on "
+                f"127.0.0.1, its metrics port+{SIDECAR_METRICS_OFFSET}).",
+                default=KV_PORT,
                 minimum=1024,
                 maximum=65533,
             ),
@@ -272,12 +288,25 @@ def _bounds(role: str) -> Schema:
 def _autoscaling() -> Schema:
     return obj(
         {
-            "enabled": boolean("Scale prefill on TTFT and decode on TPOT.", default=False),
+            "enabled": boolean(
+                "Scale prefill on TTFT and decode on TPOT. Not supported yet: must be false.",
+                default=False,
+            ),
             "ttftSeconds": number("TTFT objective (p90, seconds).", default=2.0, minimum=0.001),
             "tpotSeconds": number("TPOT objective (p90, seconds).", default=0.05, minimum=0.0001),
             "prefill": _bounds("prefill"),
             "decode": _bounds("decode"),
         },
+        rules=[
+            (
+                "!self.enabled",
+                _not_yet(
+                    "autoscaling.enabled",
+                    "no controller scales instances",
+                    "set it to false and size prefill/decode instances by hand",
+                ),
+            )
+        ],
         default={},
     )
 
@@ -319,11 +348,26 @@ def _features() -> Schema:
                         "Steps between expert re-placements.", default=600, minimum=1
                     ),
                 },
+                rules=[
+                    (
+                        "!self.enabled && self.redundantExperts == 0 && self.intervalSteps == 600",
+                        _not_yet(
+                            "features.eplb",
+                            "the engine does not balance experts",
+                            "remove it or leave its defaults",
+                        ),
+                    )
+                ],
                 default={},
+                description="Expert-parallel load balancing. Not supported yet: defaults only.",
             ),
-            "mlapo": boolean("Fused MLA preprocessing kernels (on Ascend).", default=True),
+            "mlapo": boolean(
+                "Fused MLA preprocessing kernels (on Ascend). Not supported yet: must be true "
+                "(the default).",
+                default=True,
+            ),
             "c8": string(
-                "8-bit KV block mode for sparse attention; auto follows the model.",
+                "8-bit KV block mode for sparse attention. Not supported yet: must be auto.",
                 default="auto",
                 enum=["auto", "on", "off"],
             ),
@@ -340,6 +384,18 @@ def _features() -> Schema:
             ),
             "privileged": boolean("Run engine containers privileged (opt-in).", default=False),
         },
+        rules=[
+            (
+                "self.mlapo",
+                _not_yet(
+                    "features.mlapo", "the engine has no switch for it", "remove it or set true"
+                ),
+            ),
+            (
+                "self.c8 == 'auto'",
+                _not_yet("features.c8", "the engine has no switch for it", "remove it or set auto"),
+            ),
+        ],
         default={},
     )
 
@@ -420,12 +476,6 @@ def status_schema() -> Schema:
                     "ready": integer("Ready gateway replicas."),
                 }
             ),
-            "metrics": obj(
-                {
-                    "ttft": string("Observed p90 time to first token."),
-                    "tpot": string("Observed p90 time per output token."),
-                }
-            ),
             "conditions": {
                 "type": "array",
                 "items": condition,
@@ -452,18 +502,6 @@ def printer_columns() -> list[dict[str, Any]]:
             "description": "ready/desired decode instances",
         },
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {
-            "name": "TTFT",
-            "type": "string",
-            "jsonPath": ".status.metrics.ttft",
-            "description": "p90 time to first token",
-        },
-        {
-            "name": "TPOT",
-            "type": "string",
-            "jsonPath": ".status.metrics.tpot",
-            "description": "p90 time per output token",
-        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

@@ -165,6 +165,28 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed: {res.stderr.strip()}")
         return res.stdout
 
+    def service_account_kubeconfig(self, namespace: str, account: str) -> Path:
+        """A kubeconfig that authenticates as a ServiceAccount (a real token from the TokenRequest
+        API), so a process run with it has exactly that account's RBAC."""
+        token = self.kubectl("create", "token", account, "-n", namespace, "--duration=2h").strip()
+        admin = json.loads(self.kubeconfig.read_text())
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": admin["clusters"],
+            "users": [{"name": account, "user": {"token": token}}],
+            "contexts": [
+                {
+                    "name": "sa",
+                    "context": {"cluster": admin["clusters"][0]["name"], "user": account},
+                }
+            ],
+            "current-context": "sa",
+        }
+        path = self.work_dir / f"sa-{namespace}-{account}.kubeconfig"
+        path.write_text(json.dumps(cfg))
+        return path
+
     def _kubectl_ok(self, *args: str) -> bool:
         return bool(self.kubectl(*args, check=False))
 
