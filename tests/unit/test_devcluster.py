@@ -63,3 +63,25 @@ def test_missing_binaries_are_named(tmp_path: Path) -> None:
     (tmp_path / "etcd").touch()
     with pytest.raises(ClusterError, match="kube-apiserver, kubectl"):
         ClusterConfig(bin_dir=tmp_path, work_dir=tmp_path / "w")
+
+
+def test_operator_service_checks_kopf_liveness_and_reads_its_own_metrics(tmp_path: Path) -> None:
+    from dsv4_operator.devcluster.operator_process import OperatorService
+
+    op = OperatorService(tmp_path / "sa.kubeconfig", tmp_path, extra=("--priority", "100"))
+    assert op.argv[1:] == [
+        "-m",
+        "dsv4_common.cli",
+        "operator",
+        "--kubeconfig",
+        str(tmp_path / "sa.kubeconfig"),
+        "--health-port",
+        str(op.health_port),
+        "--metrics-port",
+        str(op.metrics_port),
+        "--priority",
+        "100",
+    ]
+    assert op.health_url == f"http://127.0.0.1:{op.health_port}/healthz"
+    assert op.url == f"http://127.0.0.1:{op.metrics_port}"
+    assert op.log_path.parent == tmp_path
