@@ -21,24 +21,10 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dsv4_common.process import Service, dsv4_argv, free_port
+from dsv4_serving.bench.vllm_router import ROUTER_VERSION, ensure_vllm_router, router_argv
 
-from tests.gateway.vllm_router import ROUTER_VERSION, ensure_vllm_router  # noqa: E402
-
-from dsv4_common.process import ManagedProcess, free_port  # noqa: E402
-
-
-def wait_http(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
+STUB = Path(__file__).resolve().parent / "upstream_stub.py"
 
 
 BODY = {"model": "stub", "prompt": "hello " * 32, "max_tokens": 16, "temperature": 0}
@@ -129,73 +115,40 @@ def main() -> int:
         p.error("--requests must be >= 10, --concurrency and --rounds >= 1")
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv4-gw-bench-{os.getpid()}"
-    procs: list[ManagedProcess] = []
+    services: list[Service] = []
 
-    def spawn(name: str, argv: list[str]) -> None:
-        proc = ManagedProcess(name, argv, logs / f"{name}.log")
-        proc.start()
-        procs.append(proc)
+    def start(name: str, argv: list[str], port: int) -> str:
+        service = Service(name, argv, logs / f"{name}.log", f"http://127.0.0.1:{port}")
+        services.append(service)
+        service.start()
+        return service.url
 
     try:
         ports = {name: free_port() for name in ("p0", "p1", "d0", "d1", "gateway", "router")}
-        for name in ("p0", "p1", "d0", "d1"):
-            spawn(
-                name,
-                [
-                    sys.executable,
-                    str(REPO / "benchmarks" / "upstream_stub.py"),
-                    "--port",
-                    str(ports[name]),
-                ],
-            )
-        prefills = [f"http://127.0.0.1:{ports[n]}" for n in ("p0", "p1")]
-        decodes = [f"http://127.0.0.1:{ports[n]}" for n in ("d0", "d1")]
-        for url in prefills + decodes:
-            wait_http(f"{url}/health")
-        # both routers take the same flags for their upstreams
+        stubs = {
+            name: start(name, [sys.executable, str(STUB), "--port", str(ports[name])], ports[name])
+            for name in ("p0", "p1", "d0", "d1")
+        }
+        prefills, decodes = [stubs["p0"], stubs["p1"]], [stubs["d0"], stubs["d1"]]
         upstreams = [
             *(a for u in prefills for a in ("--prefill", u)),
             *(a for u in decodes for a in ("--decode", u)),
         ]
-        spawn(
-            "gateway",
-            [
-                sys.executable,
-                "-m",
-                "dsv4_common.cli",
-                "gateway",
-                "--port",
-                str(ports["gateway"]),
-                "--log-level",
-                "warning",
-                *upstreams,
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{ports['gateway']}/health")
+        gw_argv = dsv4_argv("gateway", "--port", str(ports["gateway"]), "--log-level", "warning")
+        gateway_url = start("gateway", [*gw_argv, *upstreams], ports["gateway"])
         router = ensure_vllm_router()
+        router_url = None
         if router:
-            spawn(
-                "vllm-router",
-                [
-                    str(router),
-                    "--vllm-pd-disaggregation",
-                    *upstreams,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(ports["router"]),
-                ],
-            )
-            wait_http(f"http://127.0.0.1:{ports['router']}/health")
+            argv = router_argv(router, prefills, decodes, ports["router"])
+            router_url = start("vllm-router", argv, ports["router"])
+        for service in services:
+            service.wait_ready(60)
         paths: dict[str, tuple[Any, str]] = {
             "direct (client does P then D)": (direct(prefills, decodes), ""),
-            "dsv4 gateway": (via_router, f"http://127.0.0.1:{ports['gateway']}"),
+            "dsv4 gateway": (via_router, gateway_url),
         }
-        if router:
-            paths[f"vllm-router {ROUTER_VERSION}"] = (
-                via_router,
-                f"http://127.0.0.1:{ports['router']}",
-            )
+        if router_url:
+            paths[f"vllm-router {ROUTER_VERSION}"] = (via_router, router_url)
         # interleave the paths round by round and keep the median: this machine's noise (other
         # processes, 2 cores) moves single runs by more than the differences being measured
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
@@ -210,8 +163,8 @@ def main() -> int:
             for name, rs in runs.items()
         }
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        for service in reversed(services):
+            service.stop()
 
     base = rows["direct (client does P then D)"]
     if args.json:

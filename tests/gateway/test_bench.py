@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.gateway.conftest import gateway
+from dsv4_common.process import dsv4_argv
+from tests.gateway.conftest import gateway, running
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsv4_common.cli", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return subprocess.run(dsv4_argv("bench", *args), capture_output=True, text=True, timeout=300)
 
 
 def test_bench_reports_latency_and_throughput(two_engines, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     a, b = two_engines
-    g = gateway("gateway-bench", "--engine", a.url, "--engine", b.url).start()
-    try:
+    with running(gateway("gateway-bench", "--engine", a.url, "--engine", b.url)) as (g,):
         res = _bench(
             "--url",
             g.url,
@@ -69,8 +63,6 @@ def test_bench_reports_latency_and_throughput(two_engines, tmp_path: Path) -> No
         )
         assert res.returncode == 0, res.stderr
         assert "5/5 completed" in res.stdout and "TTFT" in res.stdout and "TPOT" in res.stdout
-    finally:
-        g.stop()
 
 
 def test_bench_flag_errors() -> None:

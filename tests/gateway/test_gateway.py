@@ -4,14 +4,17 @@ bad input, limits and auth. PD orchestration through the gateway is in test_gate
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Service, engine, gateway, routed_counts, running
+from dsv4_common.process import Service, dsv4_argv
+from tests.gateway.conftest import engine, gateway, routed_counts, running
 
 PROMPTS = [
     "hello world",
@@ -24,9 +27,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def gw(two_engines):  # type: ignore[no-untyped-def]
     a, b = two_engines
-    g = gateway("gateway", "--engine", a.url, "--engine", b.url).start()
-    yield g
-    g.stop()
+    with running(gateway("gateway", "--engine", a.url, "--engine", b.url)) as (g,):
+        yield g
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 12, stream: bool = False) -> str:
@@ -92,15 +94,12 @@ def test_equal_engines_share_the_load(two_engines) -> None:  # type: ignore[no-u
     # imbalance is the policy's, not the CPU scheduler's
     a, _ = two_engines
     twin = a.url.replace("127.0.0.1", "localhost")
-    g = gateway("gateway-share", "--engine", a.url, "--engine", twin).start()
-    try:
+    with running(gateway("gateway-share", "--engine", a.url, "--engine", twin)) as (g,):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: _complete(g.url, f"request {i} " * 3, max_tokens=6), range(80)))
-        counts = routed_counts(g.url)
+        counts = routed_counts(g)
         assert sum(counts.values()) == 80
         assert max(counts.values()) <= 1.2 * min(counts.values()), counts
-    finally:
-        g.stop()
 
 
 def test_bad_input_gets_openai_errors(gw: Service) -> None:
@@ -133,17 +132,14 @@ def test_request_id_is_propagated(gw: Service) -> None:
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
 
 
-def test_api_key_and_inflight_limit(two_engines) -> None:  # type: ignore[no-untyped-def]
+def test_api_key_and_inflight_limit(two_engines, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     a, _ = two_engines
-    import os
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", delete=False) as f:
-        f.write("s3cret\n")
-    g = gateway(
-        "gateway-limited", "--engine", a.url, "--api-key-file", f.name, "--max-inflight", "1"
-    ).start()
-    try:
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    limited = gateway(
+        "gateway-limited", "--engine", a.url, "--api-key-file", str(key), "--max-inflight", "1"
+    )
+    with running(limited) as (g,):
         body = {"model": "dsv4-tiny", "prompt": "x", "max_tokens": 2}
         assert httpx.post(f"{g.url}/v1/completions", json=body, timeout=30).status_code == 401
         ok = httpx.post(
@@ -168,24 +164,12 @@ def test_api_key_and_inflight_limit(two_engines) -> None:  # type: ignore[no-unt
         assert first.status_code == 200
         assert second.status_code == 429 and second.headers["retry-after"] == "1"
         assert second.json()["error"]["type"] == "rate_limit_error"
-    finally:
-        g.stop()
-        os.unlink(f.name)
-
-
-def _running(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
-    )
+        assert g.metric("dsv4_gateway_requests_total", status="rejected") == 1
 
 
 def test_client_disconnect_aborts_the_engine_request(two_engines) -> None:  # type: ignore[no-untyped-def]
     a, _ = two_engines
-    g = gateway("gateway-disconnect", "--engine", a.url).start()
-    try:
+    with running(gateway("gateway-disconnect", "--engine", a.url)) as (g,):
         body = {
             "model": "dsv4-tiny",
             "prompt": "x",
@@ -196,13 +180,18 @@ def test_client_disconnect_aborts_the_engine_request(two_engines) -> None:  # ty
         with httpx.stream("POST", f"{g.url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            assert _running(a.url) >= 1
+            assert a.metric("vllm:num_requests_running") >= 1
         deadline = time.monotonic() + 20
-        while _running(a.url) > 0 and time.monotonic() < deadline:
+        while a.metric("vllm:num_requests_running") > 0 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _running(a.url) == 0, "the engine kept generating for a client that left"
-    finally:
-        g.stop()
+        assert a.metric("vllm:num_requests_running") == 0, (
+            "the engine kept generating for a client that left"
+        )
+        deadline = time.monotonic() + 5
+        while g.metric("dsv4_gateway_inflight_requests") > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert g.metric("dsv4_gateway_requests_total", status="cancelled") == 1
+        assert g.metric("dsv4_gateway_inflight_requests") == 0
 
 
 def test_dead_engine_is_ejected_and_nothing_hangs() -> None:
@@ -249,7 +238,7 @@ def test_dead_engine_is_ejected_and_nothing_hangs() -> None:
             assert r.status_code == 200, r.text
         health = httpx.get(f"{g.url}/health", timeout=5).json()
         assert health["healthy"]["both"] == 1
-        assert "dsv4_gateway_ejections_total" in httpx.get(f"{g.url}/metrics", timeout=5).text
+        assert g.metric("dsv4_gateway_ejections_total", instance=b.url) == 1
 
 
 def test_slowed_engine_receives_clearly_less() -> None:
@@ -258,25 +247,14 @@ def test_slowed_engine_receives_clearly_less() -> None:
     with running(fast, slow), running(dplb) as (g,):
         with ThreadPoolExecutor(12) as pool:
             list(pool.map(lambda i: _complete(g.url, f"req {i}", max_tokens=24), range(48)))
-        counts = routed_counts(g.url)
+        counts = routed_counts(g)
         assert counts[slow.url] < 0.6 * counts[fast.url], counts
 
 
 def test_gateway_cli_errors_name_the_flag() -> None:
-    import subprocess
-    import sys
-
-    r = subprocess.run(
-        [sys.executable, "-m", "dsv4_common.cli", "gateway", "--prefill", "http://127.0.0.1:1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode != 0 and "--decode" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "dsv4_common.cli", "gateway", "--engine", "localhost:1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode != 0 and "http://" in r.stderr
+    for argv, flag in (
+        (["--prefill", "http://127.0.0.1:1"], "--decode"),
+        (["--engine", "localhost:1"], "http://"),
+    ):
+        r = subprocess.run(dsv4_argv("gateway", *argv), capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and flag in r.stderr

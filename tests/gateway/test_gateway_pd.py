@@ -4,7 +4,6 @@ tokens as one engine doing both (greedy); `dsv4 up` end to end; load and a dying
 from __future__ import annotations
 
 import asyncio
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -14,17 +13,9 @@ import httpx
 import openai
 import pytest
 
-from dsv4_common.process import ManagedProcess, free_port
-from tests.gateway.conftest import (
-    LOG_DIR,
-    Service,
-    engine,
-    gateway,
-    pd_pair,
-    routed_counts,
-    running,
-)
-from tests.gateway.vllm_router import ensure_vllm_router
+from dsv4_common.process import Service, dsv4_argv, free_port
+from dsv4_serving.bench.vllm_router import ensure_vllm_router, router_argv
+from tests.gateway.conftest import LOG_DIR, engine, gateway, pd_pair, routed_counts, running
 
 PROMPTS = [
     "hello world",
@@ -36,49 +27,42 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference() -> Iterator[Service]:
-    ref = engine("engine-reference").start()
-    yield ref
-    ref.stop()
+    with running(engine("engine-reference")) as (ref,):
+        yield ref
 
 
-class Up:
+class Up(Service):
+    """``dsv4 up``: the whole local stack, its children's logs in ``log_dir``."""
+
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         self.log_dir = Path(tempfile.mkdtemp(prefix="dsv4-up-test-"))
-        argv = [
-            sys.executable,
-            "-m",
-            "dsv4_common.cli",
-            "up",
-            "--port",
-            str(self.port),
-            "--log-dir",
-            str(self.log_dir),
-        ]
-        self.proc = ManagedProcess("dsv4-up", argv, LOG_DIR / f"dsv4-up-{self.port}.log")
+        argv = dsv4_argv("up", "--port", str(port), "--log-dir", str(self.log_dir))
+        super().__init__(
+            "dsv4-up", argv, LOG_DIR / f"dsv4-up-{port}.log", f"http://127.0.0.1:{port}"
+        )
 
     def failure_report(self) -> str:
         logs = "\n".join(
             f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
             for p in sorted(self.log_dir.glob("*.log"))
         )
-        return f"----- dsv4 up\n{self.proc.tail(40)}\n{logs}"
+        return f"----- dsv4 up\n{self.tail(40)}\n{logs}"
 
 
 @pytest.fixture(scope="module")
 def up() -> Iterator[Up]:
     stack = Up()
-    stack.proc.start(env={"PYTHONUNBUFFERED": "1"})
+    stack.start(env={"PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 240
-    while "dsv4 is up" not in stack.proc.tail(60):
-        assert stack.proc.running(), stack.failure_report()
+    while "dsv4 is up" not in stack.tail(60):
+        assert stack.running(), stack.failure_report()
         assert time.monotonic() < deadline, stack.failure_report()
         time.sleep(0.5)
     yield stack
-    stack.proc.stop(timeout_s=60)
-    assert stack.proc.exit_code() == 0, stack.failure_report()
-    assert "stopped." in stack.proc.tail(5)
+    stack.stop(timeout_s=60)
+    assert stack.exit_code() == 0, stack.failure_report()
+    assert "stopped." in stack.tail(5)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -123,7 +107,7 @@ def test_up_serves_pd_with_the_same_tokens(up: Up, reference: Service) -> None:
         .message.content
     )  # type: ignore[arg-type]
     assert got == want
-    counts = routed_counts(up.url)
+    counts = routed_counts(up)
     assert len(counts) == 2 and all(v > 0 for v in counts.values())
 
 
@@ -135,40 +119,15 @@ def test_vllm_router_drives_our_engines(up: Up, reference: Service) -> None:
     prefill = next(i["url"] for i in insts if i["role"] == "prefill")
     decode = next(i["url"] for i in insts if i["role"] == "decode")
     port = free_port()
-    proc = ManagedProcess(
-        "vllm-router",
-        [
-            str(router),
-            "--vllm-pd-disaggregation",
-            "--prefill",
-            prefill,
-            "--decode",
-            decode,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        LOG_DIR / f"vllm-router-{port}.log",
-    )
-    proc.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.running() and time.monotonic() < deadline, proc.tail(30)
-            time.sleep(0.3)
+    argv = router_argv(router, [prefill], [decode], port)
+    log = LOG_DIR / f"vllm-router-{port}.log"
+    with running(Service("vllm-router", argv, log, f"http://127.0.0.1:{port}"), timeout_s=60) as (
+        r,
+    ):
         for prompt in PROMPTS:
             want = _complete(reference.url, prompt, stream=False)
-            assert _complete(url, prompt, stream=False) == want, proc.tail(30)
-            assert _complete(url, prompt, stream=True) == want, proc.tail(30)
-    finally:
-        proc.stop()
+            assert _complete(r.url, prompt, stream=False) == want, r.tail(30)
+            assert _complete(r.url, prompt, stream=True) == want, r.tail(30)
 
 
 def test_pd_under_load_survives_a_dead_decode_engine(reference: Service, token_file: Path) -> None:
@@ -208,12 +167,12 @@ def test_pd_under_load_survives_a_dead_decode_engine(reference: Service, token_f
                 tasks = [asyncio.create_task(one(i)) for i in range(n)]
                 if kill_at is not None:
                     await asyncio.sleep(kill_at)
-                    pairs[3][1].proc.stop(timeout_s=1)  # decode engine d1 dies under load
+                    pairs[3][1].stop(timeout_s=1)  # decode engine d1 dies under load
                 return await asyncio.gather(*tasks)
 
         results = asyncio.run(load(32, None))
         assert all(s == 200 and "[DONE]" in t for s, t, _ in results)
-        counts = routed_counts(g.url)
+        counts = routed_counts(g)
         for role in ("prefill", "decode"):
             mine = [
                 counts.get(e.url, 0.0)
@@ -239,15 +198,15 @@ def test_pd_under_load_survives_a_dead_decode_engine(reference: Service, token_f
             assert r.status_code == 200, r.text
 
         # a prefill engine dies too: its requests are retried on the other prefill engine
-        pairs[1][1].proc.stop(timeout_s=1)
+        pairs[1][1].stop(timeout_s=1)
         results = asyncio.run(load(8, None))
         assert all(s == 200 and "[DONE]" in t and '"error"' not in t for s, t, _ in results), (
             results
         )
-        metrics = httpx.get(f"{g.url}/metrics", timeout=5).text
+        dead = pairs[1][1].url
         assert (
-            'dsv4_gateway_retries_total{stage="prefill"}' in metrics
-            or "dsv4_gateway_ejections_total{" in metrics
+            g.metric("dsv4_gateway_retries_total", stage="prefill") > 0
+            or g.metric("dsv4_gateway_ejections_total", instance=dead) == 1
         )
 
 
@@ -264,8 +223,7 @@ def test_selective_pd_sends_short_prompts_to_decode_alone(
             assert _complete(g.url, prompt, stream=False) == _complete(
                 reference.url, prompt, stream=False
             )
-        counts = routed_counts(g.url)
+        counts = routed_counts(g)
         assert counts[pe.url] == 1  # only the long prompt was prefilled remotely
         assert counts[de.url] == 2
-        metrics = httpx.get(f"{g.url}/metrics", timeout=5).text
-        assert "dsv4_gateway_selective_pd_total 1.0" in metrics
+        assert g.metric("dsv4_gateway_selective_pd_total") == 1

@@ -1,4 +1,7 @@
-"""vLLM's Rust router (PyPI `vllm-router`), installed once into its own venv outside the repo."""
+"""vLLM's Rust router (PyPI ``vllm-router``), the gateway's point of comparison, installed once
+into its own venv outside the repo. It lives in the load-testing package because the gateway
+benchmark and the gateway tests both drive it, and an installed module is what both can import
+(benchmarks never import ``tests/``)."""
 
 from __future__ import annotations
 
@@ -26,3 +29,17 @@ def ensure_vllm_router() -> Path | None:
         print(f"vllm-router could not be installed: {e}", file=sys.stderr)
         return None
     return exe if exe.exists() else None
+
+
+def router_argv(exe: Path, prefills: list[str], decodes: list[str], port: int) -> list[str]:
+    """vllm-router in PD mode on 127.0.0.1:``port`` (it takes the gateway's upstream flags)."""
+    return [
+        str(exe),
+        "--vllm-pd-disaggregation",
+        *(a for u in prefills for a in ("--prefill", u)),
+        *(a for u in decodes for a in ("--decode", u)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
