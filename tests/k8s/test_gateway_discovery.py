@@ -81,7 +81,8 @@ def test_gateway_watches_endpointslices(k8s_control_plane, namespace) -> None:
         ns,
         "--selector",
         "app.kubernetes.io/instance=demo",
-    ).launch()
+    )
+    g.start(env={"PYTHONUNBUFFERED": "1"})
     try:
         # /health says unavailable until both roles have healthy engines; wait for the server itself
         wait_for(
