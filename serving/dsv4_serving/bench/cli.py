@@ -21,8 +21,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name (default: the server's first /v1/models entry)",
     )
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default: completions)",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=64, help="requests to send in all (default: 64)"
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency", type=int, default=None, help="fixed number of requests in flight"
@@ -41,10 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo", type=float, default=None, help="goodput: TTFT objective (s)")
     p.add_argument("--tpot-slo", type=float, default=None, help="goodput: TPOT objective (s)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument(
+        "--seed", type=int, default=0, help="random prompts and arrival times (default: 0)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _fail(msg: str) -> int:
