@@ -179,3 +179,64 @@ def test_a_deleted_deployment_is_not_synced(cpu_cr: dict[str, Any]) -> None:
     kube = FakeKube()
     Controller(kube).sync("ml", "v4")
     assert dict(kube.calls) == {"get": 1}
+
+
+def _ready(kube: FakeKube, kind: str, name: str) -> None:
+    obj = kube.objects[(kind, "ml", name)]
+    obj["status"] = {"readyReplicas": 1, "updatedReplicas": 1}  # observedGeneration as generation
+
+
+def test_ready_workloads_make_it_ready_with_one_status_patch_and_one_event(
+    cpu_cr: dict[str, Any],
+) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    for kind, name in [
+        ("StatefulSet", "v4-prefill-0"),
+        ("StatefulSet", "v4-decode-0"),
+        ("Deployment", "v4-gateway"),
+    ]:
+        _ready(kube, kind, name)
+    kube.calls.clear()
+    kube.events.clear()
+    ctl.sync("ml", "v4")
+    assert kube.calls["patch_status"] == 1 and kube.writes() == 2
+    assert [e["reason"] for e in kube.events] == ["Ready"]
+    status = _status(kube)
+    assert (status["phase"], status["prefill"]["summary"], status["gateway"]["ready"]) == (
+        "Ready",
+        "1/1",
+        1,
+    )
+
+
+def test_an_unschedulable_pod_degrades_it_with_the_schedulers_message(
+    cpu_cr: dict[str, Any],
+) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    kube.put(
+        {
+            "kind": "Pod",
+            "metadata": {
+                "name": "v4-prefill-0-0",
+                "namespace": "ml",
+                "labels": {"app.kubernetes.io/instance": "v4"},
+            },
+            "status": {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/2 nodes are available",
+                    }
+                ]
+            },
+        }
+    )
+    ctl.sync("ml", "v4")
+    assert _degraded(kube)["reason"] == "Unschedulable"
+    assert _degraded(kube)["message"] == (
+        "pod v4-prefill-0-0 cannot be scheduled: 0/2 nodes are available"
+    )
+    assert [e["type"] for e in kube.events] == ["Normal", "Warning"]
