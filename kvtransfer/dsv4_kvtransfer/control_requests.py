@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_kvtransfer.buffers import BufferSpec, Layout, LayoutError
@@ -84,10 +84,10 @@ class ExportRequest:
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     state_slot: int | None = None
-    cache_groups: Mapping[str, int] | None = None
-    engine_meta: Mapping[str, Any] | None = None
+    cache_groups: Mapping[str, int] = field(default_factory=dict)
+    engine_meta: Mapping[str, Any] = field(default_factory=dict)
     """Travels with the manifest to the decode side (``remote_meta``)."""
-    params_extra: Mapping[str, Any] | None = None
+    params_extra: Mapping[str, Any] = field(default_factory=dict)
     """Fields added to the ``kv_transfer_params`` (what the decode side checks before it pulls);
     never one of the protocol's own fields."""
     lease_seconds: float | None = None

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,12 +12,7 @@ from dsv4_kvtransfer.control_requests import ExportRequest
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.ledger import LedgerError
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
-from dsv4_kvtransfer.store import ExportView, StagingStore
-
-
-def wall_time(mono: float, now_mono: float | None = None) -> float:
-    """A monotonic deadline as unix time (what goes on the wire)."""
-    return time.time() + (mono - (time.monotonic() if now_mono is None else now_mono))
+from dsv4_kvtransfer.store import ExportView, StagingStore, wall_time
 
 
 class Exports:
@@ -38,9 +32,9 @@ class Exports:
             "block_ids": list(req.block_ids),
             "num_tokens": req.num_tokens,
             "state_slot": req.state_slot,
-            "cache_groups": dict(req.cache_groups or {}),
-            "engine_meta": dict(req.engine_meta or {}),
-            "params_extra": dict(req.params_extra or {}),
+            "cache_groups": dict(req.cache_groups),
+            "engine_meta": dict(req.engine_meta),
+            "params_extra": dict(req.params_extra),
             "lease_seconds": ttl,
         }
         tid = secrets.token_hex(12)

@@ -27,7 +27,7 @@ from dsv4_kvtransfer.ledger import LedgerError
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.peer import PeerConnection, RemoteError
-from dsv4_kvtransfer.store import StagingStore
+from dsv4_kvtransfer.store import StagingStore, wall_time
 from dsv4_kvtransfer.transports import FetchJob, TransferFailed, Transport
 
 PullState = Literal["pending", "done", "failed", "expired"]
@@ -169,7 +169,7 @@ class Puller:
             ]
             out["remote_meta"] = pull.remote_meta
             if pull.expires_at is not None:
-                out["lease_expires_at"] = time.time() + (pull.expires_at - time.monotonic())
+                out["lease_expires_at"] = wall_time(pull.expires_at)
         return out
 
     # ---- housekeeping (called by the sidecar's sweeper) --------------------------------------

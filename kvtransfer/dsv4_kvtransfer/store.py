@@ -44,6 +44,11 @@ class Usage:
     imports: int
 
 
+def wall_time(mono: float) -> float:
+    """A ``time.monotonic()`` deadline (the ledger's clock) as unix time (the wire's)."""
+    return time.time() + (mono - time.monotonic())
+
+
 def _view(exp: Export) -> ExportView:
     return ExportView(
         exp.transfer_id, exp.offset, exp.layout, exp.meta, exp.state, exp.pins, exp.expires_at
