@@ -18,8 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-from dsv4_common.ports import sidecar_control_port, sidecar_metrics_port
+from dsv4_common.ports import sidecar_control_port
 from dsv4_common.process import Service, dsv4_argv, free_ports
+from dsv4_kvtransfer.launch import SidecarService
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,34 +121,15 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
         base = free_ports(4, taken)
         port, kv = base, base + 1
         children.append(
-            Service(
+            SidecarService(
                 f"{name}-sidecar",
-                [
-                    *dsv4,
-                    "kv-sidecar",
-                    "--transport",
-                    args.kv_transport,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(kv),
-                    "--control-port",
-                    str(sidecar_control_port(kv)),
-                    "--metrics-port",
-                    str(sidecar_metrics_port(kv)),
-                    "--metrics-host",
-                    "127.0.0.1",
-                    "--engine-url",
-                    f"http://127.0.0.1:{port}",
-                    "--auth-token-file",
-                    str(token),
-                    "--shm-name",
-                    f"dsv4-up-{os.getpid()}-{name}",
-                    "--staging-bytes",
-                    str(256 << 20),
-                ],
                 run_dir / f"{name}-sidecar.log",
-                f"http://127.0.0.1:{sidecar_metrics_port(kv)}",
+                token,
+                kv,
+                transport=args.kv_transport,
+                engine_url=f"http://127.0.0.1:{port}",
+                shm_name=f"dsv4-up-{os.getpid()}-{name}",
+                staging_bytes=256 << 20,
             )
         )
         children.append(
