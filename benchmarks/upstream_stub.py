@@ -18,6 +18,8 @@ from typing import Any
 
 import uvicorn
 
+from dsv4_common.errors import openai_error
+
 Scope = dict[str, Any]
 
 
@@ -38,7 +40,7 @@ def make_app(tokens: int, engine_id: str) -> Any:
                 return await _json(send, 200, body)
             if path in ("/health", "/metrics"):
                 return await _raw(send, 200, b"", b"text/plain")
-            return await _json(send, 404, {"error": {"message": "not found"}})
+            return await _json(send, 404, openai_error(404, f"no route {path}"))
         raw = b""
         while True:
             msg = await receive()

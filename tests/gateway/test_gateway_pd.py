@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -93,20 +94,20 @@ def test_up_serves_pd_with_the_same_tokens(up: Up, reference: Service) -> None:
         want = _complete(reference.url, prompt, stream=False)
         assert _complete(up.url, prompt, stream=False) == want
         assert _complete(up.url, prompt, stream=True) == want
-    msgs = [{"role": "user", "content": "Tell me a story."}]
-    want = (
+    msgs: list[Any] = [{"role": "user", "content": "Tell me a story."}]
+    want_chat = (
         _client(reference.url)
         .chat.completions.create(model="dsv4-tiny", messages=msgs, max_tokens=12, temperature=0)
         .choices[0]
         .message.content
-    )  # type: ignore[arg-type]
+    )
     got = (
         _client(up.url)
         .chat.completions.create(model="dsv4-tiny", messages=msgs, max_tokens=12, temperature=0)
         .choices[0]
         .message.content
-    )  # type: ignore[arg-type]
-    assert got == want
+    )
+    assert got == want_chat
     counts = routed_counts(up)
     assert len(counts) == 2 and all(v > 0 for v in counts.values())
 
