@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from dsv4_kvtransfer.pd_protocol import decode_request, prefill_request
+from dsv4_kvtransfer.pd_protocol import KV_TRANSFER_ERROR_TYPE, decode_request, prefill_request
 from tests.engine.common import workload
 from tests.helpers import wait_for
-from tests.pd.engines import EngineProc
+from tests.pd.engines import EngineProc, start_engine
 from tests.pd.sidecars import SidecarFactory, SidecarProc
 
 TINY = ["--model", "dsv4-tiny"]
@@ -65,7 +65,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sc = [f.start(staging="48M") for _ in range(6)]
 
         def eng(name: str, *args: str) -> EngineProc:
-            e = EngineProc(name, tmp, *args)
+            e = start_engine(name, tmp, *args)
             engines.append(e)
             return e
 
@@ -73,13 +73,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             return eng(f"{role}-{i}", "--role", role, "--kv-sidecar", sc[i].control_url, *args)
 
         ref = eng("ref", *TINY, "--num-speculative-tokens", "0")
-        k1 = Pair(pd(0, "prefill", *TINY, "--num-speculative-tokens", "1"),
-                  pd(1, "decode", *TINY, "--num-speculative-tokens", "1"), sc[0], sc[1],
-                  "dsv4-tiny")  # fmt: skip
-        k2 = Pair(pd(2, "prefill", *TINY, "--num-speculative-tokens", "2"),
-                  pd(3, "decode", *TINY, "--num-speculative-tokens", "2",
-                     "--kv-failure-policy", "fail", "--kv-pull-timeout", "10"),
-                  sc[2], sc[3], "dsv4-tiny")  # fmt: skip
+        k1 = Pair(
+            pd(0, "prefill", *TINY, "--num-speculative-tokens", "1"),
+            pd(1, "decode", *TINY, "--num-speculative-tokens", "1"),
+            sc[0],
+            sc[1],
+            "dsv4-tiny",
+        )
+        k2 = Pair(
+            pd(2, "prefill", *TINY, "--num-speculative-tokens", "2"),
+            pd(
+                3,
+                "decode",
+                *TINY,
+                "--num-speculative-tokens",
+                "2",
+                "--kv-failure-policy",
+                "fail",
+                "--kv-pull-timeout",
+                "10",
+            ),
+            sc[2],
+            sc[3],
+            "dsv4-tiny",
+        )
         v3 = ["--model", "dsv3-small", "--num-speculative-tokens", "1"]
         b3 = Pair(pd(4, "both", *v3), pd(5, "decode", *v3), sc[4], sc[5], "dsv3-small")
         for e in engines:
@@ -87,7 +104,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield Stack(f, ref, k1, k2, b3)
     except BaseException:
         for e in engines:
-            print(f"--- engine {e.name} ---\n{e.log()}")
+            print(f"--- engine {e.name} ---\n{e.tail()}")
         print(f.failure_report())
         raise
     finally:
@@ -100,8 +117,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def body(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def tokens(r: httpx.Response) -> list[int]:
@@ -127,19 +151,34 @@ def assert_all_free(engines: list[EngineProc], sidecars: list[SidecarProc]) -> N
         wait_for(f"{e.name}'s blocks free", lambda e=e: e.free_blocks() == e.total_blocks, 20)
     for sc in sidecars:
         total = int(sc.info()["staging_bytes"])  # type: ignore[call-overload]
-        wait_for(f"sidecar {sc.name}'s staging free",
-                 lambda sc=sc, total=total: sc.free_bytes() == total, 20)  # fmt: skip
+        wait_for(
+            f"sidecar {sc.name}'s staging free",
+            lambda sc=sc, total=total: sc.free_bytes() == total,
+            20,
+        )
 
 
-def restart(stack: Stack, pair: Pair, which: str, *extra: str, lease: float = 30.0,
-            token_file: Path | None = None) -> SidecarProc:  # fmt: skip
+def restart(
+    stack: Stack,
+    pair: Pair,
+    which: str,
+    *extra: str,
+    lease: float = 30.0,
+    token_file: Path | None = None,
+) -> SidecarProc:
     """Replace a sidecar by a new process on the same control port and region name (the
     engine keeps its URL; its client re-maps the new region)."""
     old: SidecarProc = getattr(pair, which)
     old.kill()
-    new = stack.factory.start("--control-port", str(old.control_port), *extra,
-                              staging="48M", shm_name=old.shm_name, lease=lease,
-                              token_file=token_file)  # fmt: skip
+    new = stack.factory.start(
+        "--control-port",
+        str(old.control_port),
+        *extra,
+        staging="48M",
+        shm_name=old.shm_name,
+        lease=lease,
+        token_file=token_file,
+    )
     setattr(pair, which, new)
     return new
 
@@ -161,8 +200,12 @@ def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 def wait_pull_started(sp: SidecarProc, prefill_answer: dict[str, Any]) -> None:
     """Until a reader holds the export pinned (bytes are flowing)."""
     tid = prefill_answer["kv_transfer_params"]["remote_transfer_id"]
-    wait_for("the decode side's pull to start",
-             lambda: sp.client.request("GET", f"/v1/exports/{tid}")["pins"] > 0, 20, 0.02)  # fmt: skip
+    wait_for(
+        "the decode side's pull to start",
+        lambda: sp.client.request("GET", f"/v1/exports/{tid}")["pins"] > 0,
+        20,
+        0.02,
+    )
 
 
 # ---- PD equals both mode -------------------------------------------------------------------
@@ -172,9 +215,16 @@ MIXED = workload(16, 1) + workload(16, 2, shared_prefix=50)  # 32 prompts, 3..24
 
 def _equal_to_reference(stack: Stack, pair: Pair, items: list[tuple[list[int], int]]) -> None:
     with ThreadPoolExecutor(8) as pool:
-        want = list(pool.map(
-            lambda it: tokens(httpx.post(stack.ref.url + "/v1/completions",
-                                         json=body("dsv4-tiny", *it), timeout=120)), items))  # fmt: skip
+        want = list(
+            pool.map(
+                lambda it: tokens(
+                    httpx.post(
+                        stack.ref.url + "/v1/completions", json=body("dsv4-tiny", *it), timeout=120
+                    )
+                ),
+                items,
+            )
+        )
         got: list[list[int]] = []
         half = len(items) // 2  # two waves: the second hits prefixes the first published
         for wave in (items[:half], items[half:]):
@@ -208,10 +258,18 @@ def test_pd_tokens_equal_both_mode_with_mtp2(stack: Stack) -> None:
 
 def test_pd_chat_with_a_streaming_decode_equals_both_mode(stack: Stack) -> None:
     p = stack.k1
-    msgs = [{"role": "system", "content": "You are terse. " * 12},
-            {"role": "user", "content": "Say something about KV caches."}]  # fmt: skip
-    b = {"model": "dsv4-tiny", "messages": msgs, "max_tokens": 9, "temperature": 0,
-         "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    msgs = [
+        {"role": "system", "content": "You are terse. " * 12},
+        {"role": "user", "content": "Say something about KV caches."},
+    ]
+    b = {
+        "model": "dsv4-tiny",
+        "messages": msgs,
+        "max_tokens": 9,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     want = tokens(httpx.post(stack.ref.url + "/v1/chat/completions", json=b, timeout=60))
     pre = httpx.post(p.prefill.url + "/v1/chat/completions", json=prefill_request(b), timeout=60)
     dec = decode_request({**b, "stream": True}, pre.json())
@@ -229,8 +287,12 @@ def test_pd_chat_with_a_streaming_decode_equals_both_mode(stack: Stack) -> None:
 def test_pd_on_dsv3_equals_both_mode(stack: Stack) -> None:
     p = stack.v3  # its prefill engine runs in both mode: reference and prefill at once
     items = workload(8, 3)
-    want = [tokens(httpx.post(p.prefill.url + "/v1/completions",
-                              json=body("dsv3-small", *it), timeout=120)) for it in items]  # fmt: skip
+    want = [
+        tokens(
+            httpx.post(p.prefill.url + "/v1/completions", json=body("dsv3-small", *it), timeout=120)
+        )
+        for it in items
+    ]
     got = [tokens(run_pd(p, body("dsv3-small", *it), timeout=120)) for it in items]
     assert got == want
     assert_all_free([p.prefill, p.decode], [p.sp, p.sd])
@@ -244,25 +306,32 @@ def test_mismatched_engines_and_prompts_are_refused_before_any_pull(stack: Stack
     b = body("dsv4-tiny", list(range(40)), 4)
     pre = httpx.post(stack.k1.prefill.url + "/v1/completions", json=prefill_request(b), timeout=60)
     # a decode engine with another MTP lookahead (ring length) must not take this KV
-    r = httpx.post(stack.k2.decode.url + "/v1/completions", json=decode_request(b, pre.json()),
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        stack.k2.decode.url + "/v1/completions", json=decode_request(b, pre.json()), timeout=60
+    )
     assert r.status_code == 500, r.text
     err = r.json()["error"]
-    assert "num_speculative_tokens" in err["message"] and "incompatible" in err["message"]
+    assert (err["type"], err["code"]) == (KV_TRANSFER_ERROR_TYPE, "incompatible")
+    assert "num_speculative_tokens" in err["message"]
     # another prompt than the one the prefill computed
     other = body("dsv4-tiny", list(range(1, 41)), 4)
-    r = httpx.post(stack.k1.decode.url + "/v1/completions",
-                   json=decode_request(other, pre.json()), timeout=60)  # fmt: skip
+    r = httpx.post(
+        stack.k1.decode.url + "/v1/completions", json=decode_request(other, pre.json()), timeout=60
+    )
     assert r.status_code == 400 and "another prompt" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "kv_prompt_mismatch"
     # roles: a prefill engine takes no decodes, a decode engine no prefills
-    r = httpx.post(stack.k1.prefill.url + "/v1/completions", json=decode_request(b, pre.json()),
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        stack.k1.prefill.url + "/v1/completions", json=decode_request(b, pre.json()), timeout=60
+    )
     assert r.status_code == 400 and "prefill engine" in r.json()["error"]["message"]
     r = httpx.post(stack.k1.decode.url + "/v1/completions", json=prefill_request(b), timeout=60)
     assert r.status_code == 400 and "decode engine" in r.json()["error"]["message"]
     # the engines hold nothing; the unpulled export is freed by its lease
-    assert_all_free([stack.k1.prefill, stack.k1.decode, stack.k2.decode],
-                    [stack.k1.sp, stack.k1.sd, stack.k2.sd])  # fmt: skip
+    assert_all_free(
+        [stack.k1.prefill, stack.k1.decode, stack.k2.decode],
+        [stack.k1.sp, stack.k1.sd, stack.k2.sd],
+    )
     restart(stack, stack.k1, "sp")
 
 
@@ -280,8 +349,11 @@ def test_prefill_sidecar_killed_mid_transfer_recomputes_the_same_tokens(stack: S
     want = tokens(httpx.post(stack.ref.url + "/v1/completions", json=b, timeout=60))
     restart(stack, p, "sp", *SLOW)  # a pull now takes seconds
     pre = httpx.post(p.prefill.url + "/v1/completions", json=prefill_request(b), timeout=60)
-    t, out = in_thread(lambda: httpx.post(p.decode.url + "/v1/completions",
-                                          json=decode_request(b, pre.json()), timeout=60))  # fmt: skip
+    t, out = in_thread(
+        lambda: httpx.post(
+            p.decode.url + "/v1/completions", json=decode_request(b, pre.json()), timeout=60
+        )
+    )
     wait_pull_started(p.sp, pre.json())
     time.sleep(0.3)
     p.sp.kill()
@@ -299,8 +371,11 @@ def test_prefill_sidecar_killed_mid_transfer_fails_clearly_under_policy_fail(
     b = body("dsv4-tiny", LONG, 6)
     restart(stack, p, "sp", *SLOW)
     pre = httpx.post(p.prefill.url + "/v1/completions", json=prefill_request(b), timeout=60)
-    t, out = in_thread(lambda: httpx.post(p.decode.url + "/v1/completions",
-                                          json=decode_request(b, pre.json()), timeout=60))  # fmt: skip
+    t, out = in_thread(
+        lambda: httpx.post(
+            p.decode.url + "/v1/completions", json=decode_request(b, pre.json()), timeout=60
+        )
+    )
     wait_pull_started(p.sp, pre.json())
     time.sleep(0.3)
     p.sp.kill()
@@ -308,7 +383,8 @@ def test_prefill_sidecar_killed_mid_transfer_fails_clearly_under_policy_fail(
     r = out["value"]
     assert r.status_code == 503, r.text
     err = r.json()["error"]
-    assert err["type"] == "KVTransferError" and "KV transfer failed (reason=" in err["message"]
+    assert (err["type"], err["param"]) == (KV_TRANSFER_ERROR_TYPE, "kv_transfer_params")
+    assert err["code"] and f"KV transfer failed (reason={err['code']})" in err["message"]
     assert p.decode.metric("dsv4_kv_pull_failures_total") >= 1
     assert p.decode.metric("dsv4_kv_recomputes_total") == 0
     restart(stack, p, "sp")
@@ -322,8 +398,11 @@ def test_an_expired_lease_recomputes_and_frees_both_sides(stack: Stack) -> None:
     restart(stack, p, "sp", lease=1.0)
     pre = httpx.post(p.prefill.url + "/v1/completions", json=prefill_request(b), timeout=60)
     # the decode comes too late: the prefill side already let the export go
-    wait_for("the export's lease to run out",
-             lambda: p.sp.metric("dsv4_kv_lease_expiries_total", kind="export") >= 1, 10)  # fmt: skip
+    wait_for(
+        "the export's lease to run out",
+        lambda: p.sp.metric("dsv4_kv_lease_expiries_total", kind="export") >= 1,
+        10,
+    )
     n0 = p.decode.metric("dsv4_kv_pull_failures_total", reason="unknown_transfer")
     r = httpx.post(p.decode.url + "/v1/completions", json=decode_request(b, pre.json()), timeout=60)
     assert tokens(r) == want
@@ -360,8 +439,12 @@ def test_garbage_on_the_sidecar_port_is_refused_and_pd_goes_on(stack: Stack) -> 
                     pass
             except OSError:
                 pass
-    wait_for("garbage counted as refused frames",
-             lambda: p.sp.metric("dsv4_kv_frames_rejected_total", reason="bad_magic") >= 2, 5, 0.05)  # fmt: skip
+    wait_for(
+        "garbage counted as refused frames",
+        lambda: p.sp.metric("dsv4_kv_frames_rejected_total", reason="bad_magic") >= 2,
+        5,
+        0.05,
+    )
     assert p.sp.alive()
     b = body("dsv4-tiny", LONG[:60], 4)
     want = tokens(httpx.post(stack.ref.url + "/v1/completions", json=b, timeout=60))
@@ -375,8 +458,11 @@ def test_a_client_leaving_during_the_pull_frees_both_sides(stack: Stack) -> None
     restart(stack, p, "sp", *SLOW, lease=3.0)
     pre = httpx.post(p.prefill.url + "/v1/completions", json=prefill_request(b), timeout=60)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(p.decode.url + "/v1/completions", json=decode_request(b, pre.json()),
-                   timeout=httpx.Timeout(60, read=0.8))  # fmt: skip
+        httpx.post(
+            p.decode.url + "/v1/completions",
+            json=decode_request(b, pre.json()),
+            timeout=httpx.Timeout(60, read=0.8),
+        )
     assert_all_free([p.prefill, p.decode], [p.sd, p.sp])
     assert p.decode.metric("dsv4_requests_aborted_total") >= 1
     restart(stack, p, "sp")
