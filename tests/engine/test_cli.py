@@ -28,15 +28,10 @@ def test_pd_roles_without_a_sidecar_fail_clearly() -> None:
 
 def test_an_unreachable_sidecar_fails_the_start_clearly() -> None:
     port = free_port()  # nothing listens on it
+    url = f"http://127.0.0.1:{port}"
     r = _run(
-        "--model",
-        "dsv4-tiny",
-        "--role",
-        "decode",
-        "--kv-sidecar",
-        f"http://127.0.0.1:{port}",
-        "--kv-sidecar-wait",
-        "0.3",
+        *("--model", "dsv4-tiny", "--role", "decode", "--kv-sidecar-wait", "0.3"),
+        *("--kv-sidecar", url),
     )
     assert r.returncode == 2
     assert f"KV sidecar at --kv-sidecar http://127.0.0.1:{port} does not answer" in r.stderr
@@ -44,14 +39,8 @@ def test_an_unreachable_sidecar_fails_the_start_clearly() -> None:
 
 def test_a_bad_failure_policy_is_refused() -> None:
     r = _run(
-        "--model",
-        "dsv4-tiny",
-        "--role",
-        "decode",
-        "--kv-sidecar",
-        "http://x:1",
-        "--kv-failure-policy",
-        "retry",
+        *("--model", "dsv4-tiny", "--role", "decode", "--kv-sidecar", "http://x:1"),
+        *("--kv-failure-policy", "retry"),
     )
     assert r.returncode == 2 and "invalid choice: 'retry'" in r.stderr
 
@@ -81,37 +70,14 @@ def test_operator_command_line_and_engine_json_build_one_config(tmp_path: Path) 
         )
     )
     c = _config(
-        "--config",
-        str(cfg_file),
-        "--role",
-        "both",
-        "--model",
-        "dsv4-tiny",
-        "--served-model-name",
-        "m",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "8000",
-        "--tensor-parallel-size",
-        "1",
-        "--data-parallel-size",
-        "1",
-        "--expert-parallel-size",
-        "1",
-        "--num-speculative-tokens",
-        "2",
-        "--device",
-        "cpu",
+        *("--config", str(cfg_file), "--role", "both", "--model", "dsv4-tiny"),
+        *("--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000"),
+        *("--tensor-parallel-size", "1", "--data-parallel-size", "1"),
+        *("--expert-parallel-size", "1", "--num-speculative-tokens", "2", "--device", "cpu"),
     )
     # the file's values, the flags winning where both give one
-    assert (c.model, c.model_name, c.max_model_len, c.dtype, c.max_num_seqs) == (
-        "dsv4-tiny",
-        "m",
-        1024,
-        "float32",
-        8,
-    )
+    got = (c.model, c.model_name, c.max_model_len, c.dtype, c.max_num_seqs)
+    assert got == ("dsv4-tiny", "m", 1024, "float32", 8)
     assert (c.num_speculative_tokens, c.device, c.enable_prefix_caching) == (2, "cpu", False)
 
 

@@ -133,31 +133,35 @@ def test_concurrent_requests_equal_requests_alone(
     wait_blocks_free(engine_server)
 
 
-def test_a_stop_string_truncates_the_text_before_it(client: openai.OpenAI) -> None:
-    kw = {
-        "model": MODEL,
-        "prompt": "stop test",
-        "max_tokens": 20,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True},
-    }
-    text = client.completions.create(**kw).choices[0].text
-    stop = text[5:7]
-    r = client.completions.create(**kw, stop=[stop])
+GREEDY = {
+    "model": MODEL,
+    "prompt": "stop test",
+    "max_tokens": 20,
+    "temperature": 0,
+    "extra_body": {"ignore_eos": True},
+}
+
+
+@pytest.fixture(scope="module")
+def stop_case(client: openai.OpenAI) -> tuple[str, str]:
+    """GREEDY's text without stop strings, and a stop string found in it."""
+    text = client.completions.create(**GREEDY).choices[0].text
+    return text, text[5:7]
+
+
+def test_a_stop_string_truncates_the_text_before_it(
+    client: openai.OpenAI, stop_case: tuple[str, str]
+) -> None:
+    text, stop = stop_case
+    r = client.completions.create(**GREEDY, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.find(stop)]
 
 
-def test_a_streamed_stop_string_is_never_sent(client: openai.OpenAI) -> None:
-    kw = {
-        "model": MODEL,
-        "prompt": "stop test",
-        "max_tokens": 20,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True},
-    }
-    text = client.completions.create(**kw).choices[0].text
-    stop = text[5:7]
-    chunks = [c.choices[0] for c in client.completions.create(**kw, stop=[stop], stream=True)]
+def test_a_streamed_stop_string_is_never_sent(
+    client: openai.OpenAI, stop_case: tuple[str, str]
+) -> None:
+    text, stop = stop_case
+    chunks = [c.choices[0] for c in client.completions.create(**GREEDY, stop=[stop], stream=True)]
     assert "".join(c.text for c in chunks) == text[: text.find(stop)]
     assert chunks[-1].finish_reason == "stop"
 
@@ -165,18 +169,7 @@ def test_a_streamed_stop_string_is_never_sent(client: openai.OpenAI) -> None:
 def test_logprobs_cover_every_token_with_at_most_the_asked_alternatives(
     client: openai.OpenAI,
 ) -> None:
-    lp = (
-        client.completions.create(
-            model=MODEL,
-            prompt="stop test",
-            max_tokens=20,
-            temperature=0,
-            logprobs=3,
-            extra_body={"ignore_eos": True},
-        )
-        .choices[0]
-        .logprobs
-    )
+    lp = client.completions.create(**GREEDY, logprobs=3).choices[0].logprobs
     assert len(lp.token_logprobs) == 20 and all(len(t) <= 3 for t in lp.top_logprobs)
 
 
