@@ -1,5 +1,6 @@
-"""The children of one deployment on the cluster: read them (one LIST per kind), bring them to
-the desired set (apply what differs, create what is missing, delete what is no longer wanted).
+"""The children of one deployment on the cluster: read them (from the watch cache, or one LIST per
+kind), bring them to the desired set (apply what differs, create what is missing, delete what is
+no longer wanted).
 
 Only objects whose owner reference carries this deployment's uid count as its children, so a
 same-named successor never inherits (or prunes) its predecessor's objects, and an object someone
@@ -9,7 +10,7 @@ else made under one of our names is reported instead of adopted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter
 
@@ -47,16 +48,9 @@ def managed_selector(spec: DeploymentSpec) -> dict[str, str]:
     return {names.DEPLOYMENT_LABEL: spec.name, "app.kubernetes.io/managed-by": names.MANAGER}
 
 
-def list_children(kube: KubeApi, spec: DeploymentSpec, lws_available: bool) -> Live:
-    """Every child of this deployment that exists now, by (kind, name)."""
-    kinds = (*OWNED_KINDS, *(("LeaderWorkerSet",) if lws_available else ()))
-    out: Live = {}
-    for kind in kinds:
-        for obj in kube.list(kind, spec.namespace, managed_selector(spec)):
-            refs = obj["metadata"].get("ownerReferences") or []
-            if any(r.get("uid") == spec.uid for r in refs):
-                out[(kind, obj["metadata"]["name"])] = obj
-    return out
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    refs = obj["metadata"].get("ownerReferences") or []
+    return any(r.get("uid") == uid for r in refs)
 
 
 @dataclass
@@ -67,37 +61,71 @@ class ApplyResult:
     unchanged: list[Key] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     """Why a desired child could not be applied, one line each."""
+    seen: Live = field(default_factory=dict)
+    """The newest copy of each child this sync read (a GET) or wrote (the API server's answer)."""
+    deleted_objects: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
-def _foreign(kube: KubeApi, obj: dict[str, Any]) -> bool:
-    """Whether an object of that kind and name exists without our owner reference."""
-    meta = obj["metadata"]
-    current = kube.get(obj["kind"], meta["namespace"], meta["name"])
-    if current is None:
-        return False
-    ours = meta["ownerReferences"][0]["uid"]
-    refs = current["metadata"].get("ownerReferences") or []
-    return not any(r.get("uid") == ours for r in refs)
+class ChildView(Protocol):
+    """Where a sync reads a deployment's children and engine pods from."""
+
+    def children(self, spec: DeploymentSpec, lws_available: bool) -> Live: ...
+
+    def pods(self, spec: DeploymentSpec) -> list[dict[str, Any]]: ...
+
+    def remember(self, result: ApplyResult) -> None: ...
 
 
-def apply_children(kube: KubeApi, desired: list[dict[str, Any]], live: Live) -> ApplyResult:
+class ListedChildren:
+    """Read through the API: one LIST per owned kind, one of the pods (no cache to keep)."""
+
+    def __init__(self, kube: KubeApi) -> None:
+        self.kube = kube
+
+    def children(self, spec: DeploymentSpec, lws_available: bool) -> Live:
+        kinds = (*OWNED_KINDS, *(("LeaderWorkerSet",) if lws_available else ()))
+        out: Live = {}
+        for kind in kinds:
+            for obj in self.kube.list(kind, spec.namespace, managed_selector(spec)):
+                if owned_by(obj, spec.uid):
+                    out[(kind, obj["metadata"]["name"])] = obj
+        return out
+
+    def pods(self, spec: DeploymentSpec) -> list[dict[str, Any]]:
+        return self.kube.list("Pod", spec.namespace, {names.DEPLOYMENT_LABEL: spec.name})
+
+    def remember(self, result: ApplyResult) -> None:
+        pass
+
+
+def apply_children(
+    kube: KubeApi, desired: list[dict[str, Any]], live: Live, uid: str
+) -> ApplyResult:
     """Apply (server-side, forced) each desired child that differs from its live copy, then
-    delete live children that are not desired. Unchanged children cost no request."""
+    delete live children that are not desired. An unchanged child costs no request; one missing
+    from ``live`` is read first (it may be someone else's, or ``live`` may lag)."""
     result = ApplyResult()
     for obj in desired:
         key: Key = (obj["kind"], obj["metadata"]["name"])
         stamped = stamp(obj)
         current = live.get(key)
+        if current is None:
+            meta = obj["metadata"]
+            current = kube.get(key[0], meta["namespace"], key[1])
+            if current is not None and not owned_by(current, uid):
+                # never adopt (and later prune) an object someone else made under our name
+                result.rejected.append(
+                    f"{key[0]} {key[1]} already exists and is not owned by this "
+                    "DeepSeekV4Deployment"
+                )
+                continue
+            if current is not None:
+                result.seen[key] = current
         if current is not None and up_to_date(stamped, current):
             result.unchanged.append(key)
             continue
-        if current is None and _foreign(kube, obj):
-            result.rejected.append(
-                f"{key[0]} {key[1]} already exists and is not owned by this DeepSeekV4Deployment"
-            )
-            continue
         try:
-            kube.apply(stamped)
+            result.seen[key] = kube.apply(stamped)
         except KubeError as e:
             if e.status not in _REJECTED:
                 raise
@@ -111,7 +139,9 @@ def apply_children(kube: KubeApi, desired: list[dict[str, Any]], live: Live) -> 
             UPDATED.labels(key[0]).inc()
     wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
     for kind, name in sorted(set(live) - wanted):
-        kube.delete(kind, live[(kind, name)]["metadata"]["namespace"], name)
+        obj = live[(kind, name)]
+        kube.delete(kind, obj["metadata"]["namespace"], name)
         result.deleted.append((kind, name))
+        result.deleted_objects.append((kind, obj))
         DELETED.labels(kind).inc()
     return result

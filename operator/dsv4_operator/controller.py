@@ -16,11 +16,18 @@ from prometheus_client import Counter, Histogram
 
 from dsv4_operator.api import KIND
 from dsv4_operator.api.spec import DeploymentSpec, parse
-from dsv4_operator.children import ApplyResult, apply_children, list_children
+from dsv4_operator.children import (
+    ApplyResult,
+    ChildView,
+    ListedChildren,
+    Live,
+    apply_children,
+    owned_by,
+)
 from dsv4_operator.events import now, post_event
 from dsv4_operator.kube import KubeApi
 from dsv4_operator.observe import LWS_CRD, observe
-from dsv4_operator.reconcile import ReconcileError, desired_children
+from dsv4_operator.reconcile import ReconcileError, desired_children, names
 from dsv4_operator.reconcile.status import Observed, compute_status
 
 SYNCS = Counter("dsv4_operator_syncs", "Syncs of a DeepSeekV4Deployment", ["result"])
@@ -72,8 +79,11 @@ def update_status(
 
 
 class Controller:
-    def __init__(self, kube: KubeApi) -> None:
+    def __init__(self, kube: KubeApi, view: ChildView | None = None) -> None:
+        """``view``: where children and pods are read (the operator's watch cache; default a
+        LIST per kind)."""
         self.kube = kube
+        self.view = view or ListedChildren(kube)
         self._lws: tuple[float, bool] = (0.0, False)
 
     def lws_available(self) -> bool:
@@ -87,6 +97,15 @@ class Controller:
 
     def forget_lws(self) -> None:
         self._lws = (0.0, False)
+
+    def _read_kv_secret(self, spec: DeploymentSpec, live: Live) -> None:
+        """The KV token is kept, never replaced: a Secret missing from ``live`` (a lagging
+        cache) is read before a fresh token could be made up for it."""
+        key = ("Secret", names.kv_secret_name(spec))
+        if key not in live:
+            secret = self.kube.get(key[0], spec.namespace, key[1])
+            if secret is not None and owned_by(secret, spec.uid):
+                live[key] = secret
 
     def sync(self, namespace: str, name: str) -> None:
         start = time.monotonic()
@@ -105,8 +124,9 @@ class Controller:
             return  # children go with it through their owner references
         spec = parse(body)
         lws = self.lws_available()
-        live = list_children(self.kube, spec, lws)
-        seen = observe(self.kube, spec, lws, live)
+        live = self.view.children(spec, lws)
+        self._read_kv_secret(spec, live)
+        seen = observe(spec, lws, live, self.view.pods(spec))
         observed = seen.observed
         try:
             desired = desired_children(spec, seen.facts)
@@ -114,7 +134,8 @@ class Controller:
             # nothing is applied or pruned while the spec cannot be built
             observed = observed.with_problems([str(e)], e.reason)
         else:
-            result = apply_children(self.kube, desired, live)
+            result = apply_children(self.kube, desired, live, spec.uid)
+            self.view.remember(result)
             announce(self.kube, body, result)
             observed = observed.with_problems(result.rejected, "InvalidChild")
         update_status(self.kube, body, spec, observed, now())

@@ -1,37 +1,42 @@
 """kopf handlers: thin. Every event of a DeepSeekV4Deployment or of one of its children asks for
 a sync of that deployment; the Controller does the work. No handler writes to the CR, so kopf
-keeps no state there and a restart changes nothing. The controller and the queue live in kopf's
-``memo`` (built at startup from what ``dsv4 operator`` put there), not in a module global."""
+keeps no state there and a restart changes nothing. The controller, the queue and the watch
+cache live in kopf's ``memo`` (built at startup from what ``dsv4 operator`` put there), not in a
+module global. The cache is filled by kopf index functions, so no handler runs (and no sync
+starts) before every child kind and the pods have been listed once."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from dsv4_operator.api import GROUP, PLURAL, VERSION
+from dsv4_operator.cache import WatchCache
 from dsv4_operator.controller import Controller
 from dsv4_operator.kube import Kube, load_api_client
 from dsv4_operator.observe import LWS_CRD
 from dsv4_operator.queue import SyncQueue
 from dsv4_operator.reconcile import names
 
+# (group, version, plural, kind) of everything a deployment owns, and its engine pods
 CHILD_RESOURCES = [
-    ("apps", "v1", "statefulsets"),
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("", "v1", "configmaps"),
-    ("", "v1", "pods"),
-    ("policy", "v1", "poddisruptionbudgets"),
-    ("networking.k8s.io", "v1", "networkpolicies"),
-    ("", "v1", "secrets"),
-    ("", "v1", "serviceaccounts"),
-    ("rbac.authorization.k8s.io", "v1", "roles"),
-    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("apps", "v1", "statefulsets", "StatefulSet"),
+    ("apps", "v1", "deployments", "Deployment"),
+    ("", "v1", "services", "Service"),
+    ("", "v1", "configmaps", "ConfigMap"),
+    ("", "v1", "pods", "Pod"),
+    ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
+    ("", "v1", "secrets", "Secret"),
+    ("", "v1", "serviceaccounts", "ServiceAccount"),
+    ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     # kopf skips a resource its cluster does not serve; the CRD watch below resyncs when it appears
-    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet"),
 ]
 MANAGED = {"app.kubernetes.io/managed-by": names.MANAGER}
 
@@ -41,6 +46,7 @@ class OperatorMemo:
     """kopf's memo: one per operator, shallow-copied per object (so every copy shares these)."""
 
     kubeconfig: str | None = None
+    cache: WatchCache = field(default_factory=WatchCache)
     controller: Controller | None = None
     queue: SyncQueue | None = None
 
@@ -57,7 +63,7 @@ async def startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
-    memo.controller = Controller(Kube(load_api_client(memo.kubeconfig)))
+    memo.controller = Controller(Kube(load_api_client(memo.kubeconfig)), memo.cache)
     memo.queue = SyncQueue(memo.controller.sync)
     logger.info("dsv4 operator started")
 
@@ -80,12 +86,29 @@ async def deployment_event(
     memo.sync_queue().enqueue((namespace, name))
 
 
-async def _child_event(
-    namespace: str | None, labels: kopf.Labels, memo: OperatorMemo, **_: Any
-) -> None:
-    owner = labels.get(names.DEPLOYMENT_LABEL)
-    if owner and namespace:
-        memo.sync_queue().enqueue((namespace, owner))
+def _cache_child(kind: str) -> Callable[..., None]:
+    def index(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        # every event but DELETED, before any handler sees it; kopf's own index stays empty
+        memo.cache.record(kind, dict(body))
+
+    return index
+
+
+def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
+    async def on_event(
+        event: kopf.RawEvent,
+        namespace: str | None,
+        labels: kopf.Labels,
+        memo: OperatorMemo,
+        **_: Any,
+    ) -> None:
+        if event["type"] == "DELETED":
+            memo.cache.forget(kind, dict(event["object"]))
+        owner = labels.get(names.DEPLOYMENT_LABEL)
+        if owner and namespace:
+            memo.sync_queue().enqueue((namespace, owner))
+
+    return on_event
 
 
 @kopf.on.event(
@@ -98,5 +121,10 @@ async def lws_crd_event(memo: OperatorMemo, **_: Any) -> None:
     memo.sync_queue().enqueue_all()
 
 
-for _group, _version, _plural in CHILD_RESOURCES:
-    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"child-{_plural}")(_child_event)
+for _group, _version, _plural, _kind in CHILD_RESOURCES:
+    kopf.index(_group, _version, _plural, labels=MANAGED, id=f"cache-{_plural}")(
+        _cache_child(_kind)
+    )
+    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"child-{_plural}")(
+        _child_event(_kind)
+    )

@@ -1,5 +1,5 @@
 """What the cluster says about one deployment: engine pod placements, readiness, problems, the KV
-token. Reads the pods (one LIST); everything else comes from the children already listed."""
+token, from its children and engine pods as read (pure: no requests of its own)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.children import Live
-from dsv4_operator.kube import KubeApi
 from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.desired import Facts
 from dsv4_operator.reconcile.identity import LWS_GROUP_INDEX, LWS_WORKER_INDEX, STS_POD_INDEX
@@ -105,8 +104,9 @@ def _kv_token(secret: dict[str, Any] | None) -> str:
     return base64.b64decode(data["token"]).decode() if data.get("token") else ""
 
 
-def observe(kube: KubeApi, spec: DeploymentSpec, lws_available: bool, live: Live) -> Observation:
-    pods = kube.list("Pod", spec.namespace, {names.DEPLOYMENT_LABEL: spec.name})
+def observe(
+    spec: DeploymentSpec, lws_available: bool, live: Live, pods: list[dict[str, Any]]
+) -> Observation:
     placements: dict[tuple[Role, int], list[PodPlacement]] = {}
     problems: list[tuple[str, str]] = []
     for pod in pods:
