@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("dsv4.operator")
 
@@ -54,6 +55,9 @@ class SyncQueue:
         self._tasks: set[asyncio.Task[None]] = set()
         self.known: set[Key] = set()
         self._limit = asyncio.Semaphore(max_concurrent)
+        # syncs block on HTTP: a pool of their own, as wide as the limit (the default pool has
+        # cpu_count + 4 threads, fewer than the limit on a small node)
+        self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="sync")
 
     def enqueue(self, key: Key, delay_s: float | None = None) -> None:
         """Sync ``key`` after ``delay_s`` (default: the coalescing delay); a sync already due
@@ -91,7 +95,7 @@ class SyncQueue:
             self._running.add(key)
             retry: float | None = None
             try:
-                await asyncio.to_thread(self._sync, *key)
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._sync, *key)
                 self.backoff.succeeded(key)
             except Exception:
                 retry = self.backoff.failed(key)
