@@ -86,14 +86,11 @@ class SidecarConnectorWorker(KVConnectorWorker):
         # the sidecar gives up at pull_timeout_s; this bounds us if it stops answering
         deadline = p.started + self.pull_timeout_s + 5.0
         try:
-            # the client speaks the wire form: this is the one place the typed params become it
-            params = p.spec.params.to_dict()
-            st = c.start_pull_status(params, timeout_s=self.pull_timeout_s, wait_s=POLL_S)
-            pull_id = str(st["pull_id"])
+            st = c.start_pull(p.spec.params, timeout_s=self.pull_timeout_s, wait_s=POLL_S)
+            pull_id = st.pull_id
             while True:
-                kv = c.pull_result(st)
-                if kv is not None:
-                    result = kv
+                if st.kv is not None:
+                    result = st.kv
                     break
                 if p.cancelled.is_set() or self._closed:
                     result = KVTransferFailure("cancelled", "the request went away")
@@ -103,7 +100,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
                         "timeout", f"KV pull not done after {self.pull_timeout_s:g}s"
                     )
                     break
-                st = c.pull_status(pull_id, wait_s=POLL_S)
+                st = c.poll_pull(pull_id, wait_s=POLL_S)
         except PullFailed as e:
             result = KVTransferFailure(e.reason or "unknown", f"KV pull failed ({e.reason}): {e}")
             pull_id = None  # the sidecar freed it already
