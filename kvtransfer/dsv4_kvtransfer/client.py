@@ -268,12 +268,24 @@ class SidecarClient:
     ) -> PullStatus:
         """Start pulling the KV the params name, and wait up to ``wait_s`` for it in the same
         request (one round trip fewer for small KV). ``PullFailed`` if it failed already."""
-        return self._typed(self.start_pull_status(kv_transfer_params, timeout_s, wait_s))
+        params = (
+            kv_transfer_params.to_dict()
+            if isinstance(kv_transfer_params, RemotePrefillParams)
+            else dict(kv_transfer_params)
+        )
+        body: dict[str, Any] = {"kv_transfer_params": params, "wait_s": wait_s}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self._typed(self.request("POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s))
 
     def poll_pull(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:
         """The pull's status, waiting up to ``wait_s`` while it is pending; ``PullFailed`` once
         it failed or its lease ran out."""
-        return self._typed(self.pull_status(pull_id, wait_s))
+        return self._typed(
+            self.request(
+                "GET", f"/v1/pulls/{pull_id}?wait={wait_s:g}", timeout=self.timeout_s + wait_s
+            )
+        )
 
     def wait_pull(self, pull_id: str, timeout_s: float = 60.0) -> PulledKV:
         """Block until the pull is done (-> where the KV is) or failed (``PullFailed``)."""
@@ -317,33 +329,3 @@ class SidecarClient:
                 str(st.get("reason")), str(st.get("error")), str(pull_id) if pull_id else None
             )
         return None
-
-    # ---- the wire-level forms the engine's connector still calls (worker_side.py); they go
-    # once it uses start_pull / poll_pull ---------------------------------------------------------
-
-    def start_pull_status(
-        self,
-        kv_transfer_params: RemotePrefillParams | Mapping[str, Any],
-        timeout_s: float | None = None,
-        wait_s: float = 0.0,
-    ) -> dict[str, Any]:
-        """``start_pull``, answering the wire's status object."""
-        params = (
-            kv_transfer_params.to_dict()
-            if isinstance(kv_transfer_params, RemotePrefillParams)
-            else dict(kv_transfer_params)
-        )
-        body: dict[str, Any] = {"kv_transfer_params": params, "wait_s": wait_s}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
-        return self.request("POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s)
-
-    def pull_status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
-        """``poll_pull``, answering the wire's status object."""
-        return self.request(
-            "GET", f"/v1/pulls/{pull_id}?wait={wait_s:g}", timeout=self.timeout_s + wait_s
-        )
-
-    def pull_result(self, st: Mapping[str, Any]) -> PulledKV | None:
-        """A wire status as ``PullStatus.kv`` (``PullFailed`` when failed or expired)."""
-        return self._finish(st)

@@ -348,7 +348,7 @@ def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> N
         sc.client.request("POST", "/v1/exports", {"request_id": "r", "buffers": [{"name": "x"}]})
     assert e.value.status == 400
     with pytest.raises(SidecarError) as e:
-        sc.client.pull_status("nope")
+        sc.client.poll_pull("nope")
     assert e.value.status == 404
     with pytest.raises(SidecarError) as e:
         sc.client.reserve_export("r", [BufferSpec("x", "uint8", (1,))], block_ids=[0] * 70000)
