@@ -9,7 +9,6 @@ comparison of the live object can see that); ``covers`` says nobody edited a fie
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from typing import Any
@@ -25,14 +24,11 @@ def desired_hash(obj: dict[str, Any]) -> str:
 
 
 def stamp(obj: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``obj`` carrying the hash of its own content in an annotation."""
-    out = copy.deepcopy(obj)
-    meta = out["metadata"]
-    meta["annotations"] = {
-        **meta.get("annotations", {}),
-        DESIRED_HASH_ANNOTATION: desired_hash(obj),
-    }
-    return out
+    """``obj`` carrying the hash of its own content in an annotation (copied down to the
+    annotations; everything else is shared with ``obj``)."""
+    meta = obj["metadata"]
+    annotations = {**meta.get("annotations", {}), DESIRED_HASH_ANNOTATION: desired_hash(obj)}
+    return {**obj, "metadata": {**meta, "annotations": annotations}}
 
 
 def _empty(value: Any) -> bool:
