@@ -11,16 +11,18 @@ from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.paged import gather_entries
+from dsv4_serving.distributed.groups import SOLO, Group
+from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.rope import Rotary, rotate_halves, rotate_tail_interleaved
 from dsv4_serving.models.config import DeepseekV3Config
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, rotary: Rotary) -> None:
+    def __init__(self, cfg: DeepseekV3Config, rotary: Rotary, tp: Group = SOLO) -> None:
         super().__init__()
         h, dim = cfg.num_attention_heads, cfg.hidden_size
-        self.n_heads = h
+        self.n_heads = tp.split(h)[1]
         self.nope, self.rope_dim, self.v_dim = (
             cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim,
@@ -30,17 +32,17 @@ class MLAttention(nn.Module):
         self.q_lora = cfg.q_lora_rank
         qk = cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.wq = nn.Linear(dim, h * qk, bias=False)
+            self.wq = ColumnParallelLinear(dim, h * qk, tp)
         else:
             self.wq_a = nn.Linear(dim, cfg.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+            self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, h * qk, tp)
         self.wkv_a = nn.Linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.wkv_b = nn.Linear(
-            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+        self.wkv_b = ColumnParallelLinear(
+            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp
         )
-        self.wo = nn.Linear(h * cfg.v_head_dim, dim, bias=False)
+        self.wo = RowParallelLinear(h * cfg.v_head_dim, dim, tp)
         self.scale = cfg.softmax_scale()
         self.rotary = rotary
         self.interleave = cfg.rope_interleave

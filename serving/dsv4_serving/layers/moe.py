@@ -1,7 +1,10 @@
 """Mixture-of-experts FFNs over a flat batch of tokens.
 
 Routed experts are stored stacked (``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]) so one gather
-serves a batch; the loader maps per-expert checkpoint tensors into the stack.
+serves a batch; the loader maps per-expert checkpoint tensors into the stack. Under expert
+parallelism a rank stacks only its contiguous block of experts; with EP off and TP on, every
+rank holds every expert's slice of the intermediate dim. Shared experts and dense MLPs are
+TP-sharded (column/row), their partial sums reduced together with the routed output.
 """
 
 from __future__ import annotations
@@ -10,16 +13,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
+from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
+from dsv4_serving.layers.moe_comm import make_moe_comm
+from dsv4_serving.layers.shard import ShardSpec
+
 
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``; with ``limit`` > 0 the gate is clamped above at ``limit`` and
     the up projection to ``[-limit, limit]`` (V4's clamped SwiGLU)."""
 
-    def __init__(self, dim: int, inter: int, limit: float = 0.0) -> None:
+    def __init__(
+        self, dim: int, inter: int, limit: float = 0.0, group: Group = SOLO, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.w1 = ColumnParallelLinear(dim, inter, group)
+        self.w2 = RowParallelLinear(inter, dim, group, reduce)
+        self.w3 = ColumnParallelLinear(dim, inter, group)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,40 +41,72 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, dim: int, inter: int, limit: float = 0.0) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        inter: int,
+        limit: float = 0.0,
+        parallel: ModelParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, inter, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, inter, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
+        self.shards: dict[str, ShardSpec] = {}
+        first, local = parallel.ep.split(num_experts)
+        if parallel.ep.size > 1:  # a block of whole experts
+            self.shards = {w: ShardSpec(0, first, local, num_experts) for w in ("w1", "w2", "w3")}
+        elif parallel.tp.size > 1:  # every expert, a slice of its intermediate dim
+            start, part = parallel.tp.split(inter)
+            self.shards = {
+                "w1": ShardSpec(1, start, part, inter),
+                "w3": ShardSpec(1, start, part, inter),
+                "w2": ShardSpec(2, start, part, inter),
+            }
+            inter = part
+        self.w1 = nn.Parameter(torch.empty(local, inter, dim))
+        self.w3 = nn.Parameter(torch.empty(local, inter, dim))
+        self.w2 = nn.Parameter(torch.empty(local, dim, inter))
         self.limit = limit
         self.num_experts = num_experts
+        self.first = first
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [T, D], ``idx``/``weights`` [T, k] -> [T, D]."""
+        return self.per_choice(x, idx, weights).sum(dim=1)
+
+    def per_choice(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[T, k, D]: each (token, choice)'s weighted output; zero where another rank holds
+        the chosen expert."""
         t, k = idx.shape
         flat_idx = idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
         token_of = order // k
         w_flat = weights.reshape(-1)[order]
-        # each (token, choice) pair's output in expert order, then back to [T, k] and summed
-        # over the k choices in a fixed order (no index_add_: slower on CPU, order-dependent)
-        ys = x.new_empty((t * k, x.shape[1]))
+        # each (token, choice) pair's output in expert order, then back to [T, k] (summed over
+        # the k choices in a fixed order by the caller: no index_add_, slower on CPU and
+        # order-dependent)
+        local = self.w1.shape[0]
+        every = local == self.num_experts
+        ys = x.new_empty((t * k, x.shape[1])) if every else x.new_zeros((t * k, x.shape[1]))
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
+            le = e - self.first
+            if not 0 <= le < local:
+                start += c
+                continue
             xs = x[token_of[start : start + c]]
-            gate, up = xs @ self.w1[e].t(), xs @ self.w3[e].t()
+            gate, up = xs @ self.w1[le].t(), xs @ self.w3[le].t()
             if self.limit > 0:
                 gate = gate.clamp(max=self.limit)
                 up = up.clamp(min=-self.limit, max=self.limit)
-            y = (F.silu(gate) * up) @ self.w2[e].t()
+            y = (F.silu(gate) * up) @ self.w2[le].t()
             ys[start : start + c] = (y * w_flat[start : start + c, None]).to(ys.dtype)
             start += c
         unsorted = torch.empty_like(ys)
         unsorted[order] = ys
-        return unsorted.view(t, k, -1).sum(dim=1)
+        return unsorted.view(t, k, -1)
 
 
 class V4Gate(nn.Module):
@@ -127,15 +169,18 @@ class V4MoE(nn.Module):
         route_scale: float,
         limit: float,
         n_shared: int,
+        parallel: ModelParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.gate = V4Gate(dim, num_experts, top_k, vocab, hashed, scoring, route_scale)
-        self.experts = Experts(num_experts, dim, inter, limit)
-        self.shared_experts = SwiGLU(dim, inter * n_shared, limit)
+        self.experts = Experts(num_experts, dim, inter, limit, parallel)
+        self.shared_experts = SwiGLU(dim, inter * n_shared, limit, parallel.tp, reduce=False)
+        self.comm = make_moe_comm(parallel)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, input_ids)
-        return self.experts(x, idx, w) + self.shared_experts(x)
+        routed = self.experts.per_choice(*self.comm.dispatch(x, idx, w))
+        return self.comm.combine(routed, self.shared_experts(x))
 
 
 class V3Gate(nn.Module):
@@ -186,12 +231,15 @@ class V3MoE(nn.Module):
         norm_topk: bool,
         route_scale: float,
         n_shared: int,
+        parallel: ModelParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.gate = V3Gate(dim, num_experts, top_k, n_group, topk_group, norm_topk, route_scale)
-        self.experts = Experts(num_experts, dim, inter)
-        self.shared_experts = SwiGLU(dim, inter * n_shared)
+        self.experts = Experts(num_experts, dim, inter, parallel=parallel)
+        self.shared_experts = SwiGLU(dim, inter * n_shared, group=parallel.tp, reduce=False)
+        self.comm = make_moe_comm(parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
-        return self.experts(x, idx, w) + self.shared_experts(x)
+        routed = self.experts.per_choice(*self.comm.dispatch(x, idx, w))
+        return self.comm.combine(routed, self.shared_experts(x))

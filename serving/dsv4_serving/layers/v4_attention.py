@@ -8,6 +8,10 @@ entry, CSA (ratio ``m``) pools overlapping ``2m``-token spans and a lightning in
 once its block is complete: ``w < (t + 1) // ratio``. Per-head sinks join the softmax
 denominator; the output's rope channels are rotated back by the query's angle, then a grouped
 low-rank projection mixes the heads.
+
+Under TP (vllm-ascend's split) a rank holds ``heads / tp`` query heads, their sinks and their
+``o_groups / tp`` output groups (``wq_b`` and ``wo_a`` column-parallel, ``wo_b`` row-parallel);
+the shared KV head, compressor, indexer and the cache are replicated on every TP rank.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from torch import nn
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.paged import gather_entries, scatter_entries
 from dsv4_serving.cache.v4 import V4LayerCache
+from dsv4_serving.distributed.groups import SOLO, Group
+from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm, rms_norm
 from dsv4_serving.layers.rope import Rotary, rotate_tail_interleaved
+from dsv4_serving.layers.shard import ShardSpec
 from dsv4_serving.models.config import DeepseekV4Config
 
 
@@ -89,22 +96,31 @@ class Indexer(nn.Module):
 
 class V4Attention(nn.Module):
     def __init__(
-        self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary, rotary_comp: Rotary
+        self,
+        cfg: DeepseekV4Config,
+        layer: int,
+        rotary_main: Rotary,
+        rotary_comp: Rotary,
+        tp: Group = SOLO,
     ) -> None:
         super().__init__()
-        d, h = cfg.head_dim, cfg.num_attention_heads
-        self.n_heads, self.head_dim, self.window = h, d, cfg.sliding_window
-        self.o_groups = cfg.o_groups
+        d, h, g = cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
+        first_head, local_heads = tp.split(h)
+        self.n_heads, self.head_dim, self.window = local_heads, d, cfg.sliding_window
+        self.o_groups = tp.split(g)[1]
         self.eps = cfg.rms_norm_eps
         self.ratio = cfg.layer_ratio(layer)
         self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, h * d, tp)
         self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.wo_a = ColumnParallelLinear(h * d // g, g * cfg.o_lora_rank, tp)
+        self.wo_b = RowParallelLinear(g * cfg.o_lora_rank, cfg.hidden_size, tp)
+        self.attn_sink = nn.Parameter(torch.zeros(local_heads))
+        self.shards: dict[str, ShardSpec] = {}
+        if tp.size > 1:
+            self.shards["attn_sink"] = ShardSpec(0, first_head, local_heads, h)
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.ratio:

@@ -1,7 +1,9 @@
 """``load_format=dummy``: deterministic random weights from a seed, no files.
 
 Scales keep activations and logits of order one at any size, so tiny random models produce
-varied tokens (a useful test signal) rather than a flat distribution.
+varied tokens (a useful test signal) rather than a flat distribution. A sharded parameter is
+generated in its logical (single-process) shape and then sliced, so every parallel layout
+holds exactly the single-process values.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import zlib
 import torch
 from torch import nn
 
+from dsv4_serving.layers.shard import shard_specs
+
 
 def _generator(seed: int, name: str) -> torch.Generator:
     # per-tensor streams: a parameter's values do not depend on which others exist
@@ -18,9 +22,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    specs = shard_specs(model)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             g = _generator(seed, name)
+            spec = specs.get(name)
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("tid2eid"):
                 vocab, k = p.shape
@@ -30,7 +36,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 continue
             if not p.is_floating_point():
                 continue
-            shape = p.shape
+            shape = p.shape if spec is None else spec.logical_shape(p.shape)
             if leaf == "weight" and (name.endswith("norm.weight") or p.dim() == 1):
                 v = 1.0 + 0.1 * torch.randn(shape, generator=g)
             elif name.endswith("embed.weight"):
@@ -43,9 +49,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 v = 0.1 * torch.randn(shape, generator=g)
             else:
                 v = torch.randn(shape, generator=g) * shape[-1] ** -0.5
-            p.copy_(v.to(p.dtype))
+            p.copy_((v if spec is None else spec.narrow(v)).to(p.dtype))
 
 
 def _num_experts(model: nn.Module, tid2eid_name: str) -> int:
     gate = model.get_submodule(tid2eid_name.rsplit(".", 1)[0])
-    return int(gate.weight.shape[0])
+    return int(gate.weight.shape[0])  # the router is replicated: every expert

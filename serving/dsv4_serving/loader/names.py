@@ -103,6 +103,16 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _NATIVE_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
+_HF_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def expert_of(name: str) -> int | None:
+    """The routed expert a per-expert checkpoint tensor (or its scale) belongs to, from its
+    name alone: the loader skips other ranks' experts before reading them."""
+    m = re.match(r"^.*\.ffn\.experts\.(\d+)\.", name) or _HF_EXPERT.match(name)
+    return int(m.group(1)) if m else None
+
+
 def _rename(rest: str, table: tuple[tuple[str, str], ...]) -> str | None:
     for hf, native in table:
         if rest == hf or rest.startswith(hf + "."):

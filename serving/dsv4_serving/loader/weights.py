@@ -4,6 +4,8 @@ safetensors, single file or sharded with ``model.safetensors.index.json``, read 
 threads straight to the target device, dequantised to the compute dtype; names may be
 DeepSeek-native or transformers'. Every parameter must be filled and every checkpoint tensor
 used (MTP copies of the shared embedding/head excepted): a mismatch is an error naming it.
+A sharded model (tensor or expert parallel) takes its slice of each tensor (``ShardSpec``);
+per-expert tensors of experts another rank holds are skipped by name, never read.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dsv4_serving.layers.shard import ShardSpec, shard_specs
 from dsv4_serving.loader.dummy import init_dummy_weights
-from dsv4_serving.loader.names import convert
+from dsv4_serving.loader.names import convert, expert_of
 from dsv4_serving.loader.quant import dequantize
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
@@ -59,6 +62,24 @@ def _scale_name(name: str, names: dict[str, str]) -> str | None:
     return None
 
 
+def _held_experts(specs: dict[str, ShardSpec]) -> ShardSpec | None:
+    """The block of experts this rank holds (the same in every layer), None if all."""
+    return next((s for n, s in specs.items() if n.endswith("experts.w1") and s.dim == 0), None)
+
+
+def _local(
+    t: torch.Tensor, expert: int | None, spec: ShardSpec | None
+) -> tuple[torch.Tensor | None, int | None]:
+    """(this rank's part of ``t`` or None if it holds none, row of a stacked parameter)."""
+    if spec is None:
+        return t, expert
+    if expert is None:
+        return spec.narrow(t), None
+    if spec.dim == 0:  # experts split over EP: a whole expert, or none
+        return (t, expert - spec.start) if spec.holds(expert) else (None, None)
+    return spec.narrow(t, dim_offset=-1), expert
+
+
 def load_weights(
     model: nn.Module,
     path: str | Path,
@@ -83,6 +104,8 @@ def load_weights(
     lock = threading.Lock()
     errors: list[str] = []
     scales = {s for n in names if (s := _scale_name(n, names))}
+    specs = shard_specs(model)
+    held = _held_experts(specs)
 
     def read(shard: str, keys: list[str]) -> None:
         handles: dict[str, object] = {}
@@ -96,6 +119,9 @@ def load_weights(
         for name in keys:
             if name in scales:
                 continue
+            e = expert_of(name)
+            if e is not None and held is not None and not held.holds(e):
+                continue  # another EP rank's expert
             t = get(name)
             sname = _scale_name(name, names)
             if sname is not None:
@@ -113,23 +139,27 @@ def load_weights(
                     with lock:
                         errors.append(f"unexpected tensor {name} (-> {piece.param})")
                     continue
-                dst = p.data if piece.expert is None else p.data[piece.expert]
-                if tuple(dst.shape) != tuple(piece.tensor.shape):
+                spec = specs.get(piece.param)
+                part, row = _local(piece.tensor, piece.expert, spec)
+                if part is None:
+                    continue
+                dst = p.data if row is None else p.data[row]
+                if tuple(dst.shape) != tuple(part.shape):
                     with lock:
                         errors.append(
-                            f"tensor {name}: shape {tuple(piece.tensor.shape)}, "
+                            f"tensor {name}: shape {tuple(part.shape)}, "
                             f"{piece.param} expects {tuple(dst.shape)}"
                         )
                     continue
                 with torch.no_grad():
-                    dst.copy_(piece.tensor.to(dst.dtype))
+                    dst.copy_(part.to(dst.dtype))
                 with lock:
-                    if piece.expert is None:
+                    if row is None:
                         filled[piece.param] = None
                     else:
                         rows = filled.setdefault(piece.param, set())
                         if rows is not None:
-                            rows.add(piece.expert)
+                            rows.add(row)
 
     by_shard: dict[str, list[str]] = {}
     for n, f in names.items():

@@ -8,23 +8,27 @@ from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.mla import MLAKVCache
+from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.mla import MLAttention
 from dsv4_serving.layers.moe import SwiGLU, V3MoE
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.rope import Rotary
+from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV3Config
 
 
 class V3Block(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer: int, rotary: Rotary) -> None:
+    def __init__(
+        self, cfg: DeepseekV3Config, layer: int, rotary: Rotary, parallel: ModelParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLAttention(cfg, rotary)
+        self.attn = MLAttention(cfg, rotary, parallel.tp)
         self.ffn: nn.Module
         if layer < cfg.first_k_dense_replace:
-            self.ffn = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.ffn = SwiGLU(cfg.hidden_size, cfg.intermediate_size, group=parallel.tp)
         else:
             self.ffn = V3MoE(
                 cfg.hidden_size,
@@ -36,6 +40,7 @@ class V3Block(nn.Module):
                 cfg.norm_topk_prob,
                 cfg.routed_scaling_factor,
                 cfg.n_shared_experts,
+                parallel,
             )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache) -> torch.Tensor:
@@ -47,8 +52,10 @@ class V3MTP(V3Block):
     """``block(eh_proj([enorm(embed(next token)); hnorm(h)]))`` then its own norm; embed and
     head are shared with the main model."""
 
-    def __init__(self, cfg: DeepseekV3Config, layer: int, rotary: Rotary) -> None:
-        super().__init__(cfg, layer, rotary)
+    def __init__(
+        self, cfg: DeepseekV3Config, layer: int, rotary: Rotary, parallel: ModelParallel = SINGLE
+    ) -> None:
+        super().__init__(cfg, layer, rotary, parallel)
         dim = cfg.hidden_size
         self.enorm = RMSNorm(dim, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(dim, cfg.rms_norm_eps)
@@ -62,17 +69,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     config_class = DeepseekV3Config
     cache_class = MLAKVCache
 
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, parallel: ModelParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.parallel = parallel
         rotary = Rotary(cfg.rope)
         self._rotary = rotary
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(V3Block(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.tp)
+        self.layers = nn.ModuleList(
+            V3Block(cfg, i, rotary, parallel) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel.tp)
         self.mtp = nn.ModuleList(
-            V3MTP(cfg, cfg.num_hidden_layers + i, rotary)
+            V3MTP(cfg, cfg.num_hidden_layers + i, rotary, parallel)
             for i in range(cfg.num_nextn_predict_layers)
         )
 

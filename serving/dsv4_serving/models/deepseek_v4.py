@@ -12,17 +12,24 @@ from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.v4 import V4KVCache
+from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.mhc import hc_head, hc_post, hc_pre
 from dsv4_serving.layers.moe import V4MoE
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.rope import Rotary
 from dsv4_serving.layers.v4_attention import V4Attention
+from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV4Config
 
 
 class V4Block(nn.Module):
     def __init__(
-        self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary, rotary_comp: Rotary
+        self,
+        cfg: DeepseekV4Config,
+        layer: int,
+        rotary_main: Rotary,
+        rotary_comp: Rotary,
+        parallel: ModelParallel = SINGLE,
     ) -> None:
         super().__init__()
         n, dim = cfg.hc_mult, cfg.hidden_size
@@ -31,7 +38,7 @@ class V4Block(nn.Module):
         self.layer = layer
         self.attn_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.attn = V4Attention(cfg, layer, rotary_main, rotary_comp)
+        self.attn = V4Attention(cfg, layer, rotary_main, rotary_comp, parallel.tp)
         self.ffn = V4MoE(
             dim,
             cfg.moe_intermediate_size,
@@ -43,6 +50,7 @@ class V4Block(nn.Module):
             cfg.routed_scaling_factor,
             cfg.swiglu_limit,
             cfg.n_shared_experts,
+            parallel,
         )
         self.hc_attn_fn = nn.Parameter(torch.empty(mix, n * dim))
         self.hc_attn_base = nn.Parameter(torch.zeros(mix))
@@ -87,9 +95,14 @@ class V4MTP(V4Block):
     h_proj(hnorm(streams))`` with its own stream collapse and norm, sharing embed and head."""
 
     def __init__(
-        self, cfg: DeepseekV4Config, layer: int, rotary_main: Rotary, rotary_comp: Rotary
+        self,
+        cfg: DeepseekV4Config,
+        layer: int,
+        rotary_main: Rotary,
+        rotary_comp: Rotary,
+        parallel: ModelParallel = SINGLE,
     ) -> None:
-        super().__init__(cfg, layer, rotary_main, rotary_comp)
+        super().__init__(cfg, layer, rotary_main, rotary_comp, parallel)
         dim, n = cfg.hidden_size, cfg.hc_mult
         self.e_proj = nn.Linear(dim, dim, bias=False)
         self.h_proj = nn.Linear(dim, dim, bias=False)
@@ -103,29 +116,32 @@ class V4MTP(V4Block):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """``forward(input_ids, meta, cache)`` -> hidden streams ``[T, hc_mult, D]``;
-    ``compute_logits(streams)`` -> ``[T, vocab]``; ``mtp_forward`` drafts the next token."""
+    ``compute_logits(streams)`` -> ``[T, vocab]``; ``mtp_forward`` drafts the next token.
+    ``parallel``: the process groups this rank's shard is built for (default: one process)."""
 
     config_class = DeepseekV4Config
     cache_class = V4KVCache
 
-    def __init__(self, cfg: DeepseekV4Config) -> None:
+    def __init__(self, cfg: DeepseekV4Config, parallel: ModelParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.parallel = parallel
         dim, n = cfg.hidden_size, cfg.hc_mult
         rotary_main = Rotary(cfg.main_rope)
         rotary_comp = Rotary(cfg.compress_rope)
         self._rotaries = (rotary_main, rotary_comp)
-        self.embed = nn.Embedding(cfg.vocab_size, dim)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, dim, parallel.tp)
         self.layers = nn.ModuleList(
-            V4Block(cfg, i, rotary_main, rotary_comp) for i in range(cfg.num_hidden_layers)
+            V4Block(cfg, i, rotary_main, rotary_comp, parallel)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.head = nn.Linear(dim, cfg.vocab_size, bias=False)
+        self.head = ParallelLMHead(dim, cfg.vocab_size, parallel.tp)
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * dim))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList(
-            V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp)
+            V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp, parallel)
             for i in range(cfg.num_nextn_predict_layers)
         )
 

@@ -35,6 +35,17 @@ class Platform:
             return torch.device("cpu")
         return torch.device(self.name, index)
 
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` (a rank's local rank) this process's current device."""
+        if self.name == "cpu":
+            return
+        import torch
+
+        if self.name == "npu":
+            importlib.import_module("torch_npu").npu.set_device(index)
+        else:
+            torch.cuda.set_device(index)
+
 
 def _torch_npu_present() -> bool:
     return importlib.util.find_spec("torch_npu") is not None

@@ -1,0 +1,1 @@
+"""Multi-device parallelism: rank topology (pure Python), process groups and collectives."""

@@ -1,0 +1,87 @@
+"""Collectives over a ``Group``; a size-1 group returns its input untouched (no call made).
+
+gloo (CPU) has no dependable reduce_scatter or uneven all_gather, so ``reduce_scatterv`` is an
+all-reduce plus a slice and ``all_gatherv`` pads to the longest share; the traffic is larger
+than nccl/hccl's native collectives would need, which do not change the results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsv4_serving.distributed.groups import Group
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over the group (in place on ``x``; returns it)."""
+    if group.size == 1:
+        return x
+    dist.all_reduce(x, group=group.device_group)
+    return x
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Equal shares concatenated along ``dim`` in group order."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.device_group)
+    return torch.cat(parts, dim=dim)
+
+
+def all_gather_sizes(n: int, group: Group, device: torch.device) -> list[int]:
+    if group.size == 1:
+        return [n]
+    t = torch.tensor([n], dtype=torch.long, device=device)
+    return [int(v) for v in all_gather(t, group, dim=0).tolist()]
+
+
+def all_gatherv(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """Uneven shares (``sizes[i]`` rows from member ``i``) concatenated along dim 0."""
+    if group.size == 1:
+        return x
+    longest = max(sizes)
+    padded = x.new_zeros((longest, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    full = all_gather(padded, group, dim=0)
+    return torch.cat([full[i * longest : i * longest + n] for i, n in enumerate(sizes)])
+
+
+def reduce_scatterv(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """Sum of ``x`` (rows concatenated as ``all_gatherv`` made them) over the group, then this
+    member's rows."""
+    if group.size == 1:
+        return x
+    total = all_reduce(x.contiguous(), group)
+    start = sum(sizes[: group.index])
+    return total[start : start + sizes[group.index]]
+
+
+def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
+    """Member ``src``'s object on every member (over the CPU group)."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=group.ranks[src], group=group.cpu_group)
+    return box[0]
+
+
+def gather_object(obj: Any, group: Group, dst: int = 0) -> list[Any] | None:
+    """Every member's object, in group order, on member ``dst``; None elsewhere."""
+    if group.size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * group.size if group.index == dst else None
+    dist.gather_object(obj, out, dst=group.ranks[dst], group=group.cpu_group)
+    return out
+
+
+def all_gather_object(obj: Any, group: Group) -> list[Any]:
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
