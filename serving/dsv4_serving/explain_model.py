@@ -2,8 +2,9 @@
 
 In the seed's troubleshooting order: (1) which class the checkpoint's architecture resolves to
 and who registered it, (2) which device and attention backend the platform picks and from
-which config fields, (3) the derived switches and the KV cache shape. Reads ``config.json``
-only; no weights are loaded.
+which config fields, (3) the derived switches and the KV cache shape, then (5) the parallel
+plan for ``--tp/--dp/--ep``: which tensors each rank holds whole, TP-sharded or expert-local,
+and the weight and KV bytes per rank. Reads ``config.json`` only; no weights are loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsv4_serving.distributed.topology import Topology
 from dsv4_serving.models.config import architecture_of, read_config_json
 from dsv4_serving.presets.configs import PRESETS, preset_config
 
@@ -30,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu | cuda | npu | auto (default: auto, npu > cuda > cpu; env DSV4_DEVICE)",
     )
     parser.add_argument("--block-size", type=int, default=128, help="KV block size in tokens")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--dp", type=int, default=1, help="data parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (1 or tp x dp)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes the ranks spread over")
 
 
 def load_model_config(model: str) -> tuple[dict[str, Any], str]:
@@ -38,7 +44,14 @@ def load_model_config(model: str) -> tuple[dict[str, Any], str]:
     return read_config_json(model), str(Path(model))
 
 
-def explain(config: dict[str, Any], source: str, device: str, block_size: int) -> str:
+def explain(
+    config: dict[str, Any],
+    source: str,
+    device: str,
+    block_size: int,
+    topology: Topology | None = None,
+) -> str:
+    from dsv4_serving.models.parallel_plan import parallel_plan, render
     from dsv4_serving.models.registry import REGISTRY
     from dsv4_serving.platform.backend import select_attention_backend
     from dsv4_serving.platform.device import detect_platform
@@ -65,7 +78,21 @@ def explain(config: dict[str, Any], source: str, device: str, block_size: int) -
     lines += [f"   {k} = {str(v).lower()}" for k, v in choice.switches.items()]
     cfg = cls.config_class.from_dict(config)
     lines += _layers(cfg, block_size)
+    plan = parallel_plan(cls, cfg, topology or Topology())
+    lines += render(plan, _kv_bytes_per_block(cfg, block_size), block_size)
     return "\n".join(lines)
+
+
+def _kv_bytes_per_block(cfg: Any, block_size: int) -> int | None:
+    if hasattr(cfg, "compress_ratios"):
+        if block_size % cfg.csa_ratio or block_size % cfg.hca_ratio:
+            return None
+        from dsv4_serving.cache.v4 import V4KVCache
+
+        return int(V4KVCache.bytes_per_block(cfg, block_size, 2))
+    from dsv4_serving.cache.mla import MLAKVCache
+
+    return int(MLAKVCache.bytes_per_block(cfg, block_size, 2))
 
 
 def _layers(cfg: Any, block_size: int) -> list[str]:
@@ -117,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config, source = load_model_config(args.model)
-        print(explain(config, source, args.device, args.block_size))
+        topology = Topology(args.tp, args.dp, args.ep, args.nnodes)
+        print(explain(config, source, args.device, args.block_size, topology))
     except (FileNotFoundError, ValueError, KeyError, ImportError, PlatformError) as exc:
         if isinstance(exc, UnknownArchitectureError):
             print(f"dsv4 explain-model: 1. architecture: {exc}", file=sys.stderr)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from dsv4_serving.distributed.topology import Topology, TopologyError
+
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
@@ -99,6 +101,7 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        self.topology()
         if self.role != "both" and not self.kv_sidecar:
             raise ConfigError(
                 f"--role {self.role} needs --kv-sidecar URL: the control API of the local "
@@ -121,14 +124,34 @@ class EngineConfig:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def check_parallel(self, device: str) -> None:
-        """This engine runs one device per process; larger parallel sizes fail fast."""
-        sizes = (self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size)
-        if sizes != (1, 1, 1):
+    def topology(self, nnodes: int = 1) -> Topology:
+        """The rank layout of these sizes (``ep`` must be 1 or ``tp x dp``)."""
+        try:
+            return Topology(
+                self.tensor_parallel_size,
+                self.data_parallel_size,
+                self.expert_parallel_size,
+                nnodes,
+            )
+        except TopologyError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def check_parallel(self, device: str, model_config: Any = None) -> None:
+        """The sizes form a valid topology that splits ``model_config`` evenly; the engine
+        itself still runs one device per process (the model layer splits, the worker
+        processes that would drive it are the next increment), so sizes > 1 fail fast."""
+        topo = self.topology()
+        if model_config is not None:
+            try:
+                topo.check_model(model_config)
+            except TopologyError as exc:
+                raise ConfigError(str(exc)) from None
+        sizes = (topo.tp, topo.dp, topo.ep)
+        if topo.world > 1:
             raise ConfigError(
-                f"tensor/data/expert parallel sizes {sizes} are not supported on {device}: this "
-                "engine runs the model on one device per process (use 1/1/1, or scale out with "
-                "more engine replicas)"
+                f"tensor/data/expert parallel sizes {sizes} are not supported on {device} yet: "
+                "the engine runs the model on one device per process (its multi-process workers "
+                "are not built yet; use 1/1/1, or scale out with more engine replicas)"
             )
 
     @classmethod

@@ -14,9 +14,10 @@ from dsv4_serving.models.config import RopeConfig
 
 
 def inv_freq(rope: RopeConfig) -> torch.Tensor:
-    """``[dim // 2]`` float32 inverse frequencies."""
+    """``[dim // 2]`` float32 inverse frequencies, computed on the CPU whatever the default
+    device (a model built on the meta device for its parallel plan still gets real tables)."""
     dim, base = rope.dim, rope.theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolation = 1.0 / pos_freqs
     if rope.kind == "default":
         return extrapolation
@@ -30,7 +31,7 @@ def inv_freq(rope: RopeConfig) -> torch.Tensor:
     high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # type: ignore[assignment]
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 

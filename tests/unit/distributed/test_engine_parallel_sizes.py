@@ -1,0 +1,42 @@
+"""The engine config validates its parallel sizes as a topology, without loading torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dsv4_serving.engine.config import ConfigError, EngineConfig
+from dsv4_serving.models.config import DeepseekV4Config
+from dsv4_serving.presets.configs import preset_config
+
+
+def test_ep_that_is_neither_one_nor_the_world_is_refused_at_construction() -> None:
+    with pytest.raises(ConfigError, match="must be 1 or tp x dp = 4: EP spans the DP x TP world"):
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)
+
+
+def test_a_model_that_cannot_split_is_named_before_the_not_yet_built_workers() -> None:
+    cfg = DeepseekV4Config.from_dict(preset_config("dsv4-tiny"))
+    with pytest.raises(
+        ConfigError, match="output groups \\(o_groups\\) 2 is not divisible by tp 4"
+    ):
+        EngineConfig(tensor_parallel_size=4).check_parallel("cpu", cfg)
+    with pytest.raises(
+        ConfigError, match=r"parallel sizes \(2, 2, 4\) are not supported on cpu yet"
+    ):
+        EngineConfig(
+            tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=4
+        ).check_parallel("cpu", cfg)
+    EngineConfig().check_parallel("cpu", cfg)
+
+
+def test_validating_parallel_sizes_never_imports_torch() -> None:
+    code = (
+        "import sys; from dsv4_serving.engine.config import EngineConfig; "
+        "EngineConfig(tensor_parallel_size=2, expert_parallel_size=2).topology(); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
