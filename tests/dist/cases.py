@@ -62,22 +62,29 @@ def _meta(starts: list[int], news: list[int], blocks_per_seq: int) -> AttentionM
 
 
 def run_model(model: Any, prompts: list[list[int]], feeds: list[list[int]]) -> torch.Tensor:
-    """Last-token logits [steps + 1, B, V]: the prompts prefilled together, then one decode
-    step per column of ``feeds`` (fixed tokens, so every layout follows the same path)."""
+    """Last-token logits [steps + 1, B, 2V], main model then MTP draft: the prompts prefilled
+    together, then one decode step per column of ``feeds`` (fixed tokens, so every layout
+    follows the same path); the MTP layer drafts from every step's hidden states."""
+    steps = len(feeds[0])
     nb = -(-max(len(p) + len(f) for p, f in zip(prompts, feeds, strict=True)) // BLOCK)
     cache = model.allocate_cache(nb * len(prompts), BLOCK, len(prompts))
-    lens = [len(p) for p in prompts]
+    seqs = [list(p) for p in prompts]
     out = []
     with torch.no_grad():
-        ids = torch.tensor([t for p in prompts for t in p])
-        meta = _meta([0] * len(prompts), lens, nb)
-        for step in range(len(feeds[0]) + 1):
-            h = model(ids, meta, cache)
-            out.append(model.compute_logits(h[meta.last_token_indices()]))
-            if step == len(feeds[0]):
+        meta = _meta([0] * len(seqs), [len(p) for p in seqs], nb)
+        news = seqs
+        for step in range(steps + 1):
+            h = model(torch.tensor([t for n in news for t in n]), meta, cache)
+            # the MTP layer reads (hidden at p, token at p + 1): shift each sequence by one
+            after = [f[step] if step < steps else 0 for f in feeds]
+            nxt = torch.tensor([t for n, a in zip(news, after, strict=True) for t in n[1:] + [a]])
+            draft, _ = model.mtp_forward(nxt, h, meta, cache)
+            last = meta.last_token_indices()
+            out.append(torch.cat((model.compute_logits(h[last]), draft[last]), dim=-1))
+            if step == steps:
                 break
-            ids = torch.tensor([f[step] for f in feeds])
-            meta = _meta(meta.seq_lens(), [1] * len(prompts), nb)
+            news = [[a] for a in after]
+            meta = _meta(meta.seq_lens(), [1] * len(seqs), nb)
     return torch.stack(out)
 
 
@@ -161,3 +168,13 @@ def collectives(rank: int, world: int, port: int) -> dict[str, Any]:
         }
     finally:
         destroy_distributed()
+
+
+def one_rank_fails(rank: int, world: int, port: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    join(rank, port, Topology(dp=2), timeout_s=60)  # waits for rank 1 until killed
+
+
+def sizes_of_the_world(rank: int, world: int, port: int) -> tuple[int, int]:
+    return rank, world
