@@ -77,7 +77,7 @@ def run_model(model: Any, prompts: list[list[int]], feeds: list[list[int]]) -> t
             h = model(torch.tensor([t for n in news for t in n]), meta, cache)
             # the MTP layer reads (hidden at p, token at p + 1): shift each sequence by one
             after = [f[step] if step < steps else 0 for f in feeds]
-            nxt = torch.tensor([t for n, a in zip(news, after, strict=True) for t in n[1:] + [a]])
+            nxt = torch.tensor([t for n, a in zip(news, after, strict=True) for t in [*n[1:], a]])
             draft, _ = model.mtp_forward(nxt, h, meta, cache)
             last = meta.last_token_indices()
             out.append(torch.cat((model.compute_logits(h[last]), draft[last]), dim=-1))
