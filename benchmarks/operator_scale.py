@@ -70,6 +70,12 @@ def _rss_mb(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
@@ -191,6 +197,8 @@ def run_round(
     names = [f"b{i}" for i in range(n)]
     doc = {"apiVersion": "v1", "kind": "List", "items": [_cr(x) for x in names]}
     before = _requests(op)
+    assert op.pid is not None
+    cpu_before = _cpu_s(op.pid)
     watch = Watch(cluster, ns)
     time.sleep(1.0)  # let the watches start
     watch.t0 = t0 = time.monotonic()
@@ -204,7 +212,9 @@ def run_round(
         watch.stop()
     wall = time.monotonic() - t0
     after = _requests(op)
+    cpu = _cpu_s(op.pid) - cpu_before
     return {
+        "operator_cpu_s": cpu,
         "n": n,
         "created": list(watch.created(names).values()),
         "ready": list(watch.ready().values()),
@@ -293,7 +303,8 @@ def main() -> int:
     for r in results:
         reqs = ", ".join(f"{v} {r['requests'][v]:g}" for v in VERBS)
         print(
-            f"{r['n']} CRs: `kubectl create` returned after {r['create_s']:.2f}s; the operator ran "
+            f"{r['n']} CRs: `kubectl create` returned after {r['create_s']:.2f}s; in "
+            f"{r['wall']:.1f}s the operator used {r['operator_cpu_s']:.1f} CPU-s and ran "
             f"{r['requests']['syncs']:g} syncs making {reqs}"
         )
     if one_sync:
