@@ -113,9 +113,10 @@ def _moe(kind: str) -> dict[str, float]:
         out[f"{name}/{kind}"] = _diff(part(*args), full(*args_all)[mine])
         # the same router outputs on both sides (a router on 5 rows may round differently
         # from one on 9): the check is that splitting the experts changes no bit
-        xs, idx, w = part.comm.dispatch(x_all[mine], *part.gate(*args))
-        got = part.comm.combine(part.experts.per_choice(xs, idx, w), torch.zeros_like(args[0]))
-        want = full.experts(xs, idx, w)
+        d = part.comm.dispatch(x_all[mine], *part.gate(*args))
+        routed = part.experts.per_choice(d.x, d.idx, d.weights)
+        got = part.comm.combine(routed, torch.zeros_like(args[0]), d)
+        want = full.experts(d.x, d.idx, d.weights)
         if par.dp.size > 1:
             want = want[mine]
         out[f"{name}/{kind}/routed_bitwise_differs"] = float(not torch.equal(got, want))

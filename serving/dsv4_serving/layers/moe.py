@@ -179,8 +179,9 @@ class V4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, input_ids)
-        routed = self.experts.per_choice(*self.comm.dispatch(x, idx, w))
-        return self.comm.combine(routed, self.shared_experts(x))
+        d = self.comm.dispatch(x, idx, w)
+        routed = self.experts.per_choice(d.x, d.idx, d.weights)
+        return self.comm.combine(routed, self.shared_experts(x), d)
 
 
 class V3Gate(nn.Module):
@@ -241,5 +242,6 @@ class V3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
-        routed = self.experts.per_choice(*self.comm.dispatch(x, idx, w))
-        return self.comm.combine(routed, self.shared_experts(x))
+        d = self.comm.dispatch(x, idx, w)
+        routed = self.experts.per_choice(d.x, d.idx, d.weights)
+        return self.comm.combine(routed, self.shared_experts(x), d)

@@ -17,7 +17,7 @@ into this rank's tokens.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -25,12 +25,20 @@ from dsv4_serving.distributed.comm import all_gather_sizes, all_gatherv, all_red
 from dsv4_serving.distributed.groups import ModelParallel
 
 
-class MoEComm(Protocol):
-    def dispatch(
-        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+class Dispatched(NamedTuple):
+    """The tokens the local experts run on, their router choices, and how many rows came
+    from each DP rank (``(T,)`` when nothing was gathered)."""
 
-    def combine(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    x: torch.Tensor
+    idx: torch.Tensor
+    weights: torch.Tensor
+    sizes: tuple[int, ...]
+
+
+class MoEComm(Protocol):
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Dispatched: ...
+
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor, d: Dispatched) -> torch.Tensor:
         """``routed`` [T_all, k, D] per choice, ``shared`` [T, D] TP-partial -> [T, D]."""
         ...
 
@@ -39,12 +47,10 @@ class Replicated:
     def __init__(self, parallel: ModelParallel) -> None:
         self.p = parallel
 
-    def dispatch(
-        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return x, idx, w
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Dispatched:
+        return Dispatched(x, idx, w, (x.shape[0],))
 
-    def combine(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor, d: Dispatched) -> torch.Tensor:
         tp = self.p.tp
         if self.p.exact_moe and self.p.ep.size > 1:
             return all_reduce(routed, self.p.ep).sum(dim=1) + all_reduce(shared, tp)
@@ -54,22 +60,20 @@ class Replicated:
 class AllGather:
     def __init__(self, parallel: ModelParallel) -> None:
         self.p = parallel
-        self._sizes: list[int] = []
 
-    def dispatch(
-        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Dispatched:
         dp = self.p.dp
-        self._sizes = all_gather_sizes(x.shape[0], dp, x.device)
-        return (
-            all_gatherv(x, self._sizes, dp),
-            all_gatherv(idx, self._sizes, dp),
-            all_gatherv(w, self._sizes, dp),
+        sizes = all_gather_sizes(x.shape[0], dp, x.device)
+        return Dispatched(
+            all_gatherv(x, sizes, dp),
+            all_gatherv(idx, sizes, dp),
+            all_gatherv(w, sizes, dp),
+            tuple(sizes),
         )
 
-    def combine(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        start = sum(self._sizes[: self.p.dp.index])
-        mine = slice(start, start + self._sizes[self.p.dp.index])
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        start = sum(d.sizes[: self.p.dp.index])
+        mine = slice(start, start + d.sizes[self.p.dp.index])
         if self.p.exact_moe:
             routed = all_reduce(routed, self.p.ep)[mine].sum(dim=1)
             return routed + all_reduce(shared, self.p.tp)
