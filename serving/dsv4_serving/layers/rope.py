@@ -31,7 +31,8 @@ def inv_freq(rope: RopeConfig) -> torch.Tensor:
     high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # type: ignore[assignment]
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    channel = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((channel - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 
