@@ -61,10 +61,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     hf, ckpt = model_config_dict(config.model)
     platform = detect_platform(None if config.device == "auto" else config.device)
-    config.check_parallel(platform.name)
     arch = architecture_of(hf)
     cls = REGISTRY.resolve(arch)
     mcfg = cls.config_class.from_dict(hf)
+    config.check_parallel(platform.name, mcfg)
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "float32" if platform.name == "cpu" else "bfloat16"
