@@ -109,7 +109,7 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
             memo.cache.forget(kind, dict(event["object"]))
         owner = labels.get(names.DEPLOYMENT_LABEL)
         if owner and namespace:
-            memo.sync_queue().enqueue((namespace, owner), CHILD_EVENT_DELAY_S)
+            memo.sync_queue().enqueue_known((namespace, owner), CHILD_EVENT_DELAY_S)
 
     return on_event
 

@@ -78,6 +78,13 @@ class SyncQueue:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def enqueue_known(self, key: Key, delay_s: float | None = None) -> None:
+        """``enqueue`` for a deployment this queue has seen an event of, and that was not deleted
+        since: a child's event never resurrects a deleted one (its children are being collected),
+        and before its own first event its children cannot matter yet (that event syncs it)."""
+        if key in self.known:
+            self.enqueue(key, delay_s)
+
     def forget(self, key: Key) -> None:
         self._again.discard(key)
         self.known.discard(key)

@@ -277,6 +277,18 @@ def test_pod_larger_than_any_node_degrades_the_deployment(k8s_cluster, operator,
     cluster.kubectl("delete", "dsv4", "huge", "-n", ns, "--wait=true")
 
 
+def _settled(read: Any, quiet_s: float = 2.0) -> float:
+    """A counter's value once it has not moved for ``quiet_s`` (syncs already queued finish)."""
+    value = read()
+    for _ in range(30):
+        time.sleep(quiet_s)
+        now = read()
+        if now == value:
+            return float(now)
+        value = now
+    raise AssertionError(f"the counter kept moving: {value}")
+
+
 def test_two_replicas_elect_one_active(
     k8s_cluster, operator, operator_kubeconfig, namespace
 ) -> None:
@@ -290,7 +302,7 @@ def test_two_replicas_elect_one_active(
             lambda: "Pausing operations in favour of" in operator.tail(400),
             timeout_s=60,
         )
-        idle_syncs = operator.metric("dsv4_operator_syncs_total")
+        idle_syncs = _settled(lambda: operator.metric("dsv4_operator_syncs_total"))
         apply_yaml(cluster, (EXAMPLES / "tiny-cpu.yaml").read_text(), ns)
         wait_for(
             "Ready under the active replica",

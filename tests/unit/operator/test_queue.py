@@ -136,3 +136,21 @@ def test_forget_drops_the_back_off_of_a_deleted_object() -> None:
 
     _run(body)
     assert q_backoff.failures(A) == 0
+
+
+def test_a_childs_event_syncs_only_a_deployment_the_queue_knows() -> None:
+    rec = Recorder()
+
+    async def body() -> None:
+        q = SyncQueue(rec, delay_s=0)
+        q.enqueue_known(A)  # no event of A itself yet
+        q.enqueue(B)
+        await q.drain()
+        q.enqueue_known(B)
+        q.forget(B)  # deleted: its children's events come in as they are collected
+        await q.drain()
+        q.enqueue_known(B)
+        await q.drain()
+
+    _run(body)
+    assert rec.calls == [B, B]
