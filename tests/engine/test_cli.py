@@ -45,9 +45,23 @@ def test_a_bad_failure_policy_is_refused() -> None:
     assert r.returncode == 2 and "invalid choice: 'retry'" in r.stderr
 
 
-def test_parallel_sizes_on_cpu_fail_fast() -> None:
-    r = _run("--model", "dsv4-tiny", "--device", "cpu", "--tensor-parallel-size", "2")
-    assert r.returncode == 2 and "parallel sizes (2, 1, 1)" in r.stderr
+def test_parallel_sizes_the_model_cannot_split_fail_the_start_clearly() -> None:
+    r = _run("--model", "dsv4-tiny", "--device", "cpu", "--tensor-parallel-size", "4")
+    assert r.returncode == 1
+    assert "failed to start: ConfigError: output groups (o_groups) 2 is not divisible by tp 4" in (
+        r.stderr
+    )
+
+
+def test_expert_parallel_sizes_other_than_one_or_the_world_are_refused() -> None:
+    r = _run(
+        "--model",
+        "dsv4-tiny",
+        *("--tensor-parallel-size", "2", "--data-parallel-size", "2"),
+        "--expert-parallel-size",
+        "2",
+    )
+    assert r.returncode == 2 and "EP spans the DP x TP world" in r.stderr
 
 
 def _config(*argv: str) -> EngineConfig:

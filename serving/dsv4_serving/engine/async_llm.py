@@ -1,7 +1,9 @@
 """The front end's handle on the engine core process: requests in, text increments out.
 
 The core runs in a child process (spawned, so it owns its torch state and threads); two
-multiprocessing queues connect them. A reader thread hands core messages to the event loop.
+multiprocessing queues connect them. A parallel instance spawns one process per rank
+(``engine.worker``); rank 0 is the core the queues reach, and any rank that exits ends the
+instance: every request fails with the reason and the other ranks are killed. A reader thread hands core messages to the event loop.
 Detokenization and stop strings happen here, as in vLLM's output processor: when a stop string
 appears the request is finished here and aborted in the core.
 """
@@ -21,7 +23,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
+from dsv4_common.process import free_port
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_serving.distributed.launcher import LocalRanks
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.engine_core import run_engine_core
 from dsv4_serving.engine.messages import (
@@ -97,7 +101,7 @@ class AsyncLLM:
         self.stats = SchedulerStats()
         self._states: dict[str, _State] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._proc: Any = None
+        self._ranks: LocalRanks | None = None
         self._reader: threading.Thread | None = None
         self._closing = False
         self.dead_reason: str | None = None
@@ -106,27 +110,31 @@ class AsyncLLM:
     # ---- lifecycle --------------------------------------------------------------------
 
     def start(self, timeout_s: float = 600.0) -> EngineInfo:
-        """Spawn the core and wait until it has loaded the model (blocking)."""
+        """Spawn the core (and its peer ranks) and wait until the model is loaded (blocking)."""
         ctx = mp.get_context("spawn")
         self._in: Any = ctx.Queue()
         self._out: Any = ctx.Queue()
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.config, self._in, self._out),
-            daemon=True,
-            name="dsv4-engine-core",
-        )
-        self._proc.start()
+        world = self.config.topology().world
+        args: list[tuple[Any, ...]]
+        if world == 1:
+            args = [(self.config, self._in, self._out)]
+            self._ranks = LocalRanks(run_engine_core, args, "dsv4-engine-core")
+        else:
+            from dsv4_serving.engine.worker import rank_main  # torch: imported by the ranks
+
+            port = free_port()
+            args = [(self.config, r, port, self._in, self._out) for r in range(world)]
+            self._ranks = LocalRanks(rank_main, args, "dsv4-rank")
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 msg = self._out.get(timeout=0.5)
                 break
             except queue.Empty:
-                if not self._proc.is_alive():
-                    raise EngineDeadError(
-                        f"engine core exited with code {self._proc.exitcode} while starting"
-                    ) from None
+                dead = self._death()
+                if dead is not None:
+                    self.shutdown()
+                    raise EngineDeadError(f"{dead} while starting") from None
                 if time.monotonic() > deadline:
                     self.shutdown()
                     raise EngineDeadError(f"engine core not ready after {timeout_s}s") from None
@@ -136,6 +144,17 @@ class AsyncLLM:
         self.info = msg.info
         return msg.info
 
+    def _death(self) -> str | None:
+        """Why the instance is dead (a rank exited), or None."""
+        assert self._ranks is not None
+        dead = self._ranks.first_dead()
+        if dead is None:
+            return None
+        rank, code = dead
+        if len(self._ranks.procs) == 1:
+            return f"engine core exited with code {code}"
+        return f"rank {rank} of {len(self._ranks.procs)} exited with code {code}"
+
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering core messages to ``loop`` (call from inside it)."""
         self._loop = loop
@@ -144,32 +163,32 @@ class AsyncLLM:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive() and self.dead_reason is None
+        return self._ranks is not None and self._ranks.alive and self.dead_reason is None
 
     def shutdown(self) -> None:
         self._closing = True
-        if self._proc is None:
+        if self._ranks is None:
             return
-        if self._proc.is_alive():
+        if self._ranks.alive:
             with contextlib.suppress(OSError, ValueError):
                 self._send(Shutdown())
-            self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=5)
+        self._ranks.join(timeout_s=10)
         if self._reader is not None:
             self._reader.join(timeout=2)
 
     def _read(self) -> None:
         assert self._loop is not None
+        assert self._ranks is not None
         while not self._closing:
+            dead = self._death()
+            if dead is not None and not self._closing:
+                reason = f"engine core died: {dead}"
+                self._ranks.kill()  # the rest of a broken instance
+                self._loop.call_soon_threadsafe(self._fail_all, reason)
+                return
             try:
                 msg = self._out.get(timeout=0.5)
             except queue.Empty:
-                if not self._proc.is_alive() and not self._closing:
-                    reason = f"engine core died (exit code {self._proc.exitcode})"
-                    self._loop.call_soon_threadsafe(self._fail_all, reason)
-                    return
                 continue
             except (EOFError, OSError):
                 return

@@ -74,13 +74,18 @@ class EngineConfig:
     num_speculative_tokens: int = -1
     """MTP draft tokens per step (0-3); -1 = 1 when the model has an MTP layer, else 0."""
     tensor_parallel_size: int = 1
-    """Devices each layer is split across (one per process on CPU: see ``check_parallel``)."""
+    """Devices each layer is split across; one process per rank (CPU: ranks share the CPUs)."""
     data_parallel_size: int = 1
     """Replicas of the attention layers inside one engine."""
     expert_parallel_size: int = 1
     """Devices the MoE experts are spread over."""
     rank_table: str | None = None
     """HCCL rank table (Ascend multi-node)."""
+    threads_per_rank: int = 0
+    """Torch threads of each rank's process; 0 = torch's default with one rank, else this
+    machine's CPUs split evenly over the ranks."""
+    distributed_timeout: float = 60.0
+    """Seconds a rank waits in a rendezvous or collective before it gives up (a dead peer)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
@@ -101,6 +106,8 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.threads_per_rank < 0 or self.distributed_timeout <= 0:
+            raise ConfigError("threads_per_rank must be >= 0 and distributed_timeout > 0")
         self.topology()
         if self.role != "both" and not self.kv_sidecar:
             raise ConfigError(
@@ -137,22 +144,33 @@ class EngineConfig:
             raise ConfigError(str(exc)) from None
 
     def check_parallel(self, device: str, model_config: Any = None) -> None:
-        """The sizes form a valid topology that splits ``model_config`` evenly; the engine
-        itself still runs one device per process (the model layer splits, the worker
-        processes that would drive it are the next increment), so sizes > 1 fail fast."""
+        """The sizes form a valid topology that splits ``model_config`` evenly, on a setup
+        the worker processes support (PD transfer per rank is not built yet)."""
         topo = self.topology()
         if model_config is not None:
             try:
                 topo.check_model(model_config)
             except TopologyError as exc:
                 raise ConfigError(str(exc)) from None
-        sizes = (topo.tp, topo.dp, topo.ep)
-        if topo.world > 1:
+        if topo.dp > 1:
             raise ConfigError(
-                f"tensor/data/expert parallel sizes {sizes} are not supported on {device} yet: "
-                "the engine runs the model on one device per process (its multi-process workers "
-                "are not built yet; use 1/1/1, or scale out with more engine replicas)"
+                f"data_parallel_size {topo.dp} on {device} is not supported yet (DP lockstep "
+                "is the next part of the parallel engine); use tensor/expert parallelism"
             )
+        if topo.world > 1 and self.kv_sidecar:
+            raise ConfigError(
+                f"a KV sidecar (PD roles) with tp x dp = {topo.world} ranks on {device} is not "
+                "supported yet: KV export/import per rank is the next part of the parallel "
+                "engine; use 1/1/1 for prefill and decode engines"
+            )
+
+    def rank_threads(self, cpus: int) -> int:
+        """Torch threads of one rank's process on a machine with ``cpus`` CPUs (0 = leave
+        torch's default, the single-process path)."""
+        world = self.topology().world
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        return 0 if world == 1 else max(1, cpus // world)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:

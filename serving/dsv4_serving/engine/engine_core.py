@@ -13,10 +13,12 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, assert_never
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
-from dsv4_serving.engine.config import ConfigError, EngineConfig
+from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
+from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.kv_connector.compat import KVCompat
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
@@ -33,6 +35,7 @@ from dsv4_serving.engine.messages import (
 )
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from dsv4_serving.engine.step_protocol import Heartbeat, RunStep, StopFollowing, ToFollower
 
 if TYPE_CHECKING:
     from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
@@ -41,29 +44,24 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """``parallel``/``world``: this rank's groups when the core is TP rank 0 of a parallel
+    instance; it then sends each step to its TP followers (``worker.follow``)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        parallel: ModelParallel = SINGLE,
+        world: Group = SOLO,
+        device_index: int = 0,
+    ) -> None:
         from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
-        from dsv4_serving.engine.model_loader import load_model, num_kv_blocks
-        from dsv4_serving.engine.model_runner import ModelRunner
+        from dsv4_serving.engine.runner_setup import setup_runner
 
         self.config = config
-        lm = load_model(config)
-        k = config.num_speculative_tokens
-        if k < 0:
-            k = 1 if lm.num_mtp_layers else 0
-        if k and not lm.num_mtp_layers:
-            raise ConfigError("num_speculative_tokens > 0 needs a model with an MTP layer")
-        has_state = bool(lm.model.cache_class.bytes_per_slot(lm.model_config, 1))
-        caching = config.enable_prefix_caching
-        snaps = (config.num_prefix_state_snapshots or 2 * config.max_num_seqs) if caching else 0
-        num_slots = config.max_num_seqs + (snaps if has_state else 0)
-        n_blocks = num_kv_blocks(config, lm, num_slots, k)
-        per_req = -(-(lm.max_model_len + k) // lm.block_size)
-        if n_blocks < per_req:
-            raise ConfigError(
-                f"{n_blocks} KV blocks of {lm.block_size} tokens cannot hold one request of "
-                f"max_model_len {lm.max_model_len}; lower max_model_len or add blocks"
-            )
+        self.tp = parallel.tp
+        rs = setup_runner(config, parallel, world, device_index)
+        lm, k, n_blocks = rs.lm, rs.num_speculative_tokens, rs.num_blocks
+        has_state, caching, snaps = rs.has_state, config.enable_prefix_caching, rs.num_snapshots
         self.kv = KVCacheManager(
             n_blocks,
             lm.block_size,
@@ -87,7 +85,7 @@ class EngineCore:
             self.kv,
             self.kv_scheduler,
         )
-        self.runner = ModelRunner(lm, n_blocks, self.kv.num_slots, k, config.seed)
+        self.runner = rs.runner
         kv_dtype = str(lm.dtype).removeprefix("torch.")
         self.kv_worker: SidecarConnectorWorker | None = None
         if config.kv_sidecar and self.kv_scheduler is not None:
@@ -156,11 +154,22 @@ class EngineCore:
         self._finish_kv_loads()
         out = self.scheduler.schedule()
         self._start_kv_loads()
+        self._tell_followers(RunStep(out))
         results = self.runner.execute(out)
         outputs = self.scheduler.update_from_output(out, results)
         self._save_kv(outputs)
         self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
         return outputs
+
+    def _tell_followers(self, msg: ToFollower) -> None:
+        if self.tp.size > 1:
+            from dsv4_serving.distributed.comm import broadcast_object  # torch: core only
+
+            broadcast_object(msg, self.tp)
+
+    def heartbeat(self) -> None:
+        """Idle: the TP followers wait in a collective that must not reach its timeout."""
+        self._tell_followers(Heartbeat())
 
     def _start_kv_loads(self) -> None:
         """Hand the worker side the loads (and cancels) the scheduler side queued."""
@@ -187,7 +196,9 @@ class EngineCore:
         if self.kv_worker is not None:
             self.kv_worker.wait_for_event(timeout_s)
 
-    def close(self) -> None:
+    def close(self, stop_followers: bool = True) -> None:
+        if stop_followers:
+            self._tell_followers(StopFollowing())
         if self.kv_worker is not None:
             self.kv_worker.close()
 
@@ -195,12 +206,18 @@ class EngineCore:
         return self.scheduler.snapshot_stats()
 
 
-def run_engine_core(config: EngineConfig, in_q: Any, out_q: Any) -> None:
-    """Body of the engine-core process: ``ToCore`` messages in, ``FromCore`` messages out."""
+def run_engine_core(
+    config: EngineConfig,
+    in_q: Any,
+    out_q: Any,
+    build: Callable[[], EngineCore] | None = None,
+) -> None:
+    """Body of the engine-core process: ``ToCore`` messages in, ``FromCore`` messages out.
+    ``build`` makes the core (a parallel rank's, with its groups); default: one process."""
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
     parent = os.getppid()
     try:
-        core = EngineCore(config)
+        core = build() if build is not None else EngineCore(config)
     except Exception as exc:
         out_q.put(CoreFailed(f"{type(exc).__name__}: {exc}"))
         log.debug("engine core failed to start:\n%s", traceback.format_exc())
@@ -208,8 +225,10 @@ def run_engine_core(config: EngineConfig, in_q: Any, out_q: Any) -> None:
     out_q.put(Ready(core.info))
     try:
         _loop(core, in_q, out_q, parent)
-    finally:
-        core.close()
+    except BaseException:
+        core.close(stop_followers=False)  # a broken group: the front end kills the ranks
+        raise
+    core.close()
 
 
 def _handle(core: EngineCore, msg: ToCore, out_q: Any) -> bool:
@@ -256,6 +275,7 @@ def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
             stats_due = False
         else:
             core.kv_housekeeping()
+            core.heartbeat()
             if stats_due:
                 out_q.put(Outputs([], core.stats()))
                 stats_due = False

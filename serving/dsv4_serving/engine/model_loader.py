@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.models.config import architecture_of, read_config_json
 from dsv4_serving.presets.configs import PRESETS, preset_config
@@ -54,7 +55,11 @@ def default_block_size(model_config: Any) -> int:
     return lcm * max(1, -(-16 // lcm))
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(
+    config: EngineConfig, parallel: ModelParallel = SINGLE, device_index: int = 0
+) -> LoadedModel:
+    """The model (this rank's shard of it under ``parallel``, on device ``device_index`` of
+    an accelerator) with its weights."""
     from dsv4_serving.loader.weights import load_weights
     from dsv4_serving.models.registry import REGISTRY
     from dsv4_serving.platform.device import detect_platform
@@ -69,9 +74,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if dtype_name == "auto":
         dtype_name = "float32" if platform.name == "cpu" else "bfloat16"
     dtype = _DTYPES[dtype_name]
-    device = platform.torch_device()
+    device = platform.torch_device(device_index)
     with torch.device(device):
-        model = cls(mcfg)
+        model = cls(mcfg, parallel)
     model = model.to(dtype=dtype).eval()
     fmt = config.load_format
     if fmt == "auto":

@@ -3,6 +3,10 @@ sampling / draft verification, and the MTP drafter.
 
 The runner keeps no request state besides per-request random generators; everything it needs
 (tokens, block ids, state slot) comes in the ``SchedulerOutput``.
+
+Under tensor parallelism every TP rank runs ``execute`` on the same output (the core broadcasts
+it); the head gathers the logits, so TP rank 0 alone samples (the generators live there) and
+tells the others the tokens only when the MTP layer needs them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.distributed.comm import broadcast_object
+from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.engine.model_loader import LoadedModel
 from dsv4_serving.engine.sampler import compute_logprobs, sample_and_verify
 from dsv4_serving.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
@@ -23,8 +29,11 @@ class ModelRunner:
         num_slots: int,
         num_speculative_tokens: int,
         seed: int = 0,
+        tp: Group = SOLO,
     ) -> None:
         self.lm = lm
+        self.tp = tp
+        self.samples = tp.index == 0
         self.model = lm.model
         self.device = lm.device
         self.block_size = lm.block_size
@@ -76,7 +85,7 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             j = 0
-            for s in sched:
+            for s in sched if self.samples else ():
                 if not s.sample:
                     continue
                 a, n = spans[j]
@@ -89,6 +98,9 @@ class ModelRunner:
                     lp = compute_logprobs(lg, toks, s.sampling_params.logprobs)
                 results[s.request_id] = RunnerResult(toks, lp)
         if self.k and self.lm.num_mtp_layers:
+            if self.tp.size > 1:  # the MTP layer reads the sampled tokens on every TP rank
+                toks = broadcast_object({r: x.token_ids for r, x in results.items()}, self.tp)
+                results = {r: results.get(r) or RunnerResult(t) for r, t in toks.items()}
             self._draft(sched, meta, hidden, results)
         return results
 

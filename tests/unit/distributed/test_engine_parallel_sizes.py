@@ -17,19 +17,29 @@ def test_ep_that_is_neither_one_nor_the_world_is_refused_at_construction() -> No
         EngineConfig(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)
 
 
-def test_a_model_that_cannot_split_is_named_before_the_not_yet_built_workers() -> None:
+def test_a_model_that_cannot_split_is_named() -> None:
     cfg = DeepseekV4Config.from_dict(preset_config("dsv4-tiny"))
     with pytest.raises(
         ConfigError, match="output groups \\(o_groups\\) 2 is not divisible by tp 4"
     ):
         EngineConfig(tensor_parallel_size=4).check_parallel("cpu", cfg)
-    with pytest.raises(
-        ConfigError, match=r"parallel sizes \(2, 2, 4\) are not supported on cpu yet"
-    ):
-        EngineConfig(
-            tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=4
-        ).check_parallel("cpu", cfg)
+    EngineConfig(tensor_parallel_size=2, expert_parallel_size=2).check_parallel("cpu", cfg)
     EngineConfig().check_parallel("cpu", cfg)
+
+
+def test_pd_roles_with_several_ranks_are_refused_until_kv_moves_per_rank() -> None:
+    cfg = EngineConfig(tensor_parallel_size=2, role="decode", kv_sidecar="http://127.0.0.1:14580")
+    with pytest.raises(ConfigError, match="KV sidecar \\(PD roles\\) with tp x dp = 2 ranks"):
+        cfg.check_parallel("cpu")
+
+
+def test_threads_per_rank_default_splits_the_cpus_over_the_ranks() -> None:
+    assert EngineConfig().rank_threads(16) == 0  # one process: torch's own default
+    assert EngineConfig(tensor_parallel_size=2).rank_threads(16) == 8
+    assert EngineConfig(tensor_parallel_size=2).rank_threads(1) == 1
+    assert EngineConfig(tensor_parallel_size=2, threads_per_rank=3).rank_threads(16) == 3
+    with pytest.raises(ConfigError, match="threads_per_rank must be >= 0"):
+        EngineConfig(threads_per_rank=-1)
 
 
 def test_validating_parallel_sizes_never_imports_torch() -> None:

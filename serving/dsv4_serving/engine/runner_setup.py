@@ -1,0 +1,59 @@
+"""Everything a rank needs to run steps: the model shard, the sizes derived from the config
+(MTP drafts, state slots, KV blocks) and the runner over its cache.
+
+The core (TP rank 0) and its TP followers build the same thing, so their caches have the same
+shape: the block count is the minimum over the world, as each rank sizes its own memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4_serving.distributed.comm import all_gather_object
+from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
+from dsv4_serving.engine.config import ConfigError, EngineConfig
+from dsv4_serving.engine.model_loader import LoadedModel, load_model, num_kv_blocks
+from dsv4_serving.engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSetup:
+    lm: LoadedModel
+    runner: ModelRunner
+    num_speculative_tokens: int
+    num_blocks: int
+    has_state: bool  # per-sequence state slots (V4's window ring and compressor state)
+    num_snapshots: int  # spare slots for prefix-cache state snapshots
+
+
+def setup_runner(
+    config: EngineConfig,
+    parallel: ModelParallel = SINGLE,
+    world: Group = SOLO,
+    device_index: int = 0,
+    reserve_dummy: bool = False,
+) -> RunnerSetup:
+    """``reserve_dummy``: one block and one state slot more than the scheduler gets, for the
+    dummy batch an idle DP rank runs."""
+    lm = load_model(config, parallel, device_index)
+    k = config.num_speculative_tokens
+    if k < 0:
+        k = 1 if lm.num_mtp_layers else 0
+    if k and not lm.num_mtp_layers:
+        raise ConfigError("num_speculative_tokens > 0 needs a model with an MTP layer")
+    has_state = bool(lm.model.cache_class.bytes_per_slot(lm.model_config, 1))
+    snaps = 0
+    if config.enable_prefix_caching:
+        snaps = config.num_prefix_state_snapshots or 2 * config.max_num_seqs
+    num_slots = config.max_num_seqs + (snaps if has_state else 0)
+    n_blocks = num_kv_blocks(config, lm, num_slots, k)
+    n_blocks = min(all_gather_object(n_blocks, world))
+    per_req = -(-(lm.max_model_len + k) // lm.block_size)
+    if n_blocks < per_req:
+        raise ConfigError(
+            f"{n_blocks} KV blocks of {lm.block_size} tokens cannot hold one request of "
+            f"max_model_len {lm.max_model_len}; lower max_model_len or add blocks"
+        )
+    extra = 1 if reserve_dummy else 0
+    runner = ModelRunner(lm, n_blocks + extra, num_slots + extra, k, config.seed, parallel.tp)
+    return RunnerSetup(lm, runner, k, n_blocks, has_state, snaps)

@@ -1,0 +1,27 @@
+"""What the core (TP rank 0) broadcasts to its TP followers over the TP CPU group, once per
+loop turn: the step to run, a heartbeat while idle (a follower's collective must never sit
+until its timeout), or the end. Pickled dataclasses; the follower matches on the class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4_serving.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep:
+    out: SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StopFollowing:
+    pass
+
+
+ToFollower = RunStep | Heartbeat | StopFollowing
