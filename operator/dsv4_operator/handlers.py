@@ -39,9 +39,6 @@ CHILD_RESOURCES = [
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet"),
 ]
 MANAGED = {"app.kubernetes.io/managed-by": names.MANAGER}
-# A child's event (a pod started, a status moved) is never urgent: a longer window coalesces more
-# of them into one sync and lets first syncs of new deployments go ahead of re-syncs.
-CHILD_EVENT_DELAY_S = 1.0
 
 
 @dataclass
@@ -109,7 +106,7 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
             memo.cache.forget(kind, dict(event["object"]))
         owner = labels.get(names.DEPLOYMENT_LABEL)
         if owner and namespace:
-            memo.sync_queue().enqueue_known((namespace, owner), CHILD_EVENT_DELAY_S)
+            memo.sync_queue().enqueue_known((namespace, owner))
 
     return on_event
 
