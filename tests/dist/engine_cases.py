@@ -48,35 +48,42 @@ def reference(config: EngineConfig, work: Work) -> Reference:
     return Reference(toks, margins)
 
 
-async def _generate(llm: AsyncLLM, work: Work, waves: int) -> dict[int, list[int]]:
+@dataclass(frozen=True, slots=True)
+class Served:
+    tokens: dict[int, list[int]]
+    stats: SchedulerStats  # the instance's, at the end
+    wave_rank_stats: list[tuple[SchedulerStats, ...]]  # each DP rank's, after each wave
+
+
+async def _generate(llm: AsyncLLM, work: Work, waves: int, pins: list[int | None]) -> Served:
     llm.attach(asyncio.get_running_loop())
 
-    async def one(i: int) -> list[int]:
+    async def one(i: int, pin: int | None) -> list[int]:
         prompt, mt = work[i]
         sp = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True)
         got: list[int] = []
-        async for o in llm.generate(prompt, sp, str(i)):
+        async for o in llm.generate(prompt, sp, str(i), data_parallel_rank=pin):
             got.extend(o.delta_token_ids)
         return got
 
     out: dict[int, list[int]] = {}
+    ranks = []
     per = -(-len(work) // waves)
     for w in range(waves):
         ids = range(w * per, min(len(work), (w + 1) * per))
-        for i, toks in zip(ids, await asyncio.gather(*(one(i) for i in ids)), strict=True):
+        for i, toks in zip(ids, await asyncio.gather(*(one(i, pins[w]) for i in ids)), strict=True):
             out[i] = toks
-    return out
+        ranks.append(llm.rank_stats)
+    return Served(out, llm.stats, ranks)
 
 
-def serve_through_front_end(
-    config: EngineConfig, work: Work, waves: int
-) -> tuple[dict[int, list[int]], SchedulerStats]:
-    """``work`` through ``AsyncLLM`` (which spawns the ranks), ``waves`` after each other;
-    the tokens and the core's last stats."""
+def serve_through_front_end(config: EngineConfig, work: Work, pins: list[int | None]) -> Served:
+    """``work`` through ``AsyncLLM`` (which spawns the ranks) in ``len(pins)`` waves, one
+    after the other, each pinned to its DP rank (None: the engine routes)."""
     llm = AsyncLLM(config, load_tokenizer(config.model))
     llm.start(timeout_s=180)
     try:
-        return asyncio.run(_generate(llm, work, waves)), llm.stats
+        return asyncio.run(_generate(llm, work, len(pins), pins))
     finally:
         llm.shutdown()
 

@@ -66,3 +66,30 @@ def start_engine(name: str, log_dir: Path, *args: str) -> Service:
     server = Service(name, argv, log_dir / f"engine-{name}.log", f"http://127.0.0.1:{port}")
     server.start(env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     return server
+
+
+def pass_through_checkpoint(path: Path) -> None:
+    """A dsv4-tiny checkpoint whose next token depends only on the current one (attention and
+    FFN outputs zeroed, so every block passes its streams through) and whose MTP layer
+    computes the same function: its drafts are (nearly) always right."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dsv4_serving.loader.dummy import init_dummy_weights
+    from dsv4_serving.models.registry import REGISTRY
+    from dsv4_serving.presets import preset_config, write_preset
+
+    write_preset("dsv4-tiny", path)
+    cfg = preset_config("dsv4-tiny")
+    cls = REGISTRY.resolve(cfg["architectures"][0])
+    model = cls(cls.config_class.from_dict(cfg))
+    init_dummy_weights(model, seed=3)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for k in sd:
+        if k.endswith(("attn.wo_b.weight", "ffn.experts.w2", "shared_experts.w2.weight")):
+            sd[k].zero_()
+    sd["mtp.0.e_proj.weight"] = torch.eye(cfg["hidden_size"])
+    sd["mtp.0.h_proj.weight"].zero_()
+    sd["mtp.0.enorm.weight"].fill_(1.0)
+    sd["mtp.0.norm.weight"] = sd["norm.weight"].clone()
+    save_file(sd, str(path / "model.safetensors"))

@@ -98,7 +98,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.observer: EngineObserver = observer or NullObserver()
         self.info: EngineInfo | None = None
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats()  # the instance's
+        self.rank_stats: tuple[SchedulerStats, ...] = ()  # each DP rank's
         self._states: dict[str, _State] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ranks: LocalRanks | None = None
@@ -208,15 +209,21 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Increments until the request finishes; closing the iterator early aborts it."""
+        """Increments until the request finishes; closing the iterator early aborts it.
+        ``data_parallel_rank``: the DP rank to run on (None: the least loaded)."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
         detok = IncrementalDetokenizer(self.tokenizer)
         st = _State(len(prompt_token_ids), detok, StopStrings(params.stop))
         self._states[request_id] = st
         req = EngineCoreRequest(
-            request_id, list(prompt_token_ids), params, kv_transfer_params=kv_transfer_params
+            request_id,
+            list(prompt_token_ids),
+            params,
+            kv_transfer_params=kv_transfer_params,
+            data_parallel_rank=data_parallel_rank,
         )
         self._send(AddRequest(req))
         try:
@@ -250,11 +257,12 @@ class AsyncLLM:
 
     def _dispatch(self, msg: FromCore) -> None:
         match msg:
-            case Outputs(outputs=outputs, stats=stats):
+            case Outputs(outputs=outputs, stats=stats, rank_stats=ranks):
                 for o in outputs:
                     self._on_output(o)
-                self.stats = stats
-                self.observer.stats(stats)
+                self.stats, self.rank_stats = stats, ranks or (stats,)
+                for rank, rs in enumerate(self.rank_stats):
+                    self.observer.stats(rs, rank)
             case Rejected(request_id=rid, message=message):
                 st = self._states.pop(rid, None)
                 if st is not None:

@@ -152,11 +152,6 @@ class EngineConfig:
                 topo.check_model(model_config)
             except TopologyError as exc:
                 raise ConfigError(str(exc)) from None
-        if topo.dp > 1:
-            raise ConfigError(
-                f"data_parallel_size {topo.dp} on {device} is not supported yet (DP lockstep "
-                "is the next part of the parallel engine); use tensor/expert parallelism"
-            )
         if topo.world > 1 and self.kv_sidecar:
             raise ConfigError(
                 f"a KV sidecar (PD roles) with tp x dp = {topo.world} ranks on {device} is not "

@@ -14,6 +14,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, assert_never
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
@@ -34,7 +35,12 @@ from dsv4_serving.engine.messages import (
     ToCore,
 )
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
-from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from dsv4_serving.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from dsv4_serving.engine.step_protocol import Heartbeat, RunStep, StopFollowing, ToFollower
 
 if TYPE_CHECKING:
@@ -45,7 +51,8 @@ log = logging.getLogger(__name__)
 
 class EngineCore:
     """``parallel``/``world``: this rank's groups when the core is TP rank 0 of a parallel
-    instance; it then sends each step to its TP followers (``worker.follow``)."""
+    instance; it then sends each step to its TP followers (``worker.follow``), and with DP
+    agrees with the other DP ranks' cores on each step's shape (``_agree``)."""
 
     def __init__(
         self,
@@ -59,7 +66,8 @@ class EngineCore:
 
         self.config = config
         self.tp = parallel.tp
-        rs = setup_runner(config, parallel, world, device_index)
+        self.dp = parallel.dp
+        rs = setup_runner(config, parallel, world, device_index, reserve_dummy=self.dp.size > 1)
         lm, k, n_blocks = rs.lm, rs.num_speculative_tokens, rs.num_blocks
         has_state, caching, snaps = rs.has_state, config.enable_prefix_caching, rs.num_snapshots
         self.kv = KVCacheManager(
@@ -109,6 +117,7 @@ class EngineCore:
             num_speculative_tokens=k,
             architecture=lm.hf_config["architectures"][0],
             kv_dtype=kv_dtype,
+            data_parallel_size=self.dp.size,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -138,7 +147,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, admit: bool = True) -> list[EngineCoreOutput]:
         """One forward. With a KV connector, its calls come in this order (vLLM's):
 
         1. ``_start_kv_loads``: cancels the scheduler side queued (aborted loads) reach the
@@ -149,17 +158,38 @@ class EngineCore:
         4. ``_start_kv_loads`` again: those pulls start now, not a step later;
         5. the forward and ``update_from_output``;
         6. ``_save_kv``: prefills finished in 5 export their KV before their blocks are freed.
+
+        ``admit=False``: no waiting request starts (DP's BalanceScheduler freeze). Under DP
+        every rank's core calls ``step`` every turn of the lockstep, busy or not.
         """
         self._start_kv_loads()
         self._finish_kv_loads()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(admit)
         self._start_kv_loads()
-        self._tell_followers(RunStep(out))
-        results = self.runner.execute(out)
+        batch, chain = self._agree(out)
+        self._tell_followers(RunStep(batch, chain))
+        results = self.runner.execute(batch, chain)
         outputs = self.scheduler.update_from_output(out, results)
         self._save_kv(outputs)
         self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
         return outputs
+
+    def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
+        """What this rank runs and whether it chains MTP calls: under DP every rank runs a
+        forward when any rank has tokens (an idle one a dummy batch) and the MTP chain when
+        any rank drafts, so every EP rank makes the same MoE calls in the same order."""
+        if self.dp.size == 1:
+            return out, None
+        from dsv4_serving.distributed.comm import all_gather_object  # torch: core only
+
+        shares = all_gather_object(
+            (out.num_batched_tokens, any(s.sample for s in out.scheduled)), self.dp
+        )
+        chain = any(drafts for _, drafts in shares)
+        if out.scheduled or not any(n for n, _ in shares):
+            return out, chain
+        dummy = self.runner.dummy_step()
+        return replace(dummy, state_copies=out.state_copies, finished_ids=out.finished_ids), chain
 
     def _tell_followers(self, msg: ToFollower) -> None:
         if self.tp.size > 1:
@@ -211,9 +241,11 @@ def run_engine_core(
     in_q: Any,
     out_q: Any,
     build: Callable[[], EngineCore] | None = None,
+    loop: Callable[[EngineCore, Any, Any, int], None] | None = None,
 ) -> None:
     """Body of the engine-core process: ``ToCore`` messages in, ``FromCore`` messages out.
-    ``build`` makes the core (a parallel rank's, with its groups); default: one process."""
+    ``build`` makes the core (a parallel rank's, with its groups) and ``loop`` steps it (DP's
+    lockstep); default: one process."""
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
     parent = os.getppid()
     try:
@@ -224,7 +256,7 @@ def run_engine_core(
         return
     out_q.put(Ready(core.info))
     try:
-        _loop(core, in_q, out_q, parent)
+        (loop or _loop)(core, in_q, out_q, parent)
     except BaseException:
         core.close(stop_followers=False)  # a broken group: the front end kills the ranks
         raise

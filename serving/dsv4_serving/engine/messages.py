@@ -24,6 +24,7 @@ class EngineInfo:
     num_speculative_tokens: int
     architecture: str
     kv_dtype: str = "float32"
+    data_parallel_size: int = 1
 
 
 # ---- front end -> core ----------------------------------------------------------------------
@@ -57,10 +58,12 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Outputs:
-    """One step's outputs (possibly none) and the scheduler's stats after it."""
+    """One step's outputs (possibly none) and the scheduler's stats after it: the instance's,
+    and with DP each rank's (index = DP rank)."""
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
+    rank_stats: tuple[SchedulerStats, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

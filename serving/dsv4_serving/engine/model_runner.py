@@ -18,6 +18,7 @@ from dsv4_serving.distributed.comm import broadcast_object
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.engine.model_loader import LoadedModel
 from dsv4_serving.engine.sampler import compute_logprobs, sample_and_verify
+from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
 
 
@@ -30,9 +31,13 @@ class ModelRunner:
         num_speculative_tokens: int,
         seed: int = 0,
         tp: Group = SOLO,
+        dummy: tuple[int, int] | None = None,
     ) -> None:
+        """``dummy``: the (block, state slot) kept from the scheduler for the dummy batch of an
+        idle DP rank."""
         self.lm = lm
         self.tp = tp
+        self.dummy = dummy
         self.samples = tp.index == 0
         self.model = lm.model
         self.device = lm.device
@@ -53,8 +58,20 @@ class ModelRunner:
             g = self._gens[s.request_id] = torch.Generator().manual_seed(seed)
         return g
 
+    def dummy_step(self) -> SchedulerOutput:
+        """One token at position 0 of the reserved block and slot, sampling nothing: an idle DP
+        rank's share of a step's collectives (every EP rank runs every MoE layer)."""
+        assert self.dummy is not None, "no block and slot reserved for a dummy batch"
+        block, slot = self.dummy
+        s = ScheduledRequest("dsv4-dummy", [0], 0, 0, [block], slot, False, 0, SamplingParams(), 0)
+        return SchedulerOutput([s], [], [], 1)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
+    def execute(
+        self, out: SchedulerOutput, mtp_chain: bool | None = None
+    ) -> dict[str, RunnerResult]:
+        """``mtp_chain``: run the k - 1 chained MTP calls (under DP every rank must, when any
+        rank drafts); None = when this batch drafts."""
         for rid in out.finished_ids:
             self._gens.pop(rid, None)
         for src, dst in out.state_copies:
@@ -101,7 +118,7 @@ class ModelRunner:
             if self.tp.size > 1:  # the MTP layer reads the sampled tokens on every TP rank
                 toks = broadcast_object({r: x.token_ids for r, x in results.items()}, self.tp)
                 results = {r: results.get(r) or RunnerResult(t) for r, t in toks.items()}
-            self._draft(sched, meta, hidden, results)
+            self._draft(sched, meta, hidden, results, mtp_chain)
         return results
 
     def _draft(
@@ -110,10 +127,13 @@ class ModelRunner:
         meta: AttentionMetadata,
         hidden: torch.Tensor,
         results: dict[str, RunnerResult],
+        mtp_chain: bool | None = None,
     ) -> None:
         """Run the MTP layer over every position the main model kept this step (its cache rows
         must follow the main model's), then chain it k - 1 more times for the drafts."""
-        chunks, next_ids, rows = [], [], []
+        chunks: list[SeqChunk] = []
+        next_ids: list[int] = []
+        rows: list[int] = []
         for i, s in enumerate(sched):
             r = results.get(s.request_id)
             n = len(s.token_ids) - (s.num_spec - (len(r.token_ids) - 1) if r else 0)
@@ -138,6 +158,8 @@ class ModelRunner:
         last_rows = mmeta.last_token_indices()
         drafting = [i for i, s in enumerate(sched) if s.sample]
         if not drafting:
+            if mtp_chain:
+                self._idle_chain(mh[:1])
             return
         sel = torch.tensor(drafting, device=dev)
         draft = logits[last_rows[sel]].argmax(-1)
@@ -157,3 +179,15 @@ class ModelRunner:
                 d.append(int(t))
         for i, d in zip(drafting, drafts, strict=True):
             results[sched[i].request_id].draft_ids = d
+
+    def _idle_chain(self, h: torch.Tensor) -> None:
+        """The chained MTP calls on the dummy block and slot, results unused: this rank drafts
+        nothing, another DP rank does, and every rank must make the same MoE calls."""
+        assert self.dummy is not None, "no block and slot reserved for a dummy batch"
+        block, slot = self.dummy
+        draft = torch.zeros(1, dtype=torch.long, device=self.device)
+        for step in range(1, self.k):
+            dmeta = AttentionMetadata.build(
+                [SeqChunk(step, 1, [block], slot)], self.block_size, self.device
+            )
+            _, h = self.model.mtp_forward(draft, h, dmeta, self.cache)

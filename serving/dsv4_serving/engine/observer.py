@@ -27,8 +27,8 @@ class EngineObserver(Protocol):
     def kv_error(self, reason: str) -> None:
         """A PD request failed for its KV (HTTP 5xx), ``reason`` as the connector names it."""
 
-    def stats(self, stats: SchedulerStats) -> None:
-        """The core's scheduler stats after a step."""
+    def stats(self, stats: SchedulerStats, rank: int = 0) -> None:
+        """DP rank ``rank``'s scheduler stats after a step (one call per rank)."""
 
 
 class NullObserver:
@@ -51,5 +51,5 @@ class NullObserver:
     def kv_error(self, reason: str) -> None:
         pass
 
-    def stats(self, stats: SchedulerStats) -> None:
+    def stats(self, stats: SchedulerStats, rank: int = 0) -> None:
         pass

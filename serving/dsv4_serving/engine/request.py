@@ -42,6 +42,8 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None
     """vLLM's PD protocol, parsed and checked once at the API edge (the core only asserts)."""
+    data_parallel_rank: int | None = None
+    """The DP rank to run on (the ``X-data-parallel-rank`` header); None = least loaded."""
 
 
 @dataclass(slots=True)

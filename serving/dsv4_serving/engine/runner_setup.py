@@ -55,5 +55,8 @@ def setup_runner(
             f"max_model_len {lm.max_model_len}; lower max_model_len or add blocks"
         )
     extra = 1 if reserve_dummy else 0
-    runner = ModelRunner(lm, n_blocks + extra, num_slots + extra, k, config.seed, parallel.tp)
+    dummy = (n_blocks, num_slots) if reserve_dummy else None
+    runner = ModelRunner(
+        lm, n_blocks + extra, num_slots + extra, k, config.seed, parallel.tp, dummy
+    )
     return RunnerSetup(lm, runner, k, n_blocks, has_state, snaps)

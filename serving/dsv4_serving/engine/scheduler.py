@@ -226,7 +226,8 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """``admit=False``: only running requests go on (DP's BalanceScheduler freeze)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         k = cfg.num_speculative_tokens
@@ -256,7 +257,8 @@ class Scheduler:
                 i += 1
 
         while (
-            not preempted
+            admit
+            and not preempted
             and self.waiting
             and budget > 0
             and len(self.running) + len(self.waiting_for_remote_kv) < cfg.max_num_seqs

@@ -12,6 +12,7 @@ from dsv4_serving.engine.scheduler import SchedulerOutput
 @dataclass(frozen=True, slots=True)
 class RunStep:
     out: SchedulerOutput
+    mtp_chain: bool | None = None  # decided by the DP ranks together (``ModelRunner.execute``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ shard of the model and the same-shaped cache (``runner_setup``). TP rank 0 is th
 scheduler, KV cache manager and runner, talking to the front end over its queues as the
 single-process core does, and broadcasting each step to its TP followers. A follower runs
 exactly that step (``ModelRunner.execute``), so both make the same collectives in the same
-order; it stops when told, and fails (exit non-zero) when the core's group breaks.
+order; it stops when told, and fails (exit non-zero) when the core's group breaks. With DP,
+the TP rank 0 of every DP rank is a core, and the cores run in lockstep (``dp_lockstep``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dsv4_serving.distributed.parallel_state import (
     init_distributed,
 )
 from dsv4_serving.engine.config import EngineConfig
+from dsv4_serving.engine.dp_lockstep import run_lockstep
 from dsv4_serving.engine.engine_core import EngineCore, run_engine_core
 from dsv4_serving.engine.messages import CoreFailed
 from dsv4_serving.engine.runner_setup import setup_runner
@@ -61,21 +63,53 @@ def rank_main(config: EngineConfig, rank: int, port: int, in_q: Any, out_q: Any)
     local = topo.local_rank(rank)
     try:
         if topo.tp_rank(rank) == 0:
-            run_engine_core(config, in_q, out_q, lambda: EngineCore(config, parallel, world, local))
+            _core(config, parallel, world, local, in_q, out_q)
         else:
             follow(config, parallel, world, local)
     finally:
         destroy_distributed()
 
 
+def _core(
+    config: EngineConfig,
+    parallel: ModelParallel,
+    world: Group,
+    device_index: int,
+    in_q: Any,
+    out_q: Any,
+) -> None:
+    """TP rank 0 of a DP rank: the engine core. The DP-rank-0 core is the one the front end
+    talks to; with DP every core runs the lockstep (``dp_lockstep``)."""
+    dp = parallel.dp
+
+    def build() -> EngineCore:
+        return EngineCore(config, parallel, world, device_index)
+
+    def lockstep(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
+        run_lockstep(core, dp, in_q, out_q, parent)
+
+    if dp.size == 1:
+        run_engine_core(config, in_q, out_q, build)
+    elif dp.index == 0:
+        run_engine_core(config, in_q, out_q, build, lockstep)
+    else:
+        core = build()
+        try:
+            lockstep(core, None, None, os.getppid())
+        except BaseException:
+            core.close(stop_followers=False)
+            raise
+        core.close()
+
+
 def follow(config: EngineConfig, parallel: ModelParallel, world: Group, device_index: int) -> None:
     """A TP follower: run each step the core broadcasts, until it says stop."""
-    rs = setup_runner(config, parallel, world, device_index)
+    rs = setup_runner(config, parallel, world, device_index, reserve_dummy=parallel.dp.size > 1)
     while True:
         msg = broadcast_object(None, parallel.tp)
         match msg:
-            case RunStep(out=out):
-                rs.runner.execute(out)
+            case RunStep(out=out, mtp_chain=chain):
+                rs.runner.execute(out, chain)
             case Heartbeat():
                 pass
             case StopFollowing():

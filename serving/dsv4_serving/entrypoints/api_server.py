@@ -27,7 +27,13 @@ from dsv4_serving.disconnect import cancel_on_disconnect
 from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError, KVTransferError
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.tokenizer import Tokenizer
-from dsv4_serving.entrypoints.checks import BadRequest, check_prompt, parse_kv_params
+from dsv4_serving.entrypoints.checks import (
+    DP_RANK_HEADER,
+    BadRequest,
+    check_dp_rank,
+    check_prompt,
+    parse_kv_params,
+)
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_serving.entrypoints.serving import OpenAIServing
@@ -139,9 +145,10 @@ def build_app(
         check_prompt(ids, params.max_tokens, info.max_model_len, info.vocab_size, prompt_param)
         if isinstance(kv, RemotePrefillParams):
             check_remote_kv(kv, ids)
+        dp_rank = check_dp_rank(request.headers.get(DP_RANK_HEADER), info.data_parallel_size)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         work = serving.completion(
-            ids, params, body.stream, include_usage, chat, kv, body.return_token_ids
+            ids, params, body.stream, include_usage, chat, kv, body.return_token_ids, dp_rank
         )
         try:
             result = await cancel_on_disconnect(request, work)

@@ -78,3 +78,24 @@ def parse_kv_params(value: object, role: str, has_connector: bool) -> KVParams |
     else:
         return parsed
     raise BadRequest(why, param="kv_transfer_params", code="kv_role_mismatch")
+
+
+DP_RANK_HEADER = "x-data-parallel-rank"  # vLLM's: the DP rank the gateway chose
+
+
+def check_dp_rank(value: str | None, dp_size: int) -> int | None:
+    """The DP rank the ``X-data-parallel-rank`` header pins the request to (None: unpinned;
+    the engine routes it to the least-loaded rank)."""
+    if value is None:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < dp_size:
+        raise BadRequest(
+            f"header {DP_RANK_HEADER}: {value!r} is not a data parallel rank of this engine "
+            f"(0..{dp_size - 1})",
+            code="invalid_data_parallel_rank",
+        )
+    return rank

@@ -29,12 +29,18 @@ class EngineMetrics:
         def c(name: str, doc: str) -> Any:
             return Counter(name, doc, labels, registry=r).labels(**self._label)
 
+        def per_rank(name: str, doc: str) -> Any:
+            # vLLM's ``engine`` label: the DP rank (the gateway routes by it)
+            return Gauge(name, doc, ["model_name", "engine"], registry=r)
+
         def h(name: str, doc: str) -> Any:
             return Histogram(name, doc, labels, buckets=_LATENCY, registry=r).labels(**self._label)
 
-        self.running = g("vllm:num_requests_running", "Requests in model execution batches.")
-        self.waiting = g("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.running = per_rank("vllm:num_requests_running", "Requests in model execution batches.")
+        self.waiting = per_rank("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_usage = per_rank(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
         self.prefix_queries = c("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemptions.")
@@ -57,8 +63,8 @@ class EngineMetrics:
         self.spec_rate = g(
             "dsv4_spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far."
         )
-        self.free_blocks = g("dsv4_kv_cache_free_blocks", "Free paged KV blocks.")
-        self.total_blocks = g("dsv4_kv_cache_total_blocks", "Paged KV blocks in the pool.")
+        self.free_blocks = per_rank("dsv4_kv_cache_free_blocks", "Free paged KV blocks.")
+        self.total_blocks = per_rank("dsv4_kv_cache_total_blocks", "Paged KV blocks in the pool.")
         self.aborts = c("dsv4_requests_aborted", "Requests aborted (client gone or stop string).")
         # PD: this engine's side of KV transfers (its sidecar has the wire-level ones)
         kv_labels = ["model_name", "reason"]
@@ -100,7 +106,7 @@ class EngineMetrics:
             kv_labels,
             registry=r,
         )
-        self._last = SchedulerStats()
+        self._last: dict[int, SchedulerStats] = {}  # by DP rank
 
     # ---- the engine's events (``engine.observer.EngineObserver``) -----------------------
 
@@ -126,24 +132,29 @@ class EngineMetrics:
     def kv_error(self, reason: str) -> None:
         self.kv_errors.labels(reason=reason, **self._label).inc()
 
-    def stats(self, s: SchedulerStats) -> None:
-        last = self._last
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_usage)
-        self.free_blocks.set(s.num_free_blocks)
-        self.total_blocks.set(s.num_total_blocks)
+    def stats(self, s: SchedulerStats, rank: int = 0) -> None:
+        """DP rank ``rank``'s stats: its gauges under ``engine="<rank>"``; the counters add
+        what the rank's cumulative counts grew by."""
+        last = self._last.get(rank) or SchedulerStats()
+        lab = {"engine": str(rank), **self._label}
+        self.running.labels(**lab).set(s.num_running)
+        self.waiting.labels(**lab).set(s.num_waiting)
+        self.kv_usage.labels(**lab).set(s.kv_usage)
+        self.free_blocks.labels(**lab).set(s.num_free_blocks)
+        self.total_blocks.labels(**lab).set(s.num_total_blocks)
         self.prefix_queries.inc(max(0, s.prefix_queries - last.prefix_queries))
         self.prefix_hits.inc(max(0, s.prefix_hits - last.prefix_hits))
         self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
         self.spec_drafts.inc(max(0, s.spec_drafts - last.spec_drafts))
         self.spec_draft_tokens.inc(max(0, s.spec_draft_tokens - last.spec_draft_tokens))
         self.spec_accepted.inc(max(0, s.spec_accepted_tokens - last.spec_accepted_tokens))
-        if s.spec_draft_tokens:
-            self.spec_rate.set(s.spec_accepted_tokens / s.spec_draft_tokens)
+        self._last[rank] = s
+        drafted = sum(x.spec_draft_tokens for x in self._last.values())
+        if drafted:
+            accepted = sum(x.spec_accepted_tokens for x in self._last.values())
+            self.spec_rate.set(accepted / drafted)
         if s.kv_transfer is not None:
             self._kv(s.kv_transfer, last.kv_transfer)
-        self._last = s
 
     def _kv(self, k: KVConnectorStats, last: KVConnectorStats | None) -> None:
         last = last or KVConnectorStats()

@@ -79,10 +79,11 @@ class OpenAIServing:
         chat: bool,
         kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
         return_token_ids: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[str] | dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
-        gen = self.engine.generate(ids, params, rid, kv_transfer_params)
+        gen = self.engine.generate(ids, params, rid, kv_transfer_params, data_parallel_rank)
         created = int(time.time())
         lp = _Logprobs(self.tokenizer, chat)
         if stream:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
-from dsv4_serving.entrypoints.checks import BadRequest, check_prompt, parse_kv_params
+from dsv4_serving.entrypoints.checks import (
+    BadRequest,
+    check_dp_rank,
+    check_prompt,
+    parse_kv_params,
+)
 
 REMOTE = {
     "do_remote_prefill": True,
@@ -69,3 +74,16 @@ def test_pd_params_an_engine_cannot_take_are_a_400_on_kv_transfer_params(
         parse_kv_params(params, role, has_connector=connector)
     assert (e.value.code, e.value.param) == (code, "kv_transfer_params")
     assert words in str(e.value)
+
+
+def test_the_dp_rank_header_pins_a_rank_of_this_engine_or_is_refused() -> None:
+    assert check_dp_rank(None, 2) is None
+    assert check_dp_rank("1", 2) == 1
+    for bad in ("2", "-1", "x"):
+        with pytest.raises(BadRequest) as e:
+            check_dp_rank(bad, 2)
+        assert e.value.code == "invalid_data_parallel_rank"
+        assert str(e.value) == (
+            f"header x-data-parallel-rank: {bad!r} is not a data parallel rank of this engine "
+            "(0..1)"
+        )

@@ -1,0 +1,164 @@
+"""DP lockstep (design study 5.2): one engine core per DP rank, every core one turn per step.
+
+The front end's queues reach the DP-rank-0 core only (the leader). Each turn:
+1. the leader drains its queue (blocking up to 0.5 s when the instance is idle: the turn is
+   then the heartbeat that keeps every collective far from its timeout), routes each new
+   request to a rank (``DPRouter``), sends each abort to the rank that holds the request, and
+   broadcasts the per-rank inboxes with the BalanceScheduler freeze over the DP CPU group;
+2. every core applies its inbox and steps (``EngineCore.step``: the ranks agree there on a
+   forward, a dummy batch on an idle rank, and the MTP chain);
+3. the leader gathers each rank's outputs, refusals and stats, hands them to the front end
+   and feeds the stats to the router and the next freeze.
+No coordinator process: the leader is the one place for DP policy, and the same program runs
+over gloo/TCP across nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+from dsv4_serving.distributed.comm import broadcast_object, gather_object
+from dsv4_serving.distributed.groups import Group
+from dsv4_serving.engine.dp_router import DPRouter, balance_freeze, total_stats
+from dsv4_serving.engine.engine_core import EngineCore
+from dsv4_serving.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Outputs,
+    Rejected,
+    Shutdown,
+    ToCore,
+)
+from dsv4_serving.engine.request import EngineCoreOutput
+from dsv4_serving.engine.scheduler import SchedulerStats
+
+IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class StepHeader:
+    inboxes: list[list[AddRequest | AbortRequests]]  # by DP rank
+    freeze: bool  # no rank admits new work this step
+    stop: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    outputs: list[EngineCoreOutput]
+    rejected: list[Rejected]
+    stats: SchedulerStats
+    busy: bool
+
+
+class Leader:
+    """The DP-rank-0 core's policy: routing, aborts to the owning rank, the freeze."""
+
+    def __init__(self, size: int, max_num_seqs: int) -> None:
+        self.router = DPRouter(size)
+        self.max_num_seqs = max_num_seqs
+        self.owner: dict[str, int] = {}
+        self.freeze = False
+        self.busy = False
+
+    def header(self, msgs: list[ToCore]) -> tuple[StepHeader, list[Rejected]]:
+        size = self.router.size
+        inboxes: list[list[AddRequest | AbortRequests]] = [[] for _ in range(size)]
+        rejected: list[Rejected] = []
+        stop = False
+        for msg in msgs:
+            match msg:
+                case AddRequest(request=req):
+                    try:
+                        rank = self.router.route(req.data_parallel_rank)
+                    except ValueError as exc:
+                        rejected.append(Rejected(req.request_id, str(exc)))
+                        continue
+                    self.owner[req.request_id] = rank
+                    inboxes[rank].append(msg)
+                case AbortRequests(request_ids=ids):
+                    by_rank: dict[int, list[str]] = {}
+                    for rid in ids:
+                        if rid in self.owner:
+                            by_rank.setdefault(self.owner[rid], []).append(rid)
+                    for rank, rids in by_rank.items():
+                        inboxes[rank].append(AbortRequests(rids))
+                case Shutdown():
+                    stop = True
+                case _:
+                    assert_never(msg)
+        return StepHeader(inboxes, self.freeze, stop), rejected
+
+    def collect(self, reports: list[RankReport]) -> Outputs:
+        stats = [r.stats for r in reports]
+        self.router.update(stats)
+        self.freeze = balance_freeze(stats, self.max_num_seqs)
+        self.busy = any(r.busy for r in reports)
+        outputs = [o for r in reports for o in r.outputs]
+        for o in outputs:
+            if o.finish_reason is not None or o.error is not None:
+                self.owner.pop(o.request_id, None)
+        return Outputs(outputs, total_stats(stats), tuple(stats))
+
+
+def _drain(in_q: Any, block: bool) -> list[ToCore]:
+    msgs: list[ToCore] = []
+    if block:
+        with contextlib.suppress(queue.Empty):
+            msgs.append(in_q.get(timeout=IDLE_WAIT_S))
+    while True:
+        try:
+            msgs.append(in_q.get_nowait())
+        except queue.Empty:
+            return msgs
+
+
+def run_lockstep(core: EngineCore, dp: Group, in_q: Any, out_q: Any, parent: int) -> None:
+    """The turn loop of one DP rank's core; ``in_q``/``out_q`` are used by the leader only."""
+    leader = Leader(dp.size, core.config.max_num_seqs) if dp.index == 0 else None
+    stats_due = True
+    while True:
+        header: StepHeader | None = None
+        if leader is not None:
+            msgs = _drain(in_q, block=not leader.busy)
+            if os.getppid() != parent:
+                msgs.append(Shutdown())  # the front end died without telling us
+            header, rejected = leader.header(msgs)
+            for r in rejected:
+                out_q.put(r)
+            stats_due = stats_due or bool(msgs)
+        header = broadcast_object(header, dp)
+        assert header is not None
+        if header.stop:
+            return
+        refused = _apply(core, header.inboxes[dp.index])
+        outputs = core.step(admit=not header.freeze)
+        report = RankReport(outputs, refused, core.stats(), core.has_unfinished_requests())
+        reports = gather_object(report, dp)
+        if leader is not None:
+            assert reports is not None
+            msg = leader.collect(reports)
+            for r in (x for rep in reports for x in rep.rejected):
+                out_q.put(r)
+            if msg.outputs or leader.busy or stats_due:
+                out_q.put(msg)
+                stats_due = False
+
+
+def _apply(core: EngineCore, inbox: list[AddRequest | AbortRequests]) -> list[Rejected]:
+    refused = []
+    for msg in inbox:
+        match msg:
+            case AddRequest(request=req):
+                try:
+                    core.add_request(req)
+                except ValueError as exc:  # the scheduler's own refusals (a duplicate id)
+                    refused.append(Rejected(req.request_id, str(exc)))
+            case AbortRequests(request_ids=ids):
+                core.abort_requests(ids)
+            case _:
+                assert_never(msg)
+    return refused
