@@ -18,90 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-from dataclasses import dataclass
 from typing import Any, assert_never
 
 from dsv4_serving.distributed.comm import broadcast_object, gather_object
 from dsv4_serving.distributed.groups import Group
-from dsv4_serving.engine.dp_router import DPRouter, balance_freeze, total_stats
+from dsv4_serving.engine.dp_router import Leader, RankReport, StepHeader
 from dsv4_serving.engine.engine_core import EngineCore
-from dsv4_serving.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    Outputs,
-    Rejected,
-    Shutdown,
-    ToCore,
-)
-from dsv4_serving.engine.request import EngineCoreOutput
-from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.engine.messages import AbortRequests, AddRequest, Rejected, Shutdown, ToCore
 
 IDLE_WAIT_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class StepHeader:
-    inboxes: list[list[AddRequest | AbortRequests]]  # by DP rank
-    freeze: bool  # no rank admits new work this step
-    stop: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RankReport:
-    outputs: list[EngineCoreOutput]
-    rejected: list[Rejected]
-    stats: SchedulerStats
-    busy: bool
-
-
-class Leader:
-    """The DP-rank-0 core's policy: routing, aborts to the owning rank, the freeze."""
-
-    def __init__(self, size: int, max_num_seqs: int) -> None:
-        self.router = DPRouter(size)
-        self.max_num_seqs = max_num_seqs
-        self.owner: dict[str, int] = {}
-        self.freeze = False
-        self.busy = False
-
-    def header(self, msgs: list[ToCore]) -> tuple[StepHeader, list[Rejected]]:
-        size = self.router.size
-        inboxes: list[list[AddRequest | AbortRequests]] = [[] for _ in range(size)]
-        rejected: list[Rejected] = []
-        stop = False
-        for msg in msgs:
-            match msg:
-                case AddRequest(request=req):
-                    try:
-                        rank = self.router.route(req.data_parallel_rank)
-                    except ValueError as exc:
-                        rejected.append(Rejected(req.request_id, str(exc)))
-                        continue
-                    self.owner[req.request_id] = rank
-                    inboxes[rank].append(msg)
-                case AbortRequests(request_ids=ids):
-                    by_rank: dict[int, list[str]] = {}
-                    for rid in ids:
-                        if rid in self.owner:
-                            by_rank.setdefault(self.owner[rid], []).append(rid)
-                    for rank, rids in by_rank.items():
-                        inboxes[rank].append(AbortRequests(rids))
-                case Shutdown():
-                    stop = True
-                case _:
-                    assert_never(msg)
-        return StepHeader(inboxes, self.freeze, stop), rejected
-
-    def collect(self, reports: list[RankReport]) -> Outputs:
-        stats = [r.stats for r in reports]
-        self.router.update(stats)
-        self.freeze = balance_freeze(stats, self.max_num_seqs)
-        self.busy = any(r.busy for r in reports)
-        outputs = [o for r in reports for o in r.outputs]
-        for o in outputs:
-            if o.finish_reason is not None or o.error is not None:
-                self.owner.pop(o.request_id, None)
-        return Outputs(outputs, total_stats(stats), tuple(stats))
 
 
 def _drain(in_q: Any, block: bool) -> list[ToCore]:

@@ -1,11 +1,21 @@
 """DP routing: the header pins, else the least-loaded rank by waiting * 4 + running with ties
-rotating and optimistic counts; the BalanceScheduler freeze; the instance's summed stats."""
+rotating and optimistic counts; the BalanceScheduler freeze; the instance's summed stats; the
+leader core's step header (inboxes per rank, aborts to the owner) and what it hands on."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsv4_serving.engine.dp_router import DPRouter, balance_freeze, total_stats
+from dsv4_serving.engine.dp_router import (
+    DPRouter,
+    Leader,
+    RankReport,
+    balance_freeze,
+    total_stats,
+)
+from dsv4_serving.engine.messages import AbortRequests, AddRequest, Rejected, Shutdown
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
+from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import SchedulerStats
 
 
@@ -55,3 +65,36 @@ def test_instance_stats_sum_the_ranks_and_weigh_kv_usage_by_blocks() -> None:
     )
     assert t.kv_usage == pytest.approx(0.4)
     assert total_stats([a]) is a
+
+
+def _add(rid: str, pin: int | None = None) -> AddRequest:
+    return AddRequest(EngineCoreRequest(rid, [1, 2], SamplingParams(), data_parallel_rank=pin))
+
+
+def test_the_leader_routes_adds_and_sends_each_abort_to_the_rank_holding_it() -> None:
+    lead = Leader(size=2, max_num_seqs=4)
+    header, rejected = lead.header([_add("a"), _add("b"), _add("c", pin=1), _add("d", pin=5)])
+    assert [[m.request.request_id for m in box] for box in header.inboxes] == [["a"], ["b", "c"]]
+    assert rejected == [Rejected("d", "data parallel rank 5 is not in 0..1")]
+    assert (header.freeze, header.stop) == (False, False)
+    header, _ = lead.header([AbortRequests(["c", "a", "gone"]), Shutdown()])
+    assert header.inboxes == [[AbortRequests(["a"])], [AbortRequests(["c"])]]
+    assert header.stop
+
+
+def test_the_leader_freezes_admission_after_a_rank_reached_its_cap_and_forgets_finished() -> None:
+    lead = Leader(size=2, max_num_seqs=2)
+    lead.header([_add("a"), _add("b")])
+    done = EngineCoreOutput("a", [7], finish_reason="length")
+    going = EngineCoreOutput("b", [8])
+    reports = [
+        RankReport([done], [], _stats(0, 2), busy=True),
+        RankReport([going], [], _stats(3, 1), busy=True),
+    ]
+    out = lead.collect(reports)
+    assert out.outputs == [done, going]
+    assert out.rank_stats == (_stats(0, 2), _stats(3, 1))
+    assert (out.stats.num_waiting, out.stats.num_running) == (3, 3)
+    assert lead.busy and lead.owner == {"b": 1}
+    assert lead.header([])[0].freeze  # rank 0 runs 2 = max_num_seqs
+    assert lead.router.route() == 0  # rank 0 scores 2, rank 1 scores 13
