@@ -68,13 +68,14 @@ def test_instance_stats_sum_the_ranks_and_weigh_kv_usage_by_blocks() -> None:
 
 
 def _add(rid: str, pin: int | None = None) -> AddRequest:
-    return AddRequest(EngineCoreRequest(rid, [1, 2], SamplingParams(), data_parallel_rank=pin))
+    req = EngineCoreRequest(rid, [1, 2], SamplingParams(), 0.0, data_parallel_rank=pin)
+    return AddRequest(req)
 
 
 def test_the_leader_routes_adds_and_sends_each_abort_to_the_rank_holding_it() -> None:
     lead = Leader(size=2, max_num_seqs=4)
     header, rejected = lead.header([_add("a"), _add("b"), _add("c", pin=1), _add("d", pin=5)])
-    assert [[m.request.request_id for m in box] for box in header.inboxes] == [["a"], ["b", "c"]]
+    assert header.inboxes == [[_add("a")], [_add("b"), _add("c", pin=1)]]
     assert rejected == [Rejected("d", "data parallel rank 5 is not in 0..1")]
     assert (header.freeze, header.stop) == (False, False)
     header, _ = lead.header([AbortRequests(["c", "a", "gone"]), Shutdown()])
