@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="log at DEBUG level (kopf included)")
 
 
 def _port(value: int, flag: str) -> int:
