@@ -4,19 +4,31 @@ Each rank is a ``spawn`` child (its own torch state and threads) that dies with 
 (Linux parent-death signal, as ``dsv4_common.process`` children do), so a killed front end
 leaves no rank behind. ``first_dead`` is the sentinel check the front end runs while it reads
 the core's messages: any rank that exits ends the instance, and ``kill`` takes the rest down.
+Each rank carries its name in the kernel (``ps`` shows ``dsv4-rank-1``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsv4_common.process import _die_with_parent
 
+_PR_SET_NAME = 15
 
-def _rank_entry(target: Callable[..., None], args: tuple[Any, ...]) -> None:
+
+def _name_process(name: str) -> None:
+    # the kernel's name of the process (ps, top, /proc/PID/comm): which rank is which
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+def _rank_entry(target: Callable[..., None], name: str, args: tuple[Any, ...]) -> None:
     _die_with_parent()
+    _name_process(name)
     target(*args)
 
 
@@ -27,14 +39,10 @@ class LocalRanks:
         self, target: Callable[..., None], args: Sequence[tuple[Any, ...]], name: str
     ) -> None:
         ctx = mp.get_context("spawn")
+        names = [name] if len(args) == 1 else [f"{name}-{i}" for i in range(len(args))]
         self.procs = [
-            ctx.Process(
-                target=_rank_entry,
-                args=(target, a),
-                daemon=True,
-                name=name if len(args) == 1 else f"{name}-{i}",
-            )
-            for i, a in enumerate(args)
+            ctx.Process(target=_rank_entry, args=(target, n, a), daemon=True, name=n)
+            for n, a in zip(names, args, strict=True)
         ]
         for p in self.procs:
             p.start()

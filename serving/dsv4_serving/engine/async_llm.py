@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
@@ -106,6 +106,8 @@ class AsyncLLM:
         self._reader: threading.Thread | None = None
         self._closing = False
         self.dead_reason: str | None = None
+        # called (in the event loop) once the core is dead: the server stops and exits non-zero
+        self.on_dead: Callable[[str], None] | None = None
         self._ids = itertools.count()
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -184,8 +186,8 @@ class AsyncLLM:
             dead = self._death()
             if dead is not None and not self._closing:
                 reason = f"engine core died: {dead}"
-                self._ranks.kill()  # the rest of a broken instance
                 self._loop.call_soon_threadsafe(self._fail_all, reason)
+                self._ranks.kill()  # the rest of a broken instance
                 return
             try:
                 msg = self._out.get(timeout=0.5)
@@ -249,11 +251,14 @@ class AsyncLLM:
     # ---- messages from the core (event loop thread) -----------------------------------
 
     def _fail_all(self, reason: str) -> None:
+        first = self.dead_reason is None
         self.dead_reason = reason
         for st in self._states.values():
             st.finished = True
             st.q.put_nowait(EngineDeadError(reason))
         self._states.clear()
+        if first and self.on_dead is not None:
+            self.on_dead(reason)
 
     def _dispatch(self, msg: FromCore) -> None:
         match msg:

@@ -125,9 +125,22 @@ def serve(config: EngineConfig, host: str, port: int) -> int:
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 1
     log.info("engine ready: %s", info)
+    app = build_app(engine, tokenizer, config.model_name, metrics)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
+
+    def dead(reason: str) -> None:
+        # in-flight requests have their 503s; the graceful shutdown lets them go out
+        log.error("engine core died (%s): the server stops", reason)
+        server.should_exit = True
+
+    engine.on_dead = dead
     try:
-        app = build_app(engine, tokenizer, config.model_name, metrics)
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.shutdown()
+    if engine.dead_reason is not None:
+        print(f"dsv4 engine: {engine.dead_reason}", file=sys.stderr)
+        return 1
     return 0
