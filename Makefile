@@ -36,7 +36,7 @@ k8s-binaries:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/dsv4_operator kvtransfer/dsv4_kvtransfer
+	$(BIN)/mypy common/dsv4_common operator/dsv4_operator kvtransfer/dsv4_kvtransfer serving/dsv4_serving/distributed
 	$(BIN)/lint-imports
 
 format: install
