@@ -13,7 +13,7 @@ import pytest
 from dsv4_serving.engine.config import EngineConfig
 from tests.engine.common import pass_through_checkpoint, workload
 
-from .engine_cases import near_ties, reference, serve_through_front_end
+from .engine_cases import Reference, near_ties, reference, serve_through_front_end
 
 pytestmark = pytest.mark.dist
 
@@ -43,17 +43,23 @@ def _base(model: str, mtp: int) -> EngineConfig:
     )
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[str, Reference]:
+    """One process, each request alone (no drafts there: the same for every MTP setting)."""
+    return {m: reference(_base(m, 0), workload(8, 5, SHARED)) for m in ("dsv4-tiny", "dsv3-small")}
+
+
 @pytest.mark.parametrize(
     ("model", "tp", "dp", "ep", "mtp"),
     CASES,
     ids=[f"{m}-tp{t}-dp{d}-ep{e}-mtp{k}" for m, t, d, e, k in CASES],
 )
 def test_parallel_engine_gives_single_process_tokens(
-    model: str, tp: int, dp: int, ep: int, mtp: int
+    references: dict[str, Reference], model: str, tp: int, dp: int, ep: int, mtp: int
 ) -> None:
     base = _base(model, mtp)
     work = workload(8, 5, SHARED)
-    ref = reference(base, work)
+    ref = references[model]
     cfg = replace(base, tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=ep)
     # DP: the engine routes the first wave; the second is pinned to rank 1 (rank 0 idles)
     pins: list[int | None] = [None, 1] if dp > 1 else [None, None]

@@ -7,19 +7,58 @@ than nccl/hccl's native collectives would need, which do not change the results.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from dsv4_serving.distributed.groups import Group
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class CommTime:
+    """This process's time inside collectives (the parallel benchmark's communication
+    figure; waiting for a slower peer counts too)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+COMM = CommTime()
+
+
+def _timed(fn: Callable[P, R]) -> Callable[P, R]:
+    @wraps(fn)
+    def timed(*args: P.args, **kwargs: P.kwargs) -> R:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            COMM.seconds += time.perf_counter() - t
+            COMM.calls += 1
+
+    return timed
+
+
+_all_reduce = _timed(dist.all_reduce)
+_all_gather = _timed(dist.all_gather)
+_broadcast_object_list = _timed(dist.broadcast_object_list)
+_gather_object = _timed(dist.gather_object)
+_all_gather_object = _timed(dist.all_gather_object)
+
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group (in place on ``x``; returns it)."""
     if group.size == 1:
         return x
-    dist.all_reduce(x, group=group.device_group)
+    _all_reduce(x, group=group.device_group)
     return x
 
 
@@ -29,7 +68,7 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x, group=group.device_group)
+    _all_gather(parts, x, group=group.device_group)
     return torch.cat(parts, dim=dim)
 
 
@@ -66,7 +105,7 @@ def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     if group.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=group.ranks[src], group=group.cpu_group)
+    _broadcast_object_list(box, src=group.ranks[src], group=group.cpu_group)
     return box[0]
 
 
@@ -75,7 +114,7 @@ def gather_object(obj: Any, group: Group, dst: int = 0) -> list[Any] | None:
     if group.size == 1:
         return [obj]
     out: list[Any] | None = [None] * group.size if group.index == dst else None
-    dist.gather_object(obj, out, dst=group.ranks[dst], group=group.cpu_group)
+    _gather_object(obj, out, dst=group.ranks[dst], group=group.cpu_group)
     return out
 
 
@@ -83,5 +122,5 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     if group.size == 1:
         return [obj]
     out: list[Any] = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.cpu_group)
+    _all_gather_object(out, obj, group=group.cpu_group)
     return out

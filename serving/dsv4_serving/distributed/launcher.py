@@ -26,7 +26,7 @@ def _name_process(name: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
-def _rank_entry(target: Callable[..., None], name: str, args: tuple[Any, ...]) -> None:
+def _rank_entry(target: Callable[..., object], name: str, args: tuple[Any, ...]) -> None:
     _die_with_parent()
     _name_process(name)
     target(*args)
@@ -36,7 +36,7 @@ class LocalRanks:
     """``target(*args[i])`` in process ``i``, started at construction."""
 
     def __init__(
-        self, target: Callable[..., None], args: Sequence[tuple[Any, ...]], name: str
+        self, target: Callable[..., object], args: Sequence[tuple[Any, ...]], name: str
     ) -> None:
         ctx = mp.get_context("spawn")
         names = [name] if len(args) == 1 else [f"{name}-{i}" for i in range(len(args))]

@@ -242,18 +242,19 @@ def run_engine_core(
     out_q: Any,
     build: Callable[[], EngineCore] | None = None,
     loop: Callable[[EngineCore, Any, Any, int], None] | None = None,
-) -> None:
+) -> EngineCore | None:
     """Body of the engine-core process: ``ToCore`` messages in, ``FromCore`` messages out.
     ``build`` makes the core (a parallel rank's, with its groups) and ``loop`` steps it (DP's
     lockstep); default: one process."""
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
+    set_threads(config)
     parent = os.getppid()
     try:
         core = build() if build is not None else EngineCore(config)
     except Exception as exc:
         out_q.put(CoreFailed(f"{type(exc).__name__}: {exc}"))
         log.debug("engine core failed to start:\n%s", traceback.format_exc())
-        return
+        return None
     out_q.put(Ready(core.info))
     try:
         (loop or _loop)(core, in_q, out_q, parent)
@@ -261,6 +262,17 @@ def run_engine_core(
         core.close(stop_followers=False)  # a broken group: the front end kills the ranks
         raise
     core.close()
+    return core
+
+
+def set_threads(config: EngineConfig) -> None:
+    """This rank's torch threads (``threads_per_rank``; default: torch's own with one rank,
+    the CPUs split over the ranks otherwise)."""
+    threads = config.rank_threads(os.cpu_count() or 1)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _handle(core: EngineCore, msg: ToCore, out_q: Any) -> bool:

@@ -46,6 +46,7 @@ class ModelRunner:
         self.cache = self.model.allocate_cache(
             num_blocks, lm.block_size, num_slots, lm.dtype, lookahead=self.k
         )
+        self.forwards = 0  # steps that ran the model (the benchmark's per-step figures)
         self._gens: dict[str, torch.Generator] = {}
         self._default_gen = torch.Generator().manual_seed(seed)
 
@@ -79,6 +80,7 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         sched = out.scheduled
+        self.forwards += 1
         ids: list[int] = []
         chunks = []
         for s in sched:

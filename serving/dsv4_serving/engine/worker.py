@@ -12,11 +12,13 @@ the TP rank 0 of every DP rank is a core, and the cores run in lockstep (``dp_lo
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, assert_never
 
-from dsv4_serving.distributed.comm import broadcast_object
+from dsv4_serving.distributed.comm import COMM, broadcast_object
 from dsv4_serving.distributed.groups import Group, ModelParallel
 from dsv4_serving.distributed.parallel_state import (
     destroy_distributed,
@@ -25,24 +27,24 @@ from dsv4_serving.distributed.parallel_state import (
 )
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.dp_lockstep import run_lockstep
-from dsv4_serving.engine.engine_core import EngineCore, run_engine_core
+from dsv4_serving.engine.engine_core import EngineCore, run_engine_core, set_threads
 from dsv4_serving.engine.messages import CoreFailed
+from dsv4_serving.engine.model_runner import ModelRunner
 from dsv4_serving.engine.runner_setup import setup_runner
 from dsv4_serving.engine.step_protocol import Heartbeat, RunStep, StopFollowing
 
 log = logging.getLogger(__name__)
 
+# a folder: each rank writes its time in collectives there when it exits (benchmarks)
+PROFILE_ENV = "DSV4_COMM_PROFILE"
+
 
 def rank_main(config: EngineConfig, rank: int, port: int, in_q: Any, out_q: Any) -> None:
     """Rank ``rank`` of the instance; only rank 0 (the core) uses the queues."""
-    import torch
-
     from dsv4_serving.platform.device import detect_platform
 
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
-    threads = config.rank_threads(os.cpu_count() or 1)
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(config)
     topo = config.topology()
     device = detect_platform(None if config.device == "auto" else config.device).name
     try:
@@ -63,11 +65,20 @@ def rank_main(config: EngineConfig, rank: int, port: int, in_q: Any, out_q: Any)
     local = topo.local_rank(rank)
     try:
         if topo.tp_rank(rank) == 0:
-            _core(config, parallel, world, local, in_q, out_q)
+            runner = _core(config, parallel, world, local, in_q, out_q)
         else:
-            follow(config, parallel, world, local)
+            runner = follow(config, parallel, world, local)
     finally:
         destroy_distributed()
+    if PROFILE_ENV in os.environ and runner is not None:
+        write_comm_profile(Path(os.environ[PROFILE_ENV]), rank, runner.forwards)
+
+
+def write_comm_profile(folder: Path, rank: int, forwards: int) -> None:
+    """This rank's time in collectives and its forward steps, as ``rank-N.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {"rank": rank, "comm_s": COMM.seconds, "comm_calls": COMM.calls, "steps": forwards}
+    (folder / f"rank-{rank}.json").write_text(json.dumps(body))
 
 
 def _core(
@@ -77,7 +88,7 @@ def _core(
     device_index: int,
     in_q: Any,
     out_q: Any,
-) -> None:
+) -> ModelRunner | None:
     """TP rank 0 of a DP rank: the engine core. The DP-rank-0 core is the one the front end
     talks to; with DP every core runs the lockstep (``dp_lockstep``)."""
     dp = parallel.dp
@@ -88,21 +99,22 @@ def _core(
     def lockstep(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
         run_lockstep(core, dp, in_q, out_q, parent)
 
-    if dp.size == 1:
-        run_engine_core(config, in_q, out_q, build)
-    elif dp.index == 0:
-        run_engine_core(config, in_q, out_q, build, lockstep)
-    else:
-        core = build()
-        try:
-            lockstep(core, None, None, os.getppid())
-        except BaseException:
-            core.close(stop_followers=False)
-            raise
-        core.close()
+    if dp.index == 0:
+        core = run_engine_core(config, in_q, out_q, build, lockstep if dp.size > 1 else None)
+        return core.runner if core is not None else None
+    core = build()
+    try:
+        lockstep(core, None, None, os.getppid())
+    except BaseException:
+        core.close(stop_followers=False)
+        raise
+    core.close()
+    return core.runner
 
 
-def follow(config: EngineConfig, parallel: ModelParallel, world: Group, device_index: int) -> None:
+def follow(
+    config: EngineConfig, parallel: ModelParallel, world: Group, device_index: int
+) -> ModelRunner:
     """A TP follower: run each step the core broadcasts, until it says stop."""
     rs = setup_runner(config, parallel, world, device_index, reserve_dummy=parallel.dp.size > 1)
     while True:
@@ -113,6 +125,6 @@ def follow(config: EngineConfig, parallel: ModelParallel, world: Group, device_i
             case Heartbeat():
                 pass
             case StopFollowing():
-                return
+                return rs.runner
             case _:
                 assert_never(msg)
