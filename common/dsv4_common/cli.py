@@ -53,20 +53,32 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``only``) just one subcommand's flags: a command imports no
+    other subcommand's module, so an image that lacks one package (the engine image has no
+    ``cryptography`` for the dev cluster) still runs every command it ships."""
     parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dsv4 {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        # argument definitions are cheap imports; heavy work happens inside run()
-        importlib.import_module(module).add_arguments(p)
+        if only in (None, name):
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
+def _subcommand(argv: list[str]) -> str:
+    """The subcommand named on the command line ("" when none: ``dsv4 --help``)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in SUBCOMMANDS else ""
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_subcommand(argv)).parse_args(argv)
     return int(importlib.import_module(args._module).run(args))
 
 

@@ -69,3 +69,30 @@ def test_repo_root_does_not_shadow_stdlib_operator() -> None:
         check=True,
     )
     assert str(REPO / "operator") not in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "absent"),
+    [
+        (["--help"], ["dsv4_operator", "dsv4_serving", "dsv4_kvtransfer"]),
+        (["kv-sidecar", "--help"], ["dsv4_operator", "dsv4_serving", "cryptography", "torch"]),
+        (["engine", "--help"], ["dsv4_operator", "cryptography", "torch"]),
+        (["gateway", "--help"], ["dsv4_operator.devcluster", "cryptography", "torch"]),
+    ],
+)
+def test_a_command_imports_only_what_it_needs(argv: list[str], absent: list[str]) -> None:
+    # an image built with one extra (the engine image: `.[serving]`) must run its commands
+    code = (
+        "import sys\n"
+        "from dsv4_common.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")[-2]
+    loaded = set(out.split())
+    assert not [m for m in absent if m in loaded or any(x.startswith(m + ".") for x in loaded)]
