@@ -20,7 +20,7 @@ from typing import Self
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Linux: the kernel sends SIGKILL to the child when the parent thread exits, so a crashed or
     # killed test run leaves no orphaned etcd/apiserver behind.
     with contextlib.suppress(OSError, AttributeError):
@@ -80,7 +80,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     @property

@@ -15,7 +15,7 @@ import multiprocessing as mp
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dsv4_common.process import _die_with_parent
+from dsv4_common.process import die_with_parent
 
 _PR_SET_NAME = 15
 
@@ -27,7 +27,7 @@ def _name_process(name: str) -> None:
 
 
 def _rank_entry(target: Callable[..., object], name: str, args: tuple[Any, ...]) -> None:
-    _die_with_parent()
+    die_with_parent()
     _name_process(name)
     target(*args)
 
