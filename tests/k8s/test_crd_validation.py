@@ -54,6 +54,16 @@ def _without_model() -> dict[str, Any]:
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("no model", _without_model(), "spec.model: Required value"),
     (
+        "shm size not a quantity",
+        _cr(prefill={"shmSize": "1GB"}),
+        "prefill.shmSize must be a Kubernetes quantity such as 1Gi or 512Mi",
+    ),
+    (
+        "shm size too small for staging and engine",
+        _cr(decode={"shmSize": "256Mi"}),
+        "decode.shmSize must be at least 320Mi",
+    ),
+    (
         "two model sources",
         _cr(model={"path": "/data/v4", "preset": "dsv4-tiny", "servedName": "v4"}),
         "set exactly one of path, pvc or preset",

@@ -170,7 +170,8 @@ def _role(role: str) -> Schema:
             ),
             "shmSize": {
                 **string(
-                    "Size of the in-memory /dev/shm shared with the KV sidecar.",
+                    "Size of the in-memory /dev/shm shared by the engine and the KV sidecar: "
+                    "the sidecar's staging region is this minus 256Mi for the engine.",
                     default="16Gi",
                     max_length=32,
                 )
@@ -189,11 +190,20 @@ def _role(role: str) -> Schema:
         },
         rules=[
             (
+                "isQuantity(self.shmSize)",
+                f"{role}.shmSize must be a Kubernetes quantity such as 1Gi or 512Mi",
+            ),
+            (
+                "!isQuantity(self.shmSize) || quantity(self.shmSize).compareTo(quantity('320Mi')) >= 0",
+                f"{role}.shmSize must be at least 320Mi: the KV sidecar's staging region (at least "
+                "64Mi) plus 256Mi for the engine's own shared memory",
+            ),
+            (
                 "self.npusPerNode == 0 ? self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance"
                 " : self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance * self.npusPerNode",
                 f"{role}: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode "
                 "(one rank per NPU; with npusPerNode 0, one rank per pod)",
-            )
+            ),
         ],
         default={},
         description=f"The {role} role.",

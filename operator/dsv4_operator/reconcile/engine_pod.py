@@ -13,6 +13,7 @@ from dsv4_operator.api.spec import DeploymentSpec, RoleSpec
 from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
 from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
+from dsv4_operator.reconcile.shm import staging_bytes
 
 CONFIG_DIR = "/etc/dsv4"
 KV_AUTH_DIR = "/etc/dsv4/kv-auth"
@@ -75,7 +76,7 @@ def engine_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     return cmd + role.engine_args
 
 
-def sidecar_command(spec: DeploymentSpec) -> list[str]:
+def sidecar_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     kv = spec.kv
     return [
         "dsv4",
@@ -96,6 +97,9 @@ def sidecar_command(spec: DeploymentSpec) -> list[str]:
         # Prometheus and probes from outside the pod reach only this port
         "--metrics-port",
         str(kv.metrics_port),
+        # the staging region shares the pod's /dev/shm with the engine (reconcile/shm.py)
+        "--staging-bytes",
+        str(staging_bytes(role.role, role.shm_size)),
     ]
 
 
@@ -197,7 +201,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "name": "kv-sidecar",
         "image": spec.sidecar_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": sidecar_command(spec),
+        "command": sidecar_command(spec, role),
         "env": [_downward("POD_IP", "status.podIP")],
         "ports": [
             {"name": "kv", "containerPort": spec.kv.port},
