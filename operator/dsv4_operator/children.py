@@ -9,6 +9,7 @@ else made under one of our names is reported instead of adopted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,7 +46,7 @@ Live = dict[Key, dict[str, Any]]
 
 
 def managed_selector(spec: DeploymentSpec) -> dict[str, str]:
-    return {names.DEPLOYMENT_LABEL: spec.name, "app.kubernetes.io/managed-by": names.MANAGER}
+    return {names.DEPLOYMENT_LABEL: spec.name, names.MANAGED_BY_LABEL: names.MANAGER}
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -75,9 +76,20 @@ class ChildView(Protocol):
 
     def remember(self, result: ApplyResult) -> None: ...
 
+    def may_exist(self, kind: str, namespace: str, name: str) -> bool:
+        """False only when an object of that name certainly does not exist (no GET needed)."""
+        ...
+
+    def deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The deployment as last reported, or None when not known here (GET it)."""
+        ...
+
+    def record_deployment(self, body: dict[str, Any]) -> bool: ...
+
 
 class ListedChildren:
-    """Read through the API: one LIST per owned kind, one of the pods (no cache to keep)."""
+    """Read through the API: one LIST per owned kind, one of the pods, a GET of the deployment
+    and of each missing child (no cache to keep)."""
 
     def __init__(self, kube: KubeApi) -> None:
         self.kube = kube
@@ -97,21 +109,35 @@ class ListedChildren:
     def remember(self, result: ApplyResult) -> None:
         pass
 
+    def may_exist(self, kind: str, namespace: str, name: str) -> bool:
+        return True
+
+    def deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None
+
+    def record_deployment(self, body: dict[str, Any]) -> bool:
+        return True
+
 
 def apply_children(
-    kube: KubeApi, desired: list[dict[str, Any]], live: Live, uid: str
+    kube: KubeApi,
+    desired: list[dict[str, Any]],
+    live: Live,
+    uid: str,
+    may_exist: Callable[[str, str, str], bool] = lambda kind, namespace, name: True,
 ) -> ApplyResult:
     """Apply (server-side, forced) each desired child that differs from its live copy, then
     delete live children that are not desired. An unchanged child costs no request; one missing
-    from ``live`` is read first (it may be someone else's, or ``live`` may lag)."""
+    from ``live`` is read first (it may be someone else's, or ``live`` may lag) unless
+    ``may_exist`` says its name is free."""
     result = ApplyResult()
     for obj in desired:
         key: Key = (obj["kind"], obj["metadata"]["name"])
         stamped = stamp(obj)
         current = live.get(key)
-        if current is None:
-            meta = obj["metadata"]
-            current = kube.get(key[0], meta["namespace"], key[1])
+        namespace = obj["metadata"]["namespace"]
+        if current is None and may_exist(key[0], namespace, key[1]):
+            current = kube.get(key[0], namespace, key[1])
             if current is not None and not owned_by(current, uid):
                 # never adopt (and later prune) an object someone else made under our name
                 result.rejected.append(

@@ -60,13 +60,14 @@ def update_status(
     kube: KubeApi, body: dict[str, Any], spec: DeploymentSpec, observed: Observed, at: str
 ) -> dict[str, Any] | None:
     """Patch the status subresource when it changed (not for a new timestamp alone), with an
-    event when the phase changed; the new status, or None when nothing was written."""
+    event when the phase changed; the API server's answer (the deployment with its new status),
+    or None when nothing was written."""
     previous = body.get("status") or {}
     status = compute_status(spec, observed, previous, at)
     if _strip_times(status) == _strip_times({k: previous.get(k) for k in status}):
         return None
     meta = body["metadata"]
-    kube.patch_status(KIND, meta["namespace"], meta["name"], status)
+    written = kube.patch_status(KIND, meta["namespace"], meta["name"], status)
     if status["phase"] != previous.get("phase"):
         degraded = status["phase"] == "Degraded"
         detail = next(
@@ -75,7 +76,7 @@ def update_status(
             if c["type"] == ("Degraded" if degraded else "Ready")
         )
         post_event(kube, body, status["phase"], f"phase {status['phase']}: {detail}", degraded)
-    return status
+    return written
 
 
 class Controller:
@@ -100,7 +101,8 @@ class Controller:
 
     def _read_kv_secret(self, spec: DeploymentSpec, live: Live) -> None:
         """The KV token is kept, never replaced: a Secret missing from ``live`` (a lagging
-        cache) is read before a fresh token could be made up for it."""
+        cache) is read before a fresh token could be made up for it, even when the name index
+        says it is free (one GET per new deployment; a replaced token breaks every transfer)."""
         key = ("Secret", names.kv_secret_name(spec))
         if key not in live:
             secret = self.kube.get(key[0], spec.namespace, key[1])
@@ -119,14 +121,15 @@ class Controller:
             SYNC_SECONDS.observe(time.monotonic() - start)
 
     def _sync(self, namespace: str, name: str) -> None:
-        body = self.kube.get(KIND, namespace, name)
+        body = self.view.deployment(namespace, name) or self.kube.get(KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # children go with it through their owner references
         spec = parse(body)
         lws = self.lws_available()
         live = self.view.children(spec, lws)
         self._read_kv_secret(spec, live)
-        seen = observe(spec, lws, live, self.view.pods(spec))
+        pods = self.view.pods(spec)
+        seen = observe(spec, lws, live, pods)
         observed = seen.observed
         try:
             desired = desired_children(spec, seen.facts)
@@ -134,8 +137,16 @@ class Controller:
             # nothing is applied or pruned while the spec cannot be built
             observed = observed.with_problems([str(e)], e.reason)
         else:
-            result = apply_children(self.kube, desired, live, spec.uid)
+            result = apply_children(self.kube, desired, live, spec.uid, self.view.may_exist)
             self.view.remember(result)
             announce(self.kube, body, result)
+            if result.seen or result.deleted:
+                # the status describes the children as this sync left them, so the watch
+                # events of its own writes have nothing left to tell (they sync nothing)
+                gone = set(result.deleted)
+                after = {k: v for k, v in live.items() if k not in gone} | result.seen
+                observed = observe(spec, lws, after, pods).observed
             observed = observed.with_problems(result.rejected, "InvalidChild")
-        update_status(self.kube, body, spec, observed, now())
+        written = update_status(self.kube, body, spec, observed, now())
+        if written is not None:
+            self.view.record_deployment(written)

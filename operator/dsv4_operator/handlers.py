@@ -15,12 +15,11 @@ from typing import Any
 import kopf
 
 from dsv4_operator.api import GROUP, PLURAL, VERSION
-from dsv4_operator.cache import WatchCache
+from dsv4_operator.cache import WatchCache, owner_of
 from dsv4_operator.controller import Controller
 from dsv4_operator.kube import Kube, load_api_client
 from dsv4_operator.observe import LWS_CRD
 from dsv4_operator.queue import SyncQueue
-from dsv4_operator.reconcile import names
 
 # (group, version, plural, kind) of everything a deployment owns, and its engine pods
 CHILD_RESOURCES = [
@@ -38,7 +37,6 @@ CHILD_RESOURCES = [
     # kopf skips a resource its cluster does not serve; the CRD watch below resyncs when it appears
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet"),
 ]
-MANAGED = {"app.kubernetes.io/managed-by": names.MANAGER}
 
 
 @dataclass
@@ -81,32 +79,35 @@ async def deployment_event(
     if namespace is None:
         return
     if event["type"] == "DELETED":
+        memo.cache.forget_deployment(namespace, name)
         memo.sync_queue().forget((namespace, name))
         return
-    memo.sync_queue().enqueue((namespace, name))
+    if memo.cache.record_deployment(dict(event["object"])):  # not the echo of our status patch
+        memo.sync_queue().enqueue((namespace, name))
 
 
-def _cache_child(kind: str) -> Callable[..., None]:
-    def index(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
-        # every event but DELETED, before any handler sees it; kopf's own index stays empty
-        memo.cache.record(kind, dict(body))
+def _cache_child(kind: str) -> Callable[..., Awaitable[None]]:
+    async def index(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        # every event but DELETED, before any handler sees it (async: no thread hop per event);
+        # kopf's own index stays empty. A version already recorded (the echo of a sync's own
+        # write, which that sync's status already describes) syncs nothing.
+        obj = dict(body)
+        owner = owner_of(obj)
+        if memo.cache.record(kind, obj) and owner is not None and memo.queue is not None:
+            memo.queue.enqueue_known(owner)
 
     return index
 
 
 def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
-    async def on_event(
-        event: kopf.RawEvent,
-        namespace: str | None,
-        labels: kopf.Labels,
-        memo: OperatorMemo,
-        **_: Any,
-    ) -> None:
-        if event["type"] == "DELETED":
-            memo.cache.forget(kind, dict(event["object"]))
-        owner = labels.get(names.DEPLOYMENT_LABEL)
-        if owner and namespace:
-            memo.sync_queue().enqueue_known((namespace, owner))
+    async def on_event(event: kopf.RawEvent, memo: OperatorMemo, **_: Any) -> None:
+        if event["type"] != "DELETED":
+            return  # the index above recorded it and asked for a sync when it was news
+        obj = dict(event["object"])
+        memo.cache.forget(kind, obj)
+        owner = owner_of(obj)
+        if owner is not None:
+            memo.sync_queue().enqueue_known(owner)
 
     return on_event
 
@@ -121,10 +122,8 @@ async def lws_crd_event(memo: OperatorMemo, **_: Any) -> None:
     memo.sync_queue().enqueue_all()
 
 
+# Unfiltered (kopf watches whole resources anyway, it filters labels client-side): the cache's
+# name index needs every object of an owned kind, managed or not.
 for _group, _version, _plural, _kind in CHILD_RESOURCES:
-    kopf.index(_group, _version, _plural, labels=MANAGED, id=f"cache-{_plural}")(
-        _cache_child(_kind)
-    )
-    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"child-{_plural}")(
-        _child_event(_kind)
-    )
+    kopf.index(_group, _version, _plural, id=f"cache-{_plural}")(_cache_child(_kind))
+    kopf.on.event(_group, _version, _plural, id=f"child-{_plural}")(_child_event(_kind))

@@ -87,7 +87,7 @@ class KubeApi(Protocol):
 
     def patch_status(
         self, kind: str, namespace: str, name: str, status: dict[str, Any]
-    ) -> None: ...
+    ) -> dict[str, Any]: ...
 
     def create(self, obj: dict[str, Any]) -> None: ...
 
@@ -173,14 +173,18 @@ class Kube:
             if e.status != 404:
                 raise
 
-    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self._call(
+    def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The object as written (its new resourceVersion lets the watch's echo be ignored)."""
+        res: dict[str, Any] = self._call(
             "patch_status",
             "PATCH",
             KINDS[kind].path(namespace, name, "status"),
             body={"status": status},
             content_type="application/merge-patch+json",
         )
+        return res
 
     def create(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]

@@ -12,6 +12,7 @@ MANAGER = "dsv4-operator"
 ROLE_LABEL = "serving.dsv4.io/role"
 INSTANCE_LABEL = "serving.dsv4.io/instance"
 DEPLOYMENT_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Set by the Ascend device plugin on each pod: the NPUs it got and their RoCE IPs.
 ASCEND_DEVICE_ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuration"
 
@@ -29,7 +30,7 @@ def base_labels(spec: DeploymentSpec, component: str) -> dict[str, str]:
         "app.kubernetes.io/name": "dsv4",
         DEPLOYMENT_LABEL: spec.name,
         "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": MANAGER,
+        MANAGED_BY_LABEL: MANAGER,
     }
 
 

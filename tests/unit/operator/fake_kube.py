@@ -74,11 +74,14 @@ class FakeKube:
         self.calls["delete"] += 1
         self.objects.pop((kind, namespace, name), None)
 
-    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+    def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
         self.calls["patch_status"] += 1
         obj = self.objects[(kind, namespace, name)]
         obj["status"] = copy.deepcopy(status)
         self._bump(obj)
+        return copy.deepcopy(obj)
 
     def create(self, obj: dict[str, Any]) -> None:
         self.calls["create"] += 1

@@ -17,7 +17,10 @@ def _obj(name: str, rv: str, owner: str = "v4", uid: str = "uid-1") -> dict[str,
             "name": name,
             "namespace": "ml",
             "resourceVersion": rv,
-            "labels": {"app.kubernetes.io/instance": owner},
+            "labels": {
+                "app.kubernetes.io/instance": owner,
+                "app.kubernetes.io/managed-by": "dsv4-operator",
+            },
             "ownerReferences": [{"uid": uid}],
         }
     }
@@ -46,26 +49,56 @@ def test_children_are_this_deployments_by_label_and_owner_uid(cpu_cr: dict[str, 
     assert cache.pods(spec) == []
 
 
-def test_a_sync_of_an_unchanged_deployment_from_the_cache_makes_one_request(
+def _synced(cr: dict[str, Any]) -> tuple[FakeKube, WatchCache, Controller]:
+    """A deployment the watch reported, synced once into an empty namespace."""
+    kube, cache = FakeKube(), WatchCache()
+    cache.record_deployment(kube.put(cr))
+    ctl = Controller(kube, cache)
+    ctl.sync("ml", "v4")
+    return kube, cache, ctl
+
+
+def test_free_names_are_created_without_reads(cpu_cr: dict[str, Any]) -> None:
+    kube, _, _ = _synced(cpu_cr)
+    # the LWS CRD and the KV Secret (its token is never made up without a read); no GET of the
+    # CR (the watch's copy) nor of any child (the name index says every name is free)
+    assert kube.calls["get"] == 2 and kube.calls["apply"] == 15
+
+
+def test_a_sync_of_an_unchanged_deployment_makes_no_request(cpu_cr: dict[str, Any]) -> None:
+    kube, _, ctl = _synced(cpu_cr)
+    kube.calls.clear()
+    ctl.sync("ml", "v4")  # what it wrote (children and status) is in the cache already
+    assert dict(kube.calls) == {}
+
+
+def test_the_echo_of_our_own_writes_is_not_news(cpu_cr: dict[str, Any]) -> None:
+    kube, cache, _ = _synced(cpu_cr)
+    assert not cache.record_deployment(kube.get("DeepSeekV4Deployment", "ml", "v4") or {})
+    assert not cache.record("NetworkPolicy", kube.get("NetworkPolicy", "ml", "v4-gateway") or {})
+    edited = kube.put(
+        {**(kube.get("NetworkPolicy", "ml", "v4-gateway") or {}), "kind": "NetworkPolicy"}
+    )
+    assert cache.record("NetworkPolicy", edited)
+
+
+def test_a_name_taken_by_anyone_else_is_read_and_refused(cpu_cr: dict[str, Any]) -> None:
+    kube, cache = FakeKube(), WatchCache()
+    cache.record_deployment(kube.put(cpu_cr))
+    # a predecessor's child, still being collected: its name is known, it is not ours
+    cache.record("ConfigMap", kube.put({"kind": "ConfigMap", **_obj("v4-engine", "1", uid="old")}))
+    Controller(kube, cache).sync("ml", "v4")
+    assert kube.calls["get"] == 2 + 1 and kube.calls["apply"] == 14
+    status = kube.objects[("DeepSeekV4Deployment", "ml", "v4")]["status"]
+    assert "ConfigMap v4-engine already exists" in str(status)
+
+
+def test_a_cache_without_the_kv_secret_reads_it_and_keeps_the_token(
     cpu_cr: dict[str, Any],
 ) -> None:
-    kube, cache = FakeKube(), WatchCache()
-    kube.put(cpu_cr)
-    ctl = Controller(kube, cache)
-    ctl.sync("ml", "v4")  # an empty cache: every child is read (404) and created
-    # the CR, the LWS CRD, the KV Secret (for its token) and then each child before creating it
-    assert kube.calls["get"] == 3 + 15 and kube.calls["apply"] == 15
-    kube.calls.clear()
-    ctl.sync("ml", "v4")  # what it wrote is in the cache already
-    assert dict(kube.calls) == {"get": 1}
-
-
-def test_a_cache_that_lags_costs_reads_not_writes(cpu_cr: dict[str, Any]) -> None:
-    kube = FakeKube()
-    kube.put(cpu_cr)
-    Controller(kube, WatchCache()).sync("ml", "v4")
-    kube.calls.clear()
-    Controller(kube, WatchCache()).sync("ml", "v4")  # a restart before the watches caught up
-    assert kube.writes() == 0  # the KV token in particular is kept
-    # the CR, the LWS CRD, the KV Secret, each other child
-    assert dict(kube.calls) == {"get": 3 + 14}
+    kube, _, _ = _synced(cpu_cr)
+    token = kube.objects[("Secret", "ml", "v4-kv-auth")]["data"]
+    cache = WatchCache()  # a restart whose Secret watch lags
+    cache.record_deployment(kube.objects[("DeepSeekV4Deployment", "ml", "v4")])
+    Controller(kube, cache).sync("ml", "v4")
+    assert kube.objects[("Secret", "ml", "v4-kv-auth")]["data"] == token
