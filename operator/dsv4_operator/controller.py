@@ -44,6 +44,12 @@ def _strip_times(status: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _inputs(body: dict[str, Any]) -> tuple[Any, ...]:
+    """What a sync reads of the deployment besides its status."""
+    meta = body["metadata"]
+    return meta.get("generation"), meta.get("labels"), meta.get("deletionTimestamp")
+
+
 def _names(keys: list[tuple[str, str]]) -> str:
     return ", ".join(f"{kind} {name}" for kind, name in keys)
 
@@ -148,5 +154,7 @@ class Controller:
                 observed = observe(spec, lws, after, pods).observed
             observed = observed.with_problems(result.rejected, "InvalidChild")
         written = update_status(self.kube, body, spec, observed, now())
-        if written is not None:
+        if written is not None and _inputs(written) == _inputs(body):
+            # recorded, so the watch's echo of this patch syncs nothing; not when someone edited
+            # the deployment between our read and our patch: that edit's event must be news
             self.view.record_deployment(written)

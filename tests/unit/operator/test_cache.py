@@ -102,3 +102,22 @@ def test_a_cache_without_the_kv_secret_reads_it_and_keeps_the_token(
     cache.record_deployment(kube.objects[("DeepSeekV4Deployment", "ml", "v4")])
     Controller(kube, cache).sync("ml", "v4")
     assert kube.objects[("Secret", "ml", "v4-kv-auth")]["data"] == token
+
+
+class _EditedBeforeThePatch(FakeKube):
+    """Someone edits the spec between the sync's read and its status patch."""
+
+    def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        self.edited = self.put({**self.objects[(kind, namespace, name)], "spec": {"edited": 1}})
+        self.edited["metadata"]["generation"] += 1
+        self.objects[(kind, namespace, name)] = self.edited
+        return super().patch_status(kind, namespace, name, status)
+
+
+def test_an_edit_landing_during_a_sync_is_still_news(cpu_cr: dict[str, Any]) -> None:
+    kube, cache = _EditedBeforeThePatch(), WatchCache()
+    cache.record_deployment(kube.put(cpu_cr))
+    Controller(kube, cache).sync("ml", "v4")
+    assert cache.record_deployment(kube.edited)  # its watch event asks for another sync
