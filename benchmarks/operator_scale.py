@@ -1,6 +1,7 @@
 """Operator benchmark: time from `kubectl create` to every child created and to Ready, for 1 and
 for N DeepSeekV4Deployments at once, the operator's memory, and the Kubernetes API requests one
-sync of an unchanged deployment makes, by verb (the goal: reads only).
+sync of an unchanged deployment makes, by verb (the goal: none, everything it reads is in the
+operator's watch cache).
 
 Runs everything for real on this machine: the local control plane (etcd, kube-apiserver,
 controller manager, scheduler, kwok fake Ascend nodes), `helm install` of charts/dsv4, and the
