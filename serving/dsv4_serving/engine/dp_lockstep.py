@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-from typing import Any, assert_never
+from typing import Any
 
 from dsv4_serving.distributed.comm import broadcast_object, gather_object
 from dsv4_serving.distributed.groups import Group
 from dsv4_serving.engine.dp_router import Leader, RankReport, StepHeader
-from dsv4_serving.engine.engine_core import EngineCore
+from dsv4_serving.engine.engine_core import EngineCore, apply_request_message
 from dsv4_serving.engine.messages import AbortRequests, AddRequest, Rejected, Shutdown, ToCore
 
 IDLE_WAIT_S = 0.5
@@ -74,16 +74,4 @@ def run_lockstep(core: EngineCore, dp: Group, in_q: Any, out_q: Any, parent: int
 
 
 def _apply(core: EngineCore, inbox: list[AddRequest | AbortRequests]) -> list[Rejected]:
-    refused = []
-    for msg in inbox:
-        match msg:
-            case AddRequest(request=req):
-                try:
-                    core.add_request(req)
-                except ValueError as exc:  # the scheduler's own refusals (a duplicate id)
-                    refused.append(Rejected(req.request_id, str(exc)))
-            case AbortRequests(request_ids=ids):
-                core.abort_requests(ids)
-            case _:
-                assert_never(msg)
-    return refused
+    return [r for msg in inbox if (r := apply_request_message(core, msg)) is not None]

@@ -275,20 +275,28 @@ def set_threads(config: EngineConfig) -> None:
         torch.set_num_threads(threads)
 
 
-def _handle(core: EngineCore, msg: ToCore, out_q: Any) -> bool:
-    """Apply one message; False when the core must stop."""
+def apply_request_message(core: EngineCore, msg: AddRequest | AbortRequests) -> Rejected | None:
+    """Add or abort requests on this core; the refusal to send back, if the scheduler refused."""
     match msg:
         case AddRequest(request=req):
             try:
                 core.add_request(req)
             except ValueError as exc:  # the scheduler's own refusals (a duplicate id)
-                out_q.put(Rejected(req.request_id, str(exc)))
+                return Rejected(req.request_id, str(exc))
         case AbortRequests(request_ids=ids):
             core.abort_requests(ids)
-        case Shutdown():
-            return False
         case _:
             assert_never(msg)
+    return None
+
+
+def _handle(core: EngineCore, msg: ToCore, out_q: Any) -> bool:
+    """Apply one message; False when the core must stop."""
+    if isinstance(msg, Shutdown):
+        return False
+    refused = apply_request_message(core, msg)
+    if refused is not None:
+        out_q.put(refused)
     return True
 
 
