@@ -121,3 +121,11 @@ def test_a_bad_dtype_is_refused_by_its_choices() -> None:
 def test_unknown_model_fails_at_start() -> None:
     r = _run("--model", "/nonexistent/ckpt", "--device", "cpu")
     assert r.returncode != 0 and "neither a directory nor a preset" in (r.stderr + r.stdout)
+
+
+def test_a_checkpoint_of_another_architecture_fails_the_start_clearly() -> None:
+    r = _run("--model", "dsv3-small", "--device", "cpu", "--architecture", "DeepseekV4ForCausalLM")
+    assert r.returncode == 1
+    assert (
+        "--architecture DeepseekV4ForCausalLM: the checkpoint dsv3-small is DeepseekV3ForCausalLM"
+    ) in r.stderr

@@ -76,8 +76,8 @@ def _model() -> Schema:
                 max_length=63,
             ),
             "architecture": string(
-                "config.json 'architectures' entry; selects the engine's model class.",
-                default="DeepseekV4ForCausalLM",
+                "The architecture the checkpoint's config.json must name; engines refuse to "
+                "start on another model. Unset: whatever the checkpoint is.",
                 enum=["DeepseekV4ForCausalLM", "DeepseekV3ForCausalLM"],
             ),
             "dtype": string(

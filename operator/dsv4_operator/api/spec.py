@@ -63,7 +63,7 @@ class RoleSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     served_name: str
-    architecture: str
+    architecture: str | None
     dtype: str
     quantization: str
     max_model_len: int
@@ -301,7 +301,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
         generation=int(meta.get("generation", 0)),
         model=ModelSpec(
             served_name=model["servedName"],
-            architecture=model["architecture"],
+            architecture=model.get("architecture"),
             dtype=model["dtype"],
             quantization=model["quantization"],
             max_model_len=int(model["maxModelLen"]),

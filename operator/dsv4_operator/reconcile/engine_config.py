@@ -21,6 +21,7 @@ def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
     values: dict[str, Any] = {
         "model": m.engine_model_arg,
         "served_model_name": m.served_name,
+        "architecture": m.architecture,
         "dtype": m.dtype,
         "max_model_len": m.max_model_len,
         "kv_sidecar": f"http://127.0.0.1:{kv.control_port}",

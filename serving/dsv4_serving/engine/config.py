@@ -81,6 +81,9 @@ class EngineConfig:
     """Devices the MoE experts are spread over."""
     rank_table: str | None = None
     """HCCL rank table (Ascend multi-node)."""
+    architecture: str | None = None
+    """When set, the checkpoint's config.json must name this architecture (e.g.
+    DeepseekV4ForCausalLM); the engine refuses to start on another model."""
     threads_per_rank: int = 0
     """Torch threads of each rank's process; 0 = torch's default with one rank, else this
     machine's CPUs split evenly over the ranks."""

@@ -67,6 +67,10 @@ def load_model(
     hf, ckpt = model_config_dict(config.model)
     platform = detect_platform(None if config.device == "auto" else config.device)
     arch = architecture_of(hf)
+    if config.architecture is not None and arch != config.architecture:
+        raise ConfigError(
+            f"--architecture {config.architecture}: the checkpoint {config.model} is {arch}"
+        )
     cls = REGISTRY.resolve(arch)
     mcfg = cls.config_class.from_dict(hf)
     config.check_parallel(platform.name, mcfg)
