@@ -54,13 +54,14 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+def _unwrap_optional(tp: Any) -> Any:
+    """``X | None`` -> ``X`` (None is reachable only through a file or the dataclass default)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
-            return args[0], True
-    return tp, False
+            return args[0]
+    return tp
 
 
 def add_config_arguments(
@@ -82,7 +83,7 @@ def add_config_arguments(
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init:
             continue
-        tp, optional = _unwrap_optional(hints[f.name])
+        tp = _unwrap_optional(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = docs.get(f.name, "")
         if default is not None and not isinstance(default, bool):
@@ -112,7 +113,6 @@ def add_config_arguments(
             kw["help"] = f"{kw['help']} (repeatable)".strip()
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for type {tp!r}")
-        del optional  # None is reachable only through a file or the dataclass default
         parser.add_argument(*names, **kw)
 
 

@@ -1,24 +1,26 @@
 """``dsv4 kv-sidecar``: the KV-transfer sidecar beside an engine.
 
 One flag per ``SidecarConfig`` field (``dsv4_common.config_cli``), plus ``--auth-token-file``: the
-token itself never goes on a command line. Only light modules at import time (``dsv4 --help``
-builds every subcommand's parser); the sidecar's own modules load inside ``run``.
+token itself never goes on a command line. Only light modules at import time (``dsv4 kv-sidecar
+--help`` builds this parser); the sidecar's own modules load inside ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 from typing import Any
 
 from dsv4_common.config_cli import add_config_arguments, config_from_args, given
-from dsv4_common.ports import KV_PORT, sidecar_control_port
+from dsv4_common.ports import sidecar_control_port
 from dsv4_kvtransfer.config import SidecarConfig, parse_size
 
 __all__ = ["add_arguments", "derived_defaults", "parse_size", "run"]
 
 ALIASES = {"pull_timeout_s": ["--pull-timeout"]}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SidecarConfig)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def derived_defaults(flags: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     """The defaults that follow from other settings or from the pod: control port and region
     name from the peer port, the advertised address and the names from the pod's env."""
-    port = int(flags.get("port", KV_PORT))
-    host = str(flags.get("host", "0.0.0.0"))
+    port = int(flags.get("port", _DEFAULTS["port"]))
+    host = str(flags.get("host", _DEFAULTS["host"]))
     name = env.get("POD_NAME") or socket.gethostname()
     if env.get("POD_IP"):
         advertise = env["POD_IP"]
