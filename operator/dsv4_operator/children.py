@@ -59,7 +59,6 @@ class ApplyResult:
     created: list[Key] = field(default_factory=list)
     updated: list[Key] = field(default_factory=list)
     deleted: list[Key] = field(default_factory=list)
-    unchanged: list[Key] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     """Why a desired child could not be applied, one line each."""
     seen: Live = field(default_factory=dict)
@@ -148,7 +147,6 @@ def apply_children(
             if current is not None:
                 result.seen[key] = current
         if current is not None and up_to_date(stamped, current):
-            result.unchanged.append(key)
             continue
         try:
             result.seen[key] = kube.apply(stamped)
