@@ -1,0 +1,43 @@
+"""What one tick observed: per-role load and the client-side latency quantiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsv4_operator.autoscaling.policy import Role
+
+
+@dataclass(frozen=True)
+class RoleSignals:
+    ready: int
+    """Instances serving (all pods Ready)."""
+    starting: int = 0
+    """Instances created and not yet Ready: capacity on its way, not capacity."""
+    draining: int = 0
+    blocked: int = 0
+    """Of the starting ones, those the scheduler cannot place."""
+    waiting: float = 0.0
+    """Sum over instances of requests waiting (vllm:num_requests_waiting)."""
+    running: float = 0.0
+    """Sum over instances of requests running."""
+    kv_usage: float = 0.0
+    """Sum over instances of KV-cache usage fractions."""
+    prompt_tokens_per_s: float = 0.0
+    """Uncached prompt tokens per second over the window (prompt minus prefix-cache hits)."""
+    latency_p90: float | None = None
+    """This role's own p90: prefill engine TTFT for prefill, ITL for decode."""
+
+
+@dataclass(frozen=True)
+class Observations:
+    observed_at: float
+    roles: dict[Role, RoleSignals]
+    ttft_p90: float | None = None
+    """Client-side (gateway) p90 TTFT over the window."""
+    tpot_p90: float | None = None
+    """Client-side p90 inter-token latency over the window."""
+    requests: int = 0
+    """Requests finished in the window."""
+    transfer_p90: float | None = None
+    """p90 KV transfer latency (sidecar), for blaming a TTFT breach on the transfer."""
+    extra: dict[str, float] = field(default_factory=dict)
