@@ -47,6 +47,8 @@ class State:
     roles: dict[Role, RoleState] = field(
         default_factory=lambda: {"prefill": RoleState(), "decode": RoleState()}
     )
+    last_breach: float | None = None
+    """Last tick with TTFT or TPOT above its objective: no role scales down for a window."""
 
 
 @dataclass(frozen=True)
@@ -122,13 +124,18 @@ class _Tick:
         self.enough = obs.requests >= policy.min_requests
         self.events: list[Event] = []
         self.limits: list[tuple[str, str]] = []
+        self.bstar = float(policy.running_per_instance)
 
     def run(self) -> tuple[Decision, State]:
         pol, st = self.policy, self.state
         blame = self._blame()
         pst = st.roles["prefill"]
         capacity = pol.prefill_tokens_per_s or learn_prefill_capacity(
-            pst.capacity, self.p.prompt_tokens_per_s, self.p.waiting, self.p.ready
+            pst.capacity,
+            self.p.prompt_tokens_per_s,
+            self.p.waiting,
+            self.p.ready,
+            breach=blame == "prefill",
         )
         dst = st.roles["decode"]
         itl = self.d.latency_p90 if self.d.latency_p90 is not None else self.obs.tpot_p90
@@ -137,16 +144,17 @@ class _Tick:
             samples, pol.tpot_s, pol.headroom, pol.running_per_instance, pol.max_num_seqs
         )
 
+        self.bstar = bstar
         p_rec, p_why, p_panic = self._prefill_rec(blame, capacity)
         d_rec, d_why, d_panic = self._decode_rec(blame, bstar)
 
         p_dec, p_state = self._move("prefill", p_rec, p_why, p_panic, capacity=capacity)
         # Little's law: a saturated prefill scaled up sends decode proportionally more work.
         if p_dec.direction == "up" and self.p.waiting > 0 and self.p.ready > 0:
-            floor = ceil_div(self.d.running * p_dec.target / self.p.ready, bstar)
-            if floor > d_rec:
+            floor = ceil_div(self._decode_need(bstar) * p_dec.target / self.p.ready, 1.0)
+            if floor > _current(self.d) and floor >= d_rec:
                 d_rec, d_why = floor, f"follows prefill {p_dec.current}->{p_dec.target}"
-                d_panic = True
+                d_panic = True  # in the same tick, not after breach_ticks
         d_dec, d_state = self._move(
             "decode", d_rec, d_why, d_panic, samples=samples, other_up=p_dec.direction == "up"
         )
@@ -166,7 +174,9 @@ class _Tick:
                 self.events.append(
                     Event("Normal", "ScaledUp", f"{role} {dec.current}->{dec.target}: {dec.reason}")
                 )
-        new_state = State(st.started_at, {"prefill": p_state, "decode": d_state})
+        new_state = State(
+            st.started_at, {"prefill": p_state, "decode": d_state}, self._last_breach()
+        )
         return self._decision(p_dec, d_dec), new_state
 
     # -- signals -----------------------------------------------------------------------------
@@ -214,11 +224,11 @@ class _Tick:
 
     def _decode_rec(self, blame: Blame | None, bstar: float) -> tuple[int, str, bool]:
         pol, d, o = self.policy, self.d, self.obs
-        by_batch = ceil_div(d.running, bstar)
+        by_batch = ceil_div(self._decode_need(bstar), 1.0)
         by_kv = ceil_div(d.kv_usage, pol.kv_target)
         rec = max(by_batch, by_kv)
         why = (
-            f"{d.running:.0f} running over batch target {bstar:.1f}"
+            f"{d.running:.0f} running, batch target {bstar:.1f}"
             if by_batch >= by_kv
             else f"KV usage {d.kv_usage:.2f} over {pol.kv_target:g}/instance"
         )
@@ -226,12 +236,13 @@ class _Tick:
         queue = d.waiting / max(d.ready, 1)
         if queue > pol.decode_waiting_per_instance or blame == "decode":
             rec, why = max(rec, d.ready + 1), f"decode queue {queue:.1f}/instance"
+            panic = queue >= pol.panic * pol.decode_waiting_per_instance
         if self.enough and o.tpot_p90 is not None and o.tpot_p90 > pol.tpot_s:
             rec, why = (
                 max(rec, d.ready + 1),
                 f"tpot p90 {o.tpot_p90 * 1e3:.0f}ms > {pol.tpot_s * 1e3:.0f}ms",
             )
-            panic = o.tpot_p90 >= pol.panic * pol.tpot_s
+            panic = panic or o.tpot_p90 >= pol.panic * pol.tpot_s
         return rec, (why if rec else ""), panic
 
     # -- moving ------------------------------------------------------------------------------
@@ -329,6 +340,10 @@ class _Tick:
             blocker = f"highest recommendation in the last {pol.stabilization_s:g}s is {stable}"
         elif self.now - self.state.started_at < pol.stabilization_s:
             blocker = "autoscaler started less than one stabilisation window ago"
+        elif (
+            breach := self._last_breach()
+        ) is not None and self.now - breach < pol.stabilization_s:
+            blocker = f"an SLO was breached {self.now - breach:.0f}s ago"
         elif last_up is not None and self.now - last_up < pol.stabilization_s:
             blocker = f"scaled up {self.now - last_up:.0f}s ago"
         elif other_up:
@@ -370,15 +385,28 @@ class _Tick:
             return f"tpot p90 {o.tpot_p90 * 1e3:.0f}ms is not below {pol.scale_down_margin:g}x the target"
         if s.waiting > 0:
             return "decode requests are waiting"
-        samples = self.state.roles["decode"].samples
-        bstar = batch_target(
-            samples, pol.tpot_s, pol.headroom, pol.running_per_instance, pol.max_num_seqs
-        )
-        if s.running / left > bstar:
-            return f"{s.running:.0f} running would exceed batch target {bstar:.1f} on {left}"
+        need = self._decode_need(self.bstar)
+        if need > left:
+            return f"decode load needs {need:.2f} instances at batch target {self.bstar:.1f}"
         if s.kv_usage / left > pol.kv_target:
             return f"KV usage would exceed {pol.kv_target:g} per instance on {left}"
         return None
+
+    def _last_breach(self) -> float | None:
+        o, pol = self.obs, self.policy
+        ttft = o.ttft_p90 is not None and o.ttft_p90 > pol.ttft_s
+        tpot = o.tpot_p90 is not None and o.tpot_p90 > pol.tpot_s
+        return self.now if self.enough and (ttft or tpot) else self.state.last_breach
+
+    def _decode_need(self, bstar: float) -> float:
+        """Instances the decode load needs at the batch target. With the step time known the
+        load is the token rate (running / ITL), which stays when instances are removed, while
+        the running count grows as each step slows (Little's law)."""
+        d = self.d
+        itl = d.latency_p90 if d.latency_p90 is not None else self.obs.tpot_p90
+        if itl is not None and itl > 0 and d.running > 0:
+            return d.running / itl * self.policy.headroom * self.policy.tpot_s / bstar
+        return d.running / bstar
 
     def _ratio(self, p: RoleDecision, d: RoleDecision) -> tuple[RoleDecision, RoleDecision]:
         """Keep prefill:decode within the ratio bounds by raising the smaller role, never by

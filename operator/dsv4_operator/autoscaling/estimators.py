@@ -14,11 +14,12 @@ MIN_SAMPLES = 5
 
 
 def learn_prefill_capacity(
-    old: float | None, tokens_per_s: float, waiting: float, ready: int
+    old: float | None, tokens_per_s: float, waiting: float, ready: int, breach: bool
 ) -> float | None:
     """Per-instance prefill capacity, from ticks where every instance had work queued (only
-    then is the observed rate what the instances can do, not what arrived)."""
-    if ready <= 0 or tokens_per_s <= 0 or waiting < ready:
+    then is the observed rate what the instances can do, not what arrived) or where TTFT broke
+    its objective because of prefill (the rate the instances can take within the SLO)."""
+    if ready <= 0 or tokens_per_s <= 0 or (waiting < ready and not breach):
         return old
     sample = tokens_per_s / ready
     return sample if old is None else (1 - EWMA) * old + EWMA * sample
