@@ -1,0 +1,148 @@
+"""The gateway source: real prometheus_client exposition in, one tick's observations out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from dsv4_operator.autoscaling.gateway_source import (
+    ITL,
+    TTFT,
+    GatewayWindow,
+    RoleCounts,
+    Snapshot,
+    parse_histograms,
+    parse_instances,
+)
+from dsv4_operator.autoscaling.histogram import quantile
+
+BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0)
+COUNTS = {"prefill": RoleCounts(ready=2, starting=1), "decode": RoleCounts(ready=1)}
+
+
+class FakeGateway:
+    """The gateway's two histograms, exported by the real client library."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(TTFT, "", registry=self.registry, buckets=BUCKETS)
+        self.itl = Histogram(ITL, "", registry=self.registry, buckets=BUCKETS)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def instances(prompt: float, cached: float, running: float = 3.0) -> list[dict[str, object]]:
+    return [
+        {
+            "url": "http://p0",
+            "role": "prefill",
+            "healthy": True,
+            "ranks": [
+                {
+                    "waiting": 1.0,
+                    "running": 0.0,
+                    "kv_usage": 0.2,
+                    "prompt_tokens": prompt,
+                    "cached_tokens": cached,
+                },
+                {
+                    "waiting": 2.0,
+                    "running": 0.0,
+                    "kv_usage": 0.4,
+                    "prompt_tokens": 0.0,
+                    "cached_tokens": 0.0,
+                },
+            ],
+        },
+        {
+            "url": "http://d0",
+            "role": "decode",
+            "healthy": True,
+            "ranks": [{"waiting": 0.0, "running": running, "kv_usage": 0.5}],
+        },
+        {"url": "http://d1", "role": "decode", "healthy": False, "ranks": [{"running": 9.0}]},
+    ]
+
+
+def test_parse_histograms_reads_cumulative_buckets() -> None:
+    gw = FakeGateway()
+    for v in (0.05, 0.3, 0.3, 2.0):
+        gw.ttft.observe(v)
+    h = parse_histograms(gw.text())
+    assert h[TTFT] == {0.1: 1.0, 0.5: 3.0, 1.0: 3.0, 2.5: 4.0, 5.0: 4.0, math.inf: 4.0}
+    assert h[ITL][math.inf] == 0.0
+
+
+def test_parse_instances_sums_ranks_and_averages_kv() -> None:
+    loads = parse_instances(instances(100.0, 10.0))
+    p0 = loads[0]
+    assert (p0.waiting, p0.running, p0.prompt_tokens, p0.cached_tokens) == (3.0, 0.0, 100.0, 10.0)
+    assert p0.kv_usage == pytest.approx(0.3)
+
+
+def test_window_quantiles_and_rates_from_two_gateway_pods() -> None:
+    a, b = FakeGateway(), FakeGateway()
+    win = GatewayWindow(window_s=60.0)
+    for v in (0.05,) * 10:  # before the window: must not count
+        a.ttft.observe(v)
+    win.add(
+        "gw-a", Snapshot(0.0, parse_histograms(a.text()), parse_instances(instances(1000.0, 0.0)))
+    )
+    win.add("gw-b", Snapshot(0.0, parse_histograms(b.text())))
+    for v in (0.3,) * 8 + (2.0,) * 2:
+        a.ttft.observe(v)
+    for v in (0.3,) * 5 + (4.0,) * 5:
+        b.ttft.observe(v)
+    for v in (0.02,) * 20:
+        b.itl.observe(v)
+    win.add(
+        "gw-a",
+        Snapshot(30.0, parse_histograms(a.text()), parse_instances(instances(7000.0, 1000.0))),
+    )
+    win.add("gw-b", Snapshot(30.0, parse_histograms(b.text())))
+    obs = win.observations(COUNTS)
+    assert obs is not None
+    assert obs.requests == 20
+    # 13 in (0.1, 0.5], 2 in (1, 2.5], 5 in (2.5, 5]: rank 18 lies in the last bucket
+    assert obs.ttft_p90 == pytest.approx(2.5 + 2.5 * (18 - 15) / 5)
+    assert obs.tpot_p90 == pytest.approx(0.1 * 18 / 20)
+    p, d = obs.roles["prefill"], obs.roles["decode"]
+    assert (p.ready, p.starting, p.waiting) == (2, 1, 3.0)
+    assert p.prompt_tokens_per_s == pytest.approx((6000.0 - 1000.0) / 30.0)
+    assert (d.ready, d.running, d.kv_usage) == (1, 3.0, 0.5)  # the unhealthy engine is left out
+    assert obs.observed_at == 30.0
+
+
+def test_one_snapshot_is_no_window_and_restarts_are_not_negative() -> None:
+    gw = FakeGateway()
+    gw.ttft.observe(3.0)
+    win = GatewayWindow(window_s=60.0)
+    win.add(
+        "gw", Snapshot(0.0, parse_histograms(gw.text()), parse_instances(instances(5000.0, 0.0)))
+    )
+    obs = win.observations(COUNTS)
+    assert obs is not None and obs.requests == 0 and obs.ttft_p90 is None
+    # the engine restarted: its counter went down, no rate from it this window
+    win.add(
+        "gw", Snapshot(15.0, parse_histograms(gw.text()), parse_instances(instances(10.0, 0.0)))
+    )
+    obs = win.observations(COUNTS)
+    assert obs is not None and obs.roles["prefill"].prompt_tokens_per_s == 0.0
+
+
+def test_window_slides_and_forgets_gone_pods() -> None:
+    gw = FakeGateway()
+    win = GatewayWindow(window_s=60.0)
+    for t in range(0, 150, 15):
+        gw.ttft.observe(0.3 if t < 60 else 4.0)
+        win.add("gw", Snapshot(float(t), parse_histograms(gw.text())))
+    ring = win.snapshots["gw"]
+    assert ring[-1].at - ring[0].at == 60.0
+    obs = win.observations(COUNTS)
+    assert obs is not None and obs.requests == 4
+    assert obs.ttft_p90 == pytest.approx(quantile(0.9, {2.5: 0.0, 5.0: 4.0, math.inf: 4.0}))
+    win.forget([])
+    assert win.observations(COUNTS) is None
