@@ -1,0 +1,84 @@
+"""Drain of one instance before its workload is deleted (design study section 6.6), pure.
+
+The instance is marked draining where every gateway replica sees it (no new requests), then
+read directly each tick: it is idle when its engine runs and queues nothing and (prefill) its
+sidecar holds no KV exports, on two reads at least ``min_gap_s`` apart (a request routed just
+before the gateways saw the mark shows up in between). Then it may be deleted; after
+``timeout_s`` it is deleted anyway and the timeout is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from dsv4_operator.autoscaling.decide import Event
+from dsv4_operator.autoscaling.policy import Role
+
+Outcome = Literal["draining", "completed", "timed_out"]
+
+
+@dataclass(frozen=True)
+class IdleRead:
+    """One direct read of the victim: its engine's queue and its sidecar's held exports."""
+
+    at: float
+    running: float
+    waiting: float
+    exports: float = 0.0
+
+    @property
+    def busy(self) -> float:
+        return self.running + self.waiting + self.exports
+
+
+@dataclass(frozen=True)
+class Drain:
+    instance: str
+    role: Role
+    started_at: float
+    inflight_at_start: float | None = None
+    idle_since: float | None = None
+    """Time of the first of the consecutive idle reads."""
+
+
+def start(instance: str, role: Role, now: float, read: IdleRead | None) -> tuple[Drain, Event]:
+    inflight = read.busy if read is not None else None
+    what = f"{inflight:.0f} in flight" if inflight is not None else "load unknown"
+    return (
+        Drain(instance, role, now, inflight),
+        Event("Normal", "DrainStarted", f"{role} instance {instance}: no new requests ({what})"),
+    )
+
+
+def step(
+    drain: Drain, read: IdleRead | None, now: float, timeout_s: float, min_gap_s: float
+) -> tuple[Drain, Outcome, Event | None]:
+    """Advance one tick. A failed read (None) is not idle: only the timeout ends such a drain."""
+    took = now - drain.started_at
+    if read is not None and read.busy == 0:
+        since = drain.idle_since if drain.idle_since is not None else read.at
+        drain = replace(drain, idle_since=since)
+        if read.at - since >= min_gap_s:
+            start_load = (
+                f", {drain.inflight_at_start:.0f} in flight at start"
+                if drain.inflight_at_start is not None
+                else ""
+            )
+            msg = f"{drain.role} instance {drain.instance} idle after {took:.0f}s{start_load}"
+            return drain, "completed", Event("Normal", "DrainCompleted", msg)
+    else:
+        drain = replace(drain, idle_since=None)
+    if took >= timeout_s:
+        left = f"{read.busy:.0f} still in flight" if read is not None else "unreachable"
+        msg = (
+            f"{drain.role} instance {drain.instance} not idle after {timeout_s:g}s ({left}); "
+            "deleting it anyway (its engine's SIGTERM drain is the backstop)"
+        )
+        return drain, "timed_out", Event("Warning", "DrainTimedOut", msg)
+    return drain, "draining", None
+
+
+def cancel(drain: Drain, why: str) -> Event:
+    """A scale-up of the role takes the draining instance back (no cold start)."""
+    return Event("Normal", "DrainCancelled", f"{drain.role} instance {drain.instance}: {why}")
