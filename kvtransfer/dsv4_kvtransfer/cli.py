@@ -122,15 +122,20 @@ def run(args: argparse.Namespace) -> int:
             )
         os.replace(tmp, cfg.ready_file)
 
-    stop = threading.Event()
+    stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        log.info("signal %d: stopping", signum)
+        # SIGTERM drains; SIGINT, or a second signal, stops now
+        if stop.is_set() or signum == signal.SIGINT:
+            hurry.set()
+        log.info("signal %d: %s", signum, "stopping" if hurry.is_set() else "draining")
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
+    if not hurry.is_set():
+        sidecar.drain(cfg.shutdown_timeout, hurry)
     control.stop()
     sidecar.stop()
     return 0

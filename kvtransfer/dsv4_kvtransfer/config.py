@@ -97,6 +97,9 @@ class SidecarConfig:
     """Once serving, write {pid, port, control_port, metrics_port, shm_name, shm_dir} here."""
     log_level: LogLevel = "info"
     """Log level of the sidecar process."""
+    shutdown_timeout: float = 30.0
+    """After SIGTERM: new exports are refused (/ready fails) and the sidecar stays up to this
+    many seconds until every export it holds was pulled or its lease ran out."""
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_seconds <= MAX_LEASE_S:
@@ -111,6 +114,10 @@ class SidecarConfig:
         for name in ("pull_timeout_s", "connect_timeout_s", "io_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout <= MAX_LEASE_S:
+            raise ValueError(
+                f"shutdown_timeout must be in [0, {MAX_LEASE_S:g}], not {self.shutdown_timeout}"
+            )
         if self.send_rate < 0 or self.min_stream_bytes < 1:
             raise ValueError("send_rate must be >= 0 and min_stream_bytes >= 1")
         for name in ("port", "control_port", "metrics_port"):

@@ -1,6 +1,7 @@
 """The local control API the engine drives (HTTP/1.1 + JSON on 127.0.0.1, or a unix socket).
 
     GET    /health                      liveness ({"status": "ok", ...})
+    GET    /ready                       readiness: 200, or 503 while draining (SIGTERM)
     GET    /metrics                     Prometheus text
     GET    /v1/info                     staging region name and size, free bytes, counts
     POST   /v1/exports                  reserve an extent for a request's KV buffers
@@ -90,10 +91,14 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if method == "GET" and parts == ["health"]:
                 return self._json(200, sc.health())
+            if method == "GET" and parts == ["ready"]:
+                if sc.ready:
+                    return self._json(200, {"status": "ready"})
+                return self._error(503, "draining", "the KV sidecar is shutting down")
             if method == "GET" and parts == ["metrics"]:
                 return self._send(200, sc.metrics.render(), CONTENT_TYPE_LATEST)
             if self.probes_only:
-                return self._error(404, "not_found", "only /health and /metrics here")
+                return self._error(404, "not_found", "only /health, /ready and /metrics here")
             if method == "GET" and parts == ["v1", "info"]:
                 return self._json(200, sc.info())
             if parts[:2] == ["v1", "exports"]:

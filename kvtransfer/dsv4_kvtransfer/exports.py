@@ -23,8 +23,13 @@ class Exports:
         self.cfg = cfg
         # the peer port is known once the server listens (port 0 picks one)
         self._peer_port = peer_port
+        self.draining = False  # shutting down: no new exports (the held ones stay pullable)
 
     def reserve(self, req: ExportRequest) -> dict[str, Any]:
+        if self.draining:
+            raise ApiError(
+                503, "draining", "the KV sidecar is shutting down and takes no new exports"
+            )
         ttl = req.lease_seconds or self.cfg.lease_seconds
         meta = {
             "request_id": req.request_id,

@@ -100,6 +100,23 @@ class Sidecar:
         )
         return self.port
 
+    def drain(self, timeout_s: float, give_up: threading.Event | None = None) -> int:
+        """Refuse new exports, then wait (up to ``timeout_s``, or until ``give_up`` is set) until
+        every export held was pulled or its lease ran out; -> how many are left."""
+        self.exports.draining = True
+        deadline = time.monotonic() + timeout_s
+        give_up = give_up or threading.Event()
+        while (left := self.store.usage().exports) and time.monotonic() < deadline:
+            if give_up.wait(0.05):
+                break
+        if left:
+            self.log.warning("shutdown: %d export(s) not pulled after %.1fs", left, timeout_s)
+        return left
+
+    @property
+    def ready(self) -> bool:
+        return not self.exports.draining
+
     def stop(self) -> None:
         self._stop.set()
         self.peer.stop()

@@ -89,6 +89,9 @@ class EngineConfig:
     machine's CPUs split evenly over the ranks."""
     distributed_timeout: float = 60.0
     """Seconds a rank waits in a rendezvous or collective before it gives up (a dead peer)."""
+    shutdown_timeout: float = 30.0
+    """Seconds in-flight requests get to finish after SIGTERM (readiness fails at once, new
+    requests get 503 + X-DSV4-Draining); what is left then is stopped with an error."""
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
@@ -129,6 +132,8 @@ class EngineConfig:
             raise ConfigError("kv_sidecar_wait must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if not 0 <= self.shutdown_timeout <= 3600:
+            raise ConfigError(f"shutdown_timeout must be in [0, 3600], got {self.shutdown_timeout}")
 
     @property
     def model_name(self) -> str:

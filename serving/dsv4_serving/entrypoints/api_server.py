@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP server (FastAPI): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics. Every error is the common OpenAI body (``http_errors``); bad
-input is a 400 decided before any work (``checks``); a client that disconnects aborts its
-request (its blocks are freed)."""
+/v1/models, /health (liveness), /ready (readiness), /metrics. Every error is the common OpenAI
+body (``http_errors``); bad input is a 400 decided before any work (``checks``); a client that
+disconnects aborts its request (its blocks are freed). SIGTERM drains (``disconnect.Drain``):
+/ready fails, new requests get 503 + X-DSV4-Draining, in-flight ones get ``shutdown_timeout``
+seconds, then are stopped with an error."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,14 +19,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
+from dsv4_common.errors import openai_error
 from dsv4_kvtransfer.pd_protocol import (
     KV_TRANSFER_ERROR_TYPE,
     PrefillRequestParams,
     RemotePrefillParams,
     prefill_overrides,
 )
-from dsv4_serving.disconnect import cancel_on_disconnect
+from dsv4_serving.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
 from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError, KVTransferError
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.tokenizer import Tokenizer
@@ -37,10 +42,53 @@ from dsv4_serving.entrypoints.checks import (
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_serving.entrypoints.serving import OpenAIServing
-from dsv4_serving.http_errors import error_response
+from dsv4_serving.http_errors import draining_response, error_response
 
 log = logging.getLogger(__name__)
 Body = CompletionRequest | ChatCompletionRequest
+SHUTDOWN_MESSAGE = "the engine shut down before this request finished (shutdown_timeout {:g}s)"
+
+
+def _shutdown_error(timeout_s: float) -> JSONResponse:
+    return error_response(503, SHUTDOWN_MESSAGE.format(timeout_s), code="shutdown")
+
+
+async def _drained(
+    chunks: AsyncIterator[str], drain: Drain, timeout_s: float
+) -> AsyncIterator[str]:
+    """The SSE stream to its end, or until the drain's grace period runs out: then an error
+    event (the OpenAI SDK raises it) and [DONE]. Closing ``chunks`` aborts the engine request."""
+    try:
+        while True:
+            try:
+                # racing each chunk costs a task: only while draining
+                chunk = await (drain.race(anext(chunks)) if drain.draining else anext(chunks))
+            except StopAsyncIteration:
+                return
+            if chunk is None:
+                err = openai_error(503, SHUTDOWN_MESSAGE.format(timeout_s), code="shutdown")
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
+                return
+            yield chunk
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+
+
+class _HeldStream(StreamingResponse):
+    """A streamed answer that stays in flight (``Drain.held``) until it is sent, fails or its
+    client leaves, even if it never starts."""
+
+    def __init__(self, content: AsyncIterator[str], drain: Drain) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.drain.held -= 1
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -64,10 +112,13 @@ def build_app(
         info.architecture, info.block_size, info.num_speculative_tokens, info.kv_dtype
     )
     role, has_connector = engine.config.role, bool(engine.config.kv_sidecar)
+    drain = Drain()
+    grace = engine.config.shutdown_timeout
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.attach(asyncio.get_running_loop())
+        drain_on_sigterm(drain, grace, log)
         yield
 
     app = FastAPI(title="dsv4 engine", lifespan=lifespan)
@@ -126,7 +177,10 @@ def build_app(
             raise KVTransferError("incompatible", str(exc)) from exc
 
     async def respond(request: Request, body: Body, ids: list[int]) -> Any:
-        """Every check, once, then the work (cancelled if the client leaves)."""
+        """Every check, once, then the work (cancelled if the client leaves, or stopped when a
+        shutdown's grace period runs out)."""
+        if drain.draining:
+            return draining_response()
         chat = isinstance(body, ChatCompletionRequest)
         kv = parse_kv_params(body.kv_transfer_params, role, has_connector)
         if isinstance(kv, PrefillRequestParams):
@@ -150,15 +204,24 @@ def build_app(
         work = serving.completion(
             ids, params, body.stream, include_usage, chat, kv, body.return_token_ids, dp_rank
         )
+        drain.held += 1
+        streaming = False
         try:
-            result = await cancel_on_disconnect(request, work)
-        except ValueError as exc:  # the core refused it
-            raise BadRequest(str(exc)) from exc
-        if result is None:  # client gone; nobody reads this
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+            try:
+                result = await cancel_on_disconnect(request, drain.race(work))
+            except ValueError as exc:  # the core refused it
+                raise BadRequest(str(exc)) from exc
+            if result is None:
+                if drain.expired.is_set():
+                    return _shutdown_error(grace)
+                return Response(status_code=499)  # client gone; nobody reads this
+            if isinstance(result, dict):
+                return JSONResponse(result)
+            streaming = True  # the stream is in flight until it is sent
+            return _HeldStream(_drained(result, drain, grace), drain)
+        finally:
+            if not streaming:
+                drain.held -= 1
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -205,9 +268,20 @@ def build_app(
             return error_response(503, reason, code="engine_unavailable")
         return Response(status_code=200)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: the model is loaded (it is before the app exists) and not draining."""
+        if not engine.alive:
+            reason = engine.dead_reason or "engine core is not running"
+            return error_response(503, reason, code="engine_unavailable")
+        if drain.draining:
+            return error_response(503, "shutting down", code="draining")
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     started = time.time()
+    app.state.drain = drain
     return app

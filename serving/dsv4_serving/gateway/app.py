@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError
-from dsv4_serving.disconnect import cancel_on_disconnect
+from dsv4_serving.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
 from dsv4_serving.gateway.health import health_loop
@@ -44,6 +44,7 @@ class Gateway:
         self.admission = Admission(cfg.max_inflight, self.metrics)
         self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
         self.encode = load_encoder(cfg.tokenizer)
+        self.drain = Drain(lambda: self.admission.inflight)
 
     @property
     def pd(self) -> bool:
@@ -146,6 +147,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             discovery.start()
         else:
             static_members(cfg, gw.pool)
+        drain_on_sigterm(gw.drain, cfg.shutdown_timeout, log)
         # the hot path allocates many short-lived objects and almost no cycles: freeze what startup
         # made and collect young objects less often, so collector pauses stay out of the p99
         gc.collect()
@@ -207,6 +209,12 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             status_code=200 if ready else 503,
         )
 
+    async def ready(request: Request) -> Response:
+        """Readiness: /health's answer, and 503 once SIGTERM started the drain."""
+        if gw.drain.draining:
+            return error_response(503, "the gateway is shutting down", code="draining")
+        return await health(request)
+
     async def instances(request: Request) -> Response:
         """What the gateway routes to: role, health and its own load figures per instance."""
         return JSONResponse(
@@ -233,6 +241,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
             Route("/instances", instances, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

@@ -55,7 +55,14 @@ def run(args: argparse.Namespace) -> int:
         cfg = config(args, dict(os.environ))
     except ValueError as e:
         raise SystemExit(f"dsv4 gateway: error: {e}") from None
+    # SIGTERM drains first (create_app's lifespan, up to --shutdown-timeout); uvicorn's own
+    # grace only covers what a drain that ran out of time left behind
     uvicorn.run(
-        create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False
+        create_app(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
     )
     return 0

@@ -60,6 +60,8 @@ class GatewayConfig:
     """Consecutive failed health checks (or upstream errors) that take an instance out."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """uvicorn's log level."""
+    shutdown_timeout: float = 30.0
+    """After SIGTERM: /ready fails and in-flight relays get up to this many seconds to finish."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -70,6 +72,8 @@ class GatewayConfig:
             raise ValueError("--retries must be >= 0")
         if self.block_size < 1:
             raise ValueError("--block-size must be >= 1")
+        if not 0 <= self.shutdown_timeout <= 3600:
+            raise ValueError("--shutdown-timeout must be in [0, 3600]")
         if self.eject_after_failures < 1:
             raise ValueError("--eject-after-failures must be >= 1")
         for name in (
