@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -413,3 +415,50 @@ def test_a_setting_out_of_range_is_refused_at_start_naming_it(sidecars: SidecarF
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "lease_seconds must be in (0, 3600], not 0.0" in proc.stderr
+
+
+def _sigterm(sc: SidecarProc) -> None:
+    assert sc.pid is not None
+    os.kill(sc.pid, signal.SIGTERM)
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_sigterm_waits_until_held_exports_are_pulled(sidecars: SidecarFactory) -> None:
+    src = sidecars.start("--shutdown-timeout", "60")
+    dst = sidecars.start()
+    specs = v4_like_specs(bulk_mb=1)
+    params, data = export(src, specs, 3)
+    _sigterm(src)
+    wait_for("/ready 503", lambda: _status(src.url + "/ready") == 503, 5, 0.05)
+    metrics_url = f"http://127.0.0.1:{src.metrics_port}"
+    assert _status(metrics_url + "/ready") == 503 and _status(src.url + "/health") == 200
+    with pytest.raises(SidecarError) as e:  # no new exports ...
+        src.client.reserve_export("req-new", specs)
+    assert e.value.status == 503 and e.value.code == "draining"
+    time.sleep(0.5)
+    assert src.alive()  # ... but it stays for the one it holds
+    pull_and_check(dst, params, specs, data)
+    wait_for("exit after the pull", lambda: not src.alive(), 10, 0.05)
+    assert src.exit_code() == 0
+
+
+def test_sigterm_waits_at_most_for_the_lease(sidecars: SidecarFactory) -> None:
+    src = sidecars.start("--shutdown-timeout", "60", lease=2.0)
+    export(src, v4_like_specs(bulk_mb=1), 4)
+    t = time.monotonic()
+    _sigterm(src)
+    wait_for("exit after the lease", lambda: not src.alive(), 10, 0.05)
+    assert src.exit_code() == 0 and 1.0 < time.monotonic() - t < 6.0
+    # and with nothing held, it goes at once
+    idle = sidecars.start("--shutdown-timeout", "60")
+    t = time.monotonic()
+    _sigterm(idle)
+    wait_for("exit", lambda: not idle.alive(), 5, 0.05)
+    assert idle.exit_code() == 0 and time.monotonic() - t < 2.0

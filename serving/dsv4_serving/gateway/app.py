@@ -223,6 +223,8 @@ def create_app(cfg: GatewayConfig) -> Starlette:
                     "url": i.url,
                     "role": i.role,
                     "healthy": i.healthy,
+                    "draining": i.draining,
+                    "failures": i.failures,
                     "routed": i.routed,
                     "inflight_requests": i.inflight_requests,
                     "ranks": [vars(r) for r in i.ranks],

@@ -69,6 +69,12 @@ async def check_once(
         mark_failure(inst, metrics, eject_after)
         return
     mark_success(inst)
+    if inst.draining:  # back when it is ready again (a restarted process on the same address)
+        try:
+            async with client.get(f"{inst.url}/ready", timeout=_PROBE) as resp:
+                inst.draining = resp.status != 200
+        except (aiohttp.ClientError, TimeoutError):
+            pass
     try:
         async with client.get(f"{inst.url}/metrics", timeout=_PROBE) as resp:
             if resp.status == 200:

@@ -56,6 +56,8 @@ class Instance:
     role: Role
     dp_size: int = 1
     healthy: bool = True
+    draining: bool = False
+    """It answered X-DSV4-Draining (shutting down): no new requests until its /ready is 200."""
     failures: int = 0
     routed: int = 0
     ranks: list[RankLoad] = field(default_factory=list)
@@ -109,8 +111,11 @@ class InstancePool:
         return list(self._by_url.values())
 
     def of_role(self, role: Role, healthy_only: bool = True) -> list[Instance]:
+        """The instances of ``role``; with ``healthy_only``, those new requests may go to."""
         return [
-            i for i in self._by_url.values() if i.role == role and (i.healthy or not healthy_only)
+            i
+            for i in self._by_url.values()
+            if i.role == role and ((i.healthy and not i.draining) or not healthy_only)
         ]
 
     def get(self, url: str) -> Instance | None:

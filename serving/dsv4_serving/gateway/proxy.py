@@ -3,7 +3,9 @@ instance, then decode with the returned kv_transfer_params on another, streaming
 
 Every upstream call has a timeout; a failed prefill is retried on another prefill instance, a
 decode that fails before its first byte on another decode instance; upstream responses are
-always closed (also when the client goes away, which aborts the engine's request).
+always closed (also when the client goes away, which aborts the engine's request). An engine
+that answers 503 + X-DSV4-Draining is shutting down and did no work: the request goes to another
+instance and the draining one gets no new requests (not counted as a failure).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dsv4_serving.gateway.instances import Instance, InstancePool, Role
 from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
-from dsv4_serving.http_errors import error_response
+from dsv4_serving.http_errors import DRAINING_HEADER, error_response
 
 log = logging.getLogger("dsv4.gateway")
 _HOP_HEADERS = {
@@ -105,6 +107,15 @@ class Proxy:
     def _fail(self, inst: Instance) -> None:
         mark_failure(inst, self.metrics, self.cfg.eject_after_failures)
 
+    def _failed(self, inst: Instance, status: int, headers: Any) -> None:
+        """A 5xx answer: a draining instance is set aside, anything else counts as a failure."""
+        if status == 503 and headers.get(DRAINING_HEADER) == "1":
+            if not inst.draining:
+                log.info("%s (%s) is draining: no new requests", inst.url, inst.role)
+            inst.draining = True
+        else:
+            self._fail(inst)
+
     def _attempts(self, role: Role, req: RouteRequest, tried: set[str]) -> Iterator[Choice]:
         """Up to 1 + retries choices of ``role``, never the same instance twice."""
         for attempt in range(self.cfg.retries + 1):
@@ -152,6 +163,7 @@ class Proxy:
                         ),
                     ) as resp:
                         status, content = resp.status, await resp.read()
+                        headers = resp.headers
                         if status != 200 and status < 500:  # the request is bad: tell the client
                             raise UpstreamFailed(_client_response(resp, content, request_id))
             except (aiohttp.ClientError, TimeoutError) as e:
@@ -159,7 +171,7 @@ class Proxy:
                 last = f"prefill on {inst.url} failed: {type(e).__name__}: {e}"
                 continue
             if status >= 500:
-                self._fail(inst)
+                self._failed(inst, status, headers)
                 last = f"prefill on {inst.url} answered {status}: {content[:200]!r}"
                 continue
             mark_success(inst)
@@ -222,7 +234,7 @@ class Proxy:
                     if not _kv_transfer_error(content):
                         # a failed KV pull is usually the prefill side's fault: retry elsewhere
                         # (the export stays until its lease ends) without holding it against this one
-                        self._fail(inst)
+                        self._failed(inst, resp.status, resp.headers)
                     last = f"{role} on {inst.url} answered {resp.status}: {content[:200]!r}"
                     continue
                 mark_success(inst)

@@ -13,7 +13,7 @@ from aiohttp import web
 from dsv4_common.errors import openai_error
 from dsv4_kvtransfer.pd_protocol import KV_TRANSFER_ERROR_TYPE
 
-Mode = Literal["ok", "fail", "kv_error", "bad_request", "hang", "break", "slow"]
+Mode = Literal["ok", "fail", "kv_error", "bad_request", "hang", "break", "slow", "draining"]
 
 TOKENS = 4  # chunks of a streamed answer
 CHUNK = "data: " + json.dumps({"choices": [{"index": 0, "text": "a"}]}) + "\n\n"
@@ -24,7 +24,8 @@ WHOLE = {"choices": [{"index": 0, "text": "a" * TOKENS}]}  # a whole answer, not
 @dataclass
 class FakeEngine:
     """``mode`` decides every answer: ``ok``; ``fail`` (500); ``kv_error`` (503 with the PD
-    protocol's KV-transfer error type); ``bad_request`` (400); ``hang`` (never answers);
+    protocol's KV-transfer error type); ``draining`` (503 + X-DSV4-Draining, a shutting-down
+    engine); ``bad_request`` (400); ``hang`` (never answers);
     ``break`` (streams one chunk, then drops the connection); ``slow`` (streams 0.2 s apart)."""
 
     mode: Mode = "ok"
@@ -38,6 +39,7 @@ class FakeEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", _empty)
+        app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", _empty)
         # cancel the handler when its client hangs up, as an engine aborts the request
         self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
@@ -51,6 +53,9 @@ class FakeEngine:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.mode == "draining" else 200)
 
     @property
     def calls(self) -> int:
@@ -72,6 +77,9 @@ class FakeEngine:
         if self.mode == "kv_error":
             err = openai_error(503, "KV pull failed", type_=KV_TRANSFER_ERROR_TYPE)
             return web.json_response(err, status=503)
+        if self.mode == "draining":
+            err = openai_error(503, "shutting down", code="draining")
+            return web.json_response(err, status=503, headers={"X-DSV4-Draining": "1"})
         if self.mode == "bad_request":
             return web.json_response(openai_error(400, "temperature must be >= 0"), status=400)
         if self.mode == "hang":

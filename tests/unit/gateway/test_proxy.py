@@ -14,6 +14,7 @@ import pytest
 
 from dsv4_serving.engine.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
+from dsv4_serving.gateway.health import check_once
 from dsv4_serving.gateway.instances import InstancePool, Role
 from dsv4_serving.gateway.lifecycle import Admission
 from dsv4_serving.gateway.metrics import GatewayMetrics
@@ -152,6 +153,44 @@ def test_a_kv_transfer_error_is_retried_elsewhere_and_not_held_against_the_engin
             status, _ = await _forward(proxy, "decode", stream=True)
             assert status == 200 and [f.calls for f in fakes] == [1, 1]
             assert _failures(proxy) == [0, 0]  # the prefill side's export is usually at fault
+
+    run(test)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_draining_engine_is_set_aside_and_the_request_goes_elsewhere(role: Role) -> None:
+    async def test() -> None:
+        async with proxy_over(role, "draining", "ok") as (proxy, fakes):
+            if role == "prefill":
+                _, inst = await proxy.prefill(PATH, BODY, REQ, "rid-1")
+                assert inst.url == fakes[1].url
+            else:
+                status, text = await _forward(proxy, "decode", stream=True)
+                assert (status, text) == (200, STREAM)
+            assert [f.calls for f in fakes] == [1, 1]
+            assert _failures(proxy) == [0, 0]  # shutting down is not failing
+            draining = [i.draining for i in sorted(proxy.pool.all(), key=lambda i: i.url)]
+            assert draining == [True, False]
+            assert [i.url for i in proxy.pool.of_role(role)] == [fakes[1].url]
+            # no new request goes to it, even round-robin's turn
+            await _forward(proxy, role, stream=False)
+            assert [f.calls for f in fakes] == [1, 2]
+
+    run(test)
+
+
+def test_a_drained_engine_back_on_its_address_is_readmitted_by_the_health_check() -> None:
+    async def test() -> None:
+        async with proxy_over("decode", "draining", "ok") as (proxy, fakes):
+            await _forward(proxy, "decode", stream=False)
+            inst = proxy.pool.get(fakes[0].url)
+            assert inst is not None and inst.draining
+            assert proxy.client is not None
+            await check_once(proxy.client, inst, proxy.metrics, 2)
+            assert inst.draining  # /ready still 503
+            fakes[0].mode = "ok"  # restarted
+            await check_once(proxy.client, inst, proxy.metrics, 2)
+            assert not inst.draining and inst in proxy.pool.of_role("decode")
 
     run(test)
 
