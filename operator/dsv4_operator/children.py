@@ -18,7 +18,7 @@ from prometheus_client import Counter
 from dsv4_operator.api.spec import DeploymentSpec
 from dsv4_operator.drift import stamp, up_to_date
 from dsv4_operator.kube import KubeApi, KubeError
-from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile import names, origin
 
 CREATED = Counter("dsv4_operator_children_created", "Child objects created", ["kind"])
 UPDATED = Counter("dsv4_operator_children_updated", "Child objects changed", ["kind"])
@@ -59,8 +59,11 @@ class ApplyResult:
     created: list[Key] = field(default_factory=list)
     updated: list[Key] = field(default_factory=list)
     deleted: list[Key] = field(default_factory=list)
-    rejected: list[str] = field(default_factory=list)
-    """Why a desired child could not be applied, one line each."""
+    foreign: list[str] = field(default_factory=list)
+    """Desired children whose name an object someone else made holds, one line each."""
+    refused: list[str] = field(default_factory=list)
+    """Why the API server refused the desired set, one line per cause, each naming the field
+    of the deployment it came from; when not empty, nothing was written."""
     seen: Live = field(default_factory=dict)
     """The newest copy of each child this sync read (a GET) or wrote (the API server's answer)."""
     deleted_objects: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -118,6 +121,20 @@ class ListedChildren:
         return True
 
 
+def _refusal(kube: KubeApi, obj: dict[str, Any], dry_run: bool) -> list[str] | dict[str, Any]:
+    """The API server's answer to applying ``obj``, or why it refused it."""
+    try:
+        return kube.apply(obj, dry_run=dry_run)
+    except KubeError as e:
+        if dry_run and e.status == 404:
+            # it names an object this same set creates first (a RoleBinding's Role), which a dry
+            # run cannot see; the real apply, in order, judges it
+            return obj
+        if e.status not in _REJECTED:
+            raise
+        return origin.refusal(obj, e.causes, e.message)
+
+
 def apply_children(
     kube: KubeApi,
     desired: list[dict[str, Any]],
@@ -128,8 +145,13 @@ def apply_children(
     """Apply (server-side, forced) each desired child that differs from its live copy, then
     delete live children that are not desired. An unchanged child costs no request; one missing
     from ``live`` is read first (it may be someone else's, or ``live`` may lag) unless
-    ``may_exist`` says its name is free."""
+    ``may_exist`` says its name is free.
+
+    The changed children are first applied as a dry run, all of them: one the API server refuses
+    leaves every child as it was (no half-built deployment, nothing pruned). A single change is
+    its own dry run."""
     result = ApplyResult()
+    changed: list[tuple[Key, dict[str, Any], dict[str, Any] | None]] = []
     for obj in desired:
         key: Key = (obj["kind"], obj["metadata"]["name"])
         stamped = stamp(obj)
@@ -139,28 +161,37 @@ def apply_children(
             current = kube.get(key[0], namespace, key[1])
             if current is not None and not owned_by(current, uid):
                 # never adopt (and later prune) an object someone else made under our name
-                result.rejected.append(
+                result.foreign.append(
                     f"{key[0]} {key[1]} already exists and is not owned by this "
                     "DeepSeekV4Deployment"
                 )
                 continue
             if current is not None:
                 result.seen[key] = current
-        if current is not None and up_to_date(stamped, current):
+        if current is None or not up_to_date(stamped, current):
+            changed.append((key, stamped, current))
+    if len(changed) > 1:
+        for _, stamped, _ in changed:
+            answer = _refusal(kube, stamped, dry_run=True)
+            if isinstance(answer, list):
+                result.refused += [line for line in answer if line not in result.refused]
+        if result.refused:
+            return result
+    for key, stamped, current in changed:
+        answer = _refusal(kube, stamped, dry_run=False)
+        if isinstance(answer, list):
+            # refused now but not in the dry run (an admission that changed in between)
+            result.refused += answer
             continue
-        try:
-            result.seen[key] = kube.apply(stamped)
-        except KubeError as e:
-            if e.status not in _REJECTED:
-                raise
-            result.rejected.append(f"{key[0]} {key[1]} rejected: {e.message}")
-            continue
+        result.seen[key] = answer
         if current is None:
             result.created.append(key)
             CREATED.labels(key[0]).inc()
         else:
             result.updated.append(key)
             UPDATED.labels(key[0]).inc()
+    if result.refused:
+        return result  # pruning waits for a desired set that applies whole
     wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
     for kind, name in sorted(set(live) - wanted):
         obj = live[(kind, name)]

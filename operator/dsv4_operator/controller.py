@@ -27,6 +27,7 @@ from dsv4_operator.children import (
 from dsv4_operator.events import now, post_event
 from dsv4_operator.kube import KubeApi
 from dsv4_operator.observe import LWS_CRD, observe
+from dsv4_operator.queue import Retry
 from dsv4_operator.reconcile import ReconcileError, desired_children, names
 from dsv4_operator.reconcile.status import Observed, compute_status
 
@@ -74,15 +75,20 @@ def update_status(
         return None
     meta = body["metadata"]
     written = kube.patch_status(KIND, meta["namespace"], meta["name"], status)
-    if status["phase"] != previous.get("phase"):
-        degraded = status["phase"] == "Degraded"
-        detail = next(
-            c["message"]
-            for c in status["conditions"]
-            if c["type"] == ("Degraded" if degraded else "Ready")
-        )
+    degraded = status["phase"] == "Degraded"
+    detail = _message(status, "Degraded" if degraded else "Ready")
+    # a new reason to be Degraded is news too, not only a new phase
+    if status["phase"] != previous.get("phase") or (
+        degraded and detail != _message(previous, "Degraded")
+    ):
         post_event(kube, body, status["phase"], f"phase {status['phase']}: {detail}", degraded)
     return written
+
+
+def _message(status: dict[str, Any], ctype: str) -> str | None:
+    return next(
+        (c.get("message") for c in status.get("conditions") or [] if c["type"] == ctype), None
+    )
 
 
 class Controller:
@@ -120,6 +126,9 @@ class Controller:
         try:
             self._sync(namespace, name)
             SYNCS.labels("ok").inc()
+        except Retry:
+            SYNCS.labels("refused").inc()
+            raise
         except Exception:
             SYNCS.labels("error").inc()
             raise
@@ -137,6 +146,7 @@ class Controller:
         pods = self.view.pods(spec)
         seen = observe(spec, lws, live, pods)
         observed = seen.observed
+        refused: list[str] = []
         try:
             desired = desired_children(spec, seen.facts)
         except ReconcileError as e:
@@ -152,9 +162,15 @@ class Controller:
                 gone = set(result.deleted)
                 after = {k: v for k, v in live.items() if k not in gone} | result.seen
                 observed = observe(spec, lws, after, pods).observed
-            observed = observed.with_problems(result.rejected, "InvalidChild")
+            observed = observed.with_problems(result.foreign, "InvalidChild")
+            observed = observed.with_problems(result.refused, "ChildRejected")
+            refused = result.refused
         written = update_status(self.kube, body, spec, observed, now())
         if written is not None and _inputs(written) == _inputs(body):
             # recorded, so the watch's echo of this patch syncs nothing; not when someone edited
             # the deployment between our read and our patch: that edit's event must be news
             self.view.record_deployment(written)
+        if refused:
+            # an admission webhook or quota may change its mind: retried with back-off; an edit
+            # of the deployment syncs at once anyway
+            raise Retry(f"the API server refused its children: {refused[0]}")

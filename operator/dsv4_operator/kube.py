@@ -55,11 +55,19 @@ KINDS: dict[str, ResourceKind] = {
 
 
 class KubeError(RuntimeError):
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        causes: list[tuple[str, str]] | None = None,
+    ) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
+        self.causes = causes or []
+        """(field, message) for each field the API server named (``details.causes``)."""
 
 
 def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -81,7 +89,7 @@ class KubeApi(Protocol):
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]: ...
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]: ...
 
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
 
@@ -124,10 +132,12 @@ class Kube:
                 detail = json.loads(data or b"{}")
             except json.JSONDecodeError:
                 detail = {}
+            causes = (detail.get("details") or {}).get("causes") or []
             raise KubeError(
                 resp.status,
                 detail.get("reason", str(resp.reason)),
                 detail.get("message", (data or b"").decode(errors="replace")),
+                [(c.get("field", ""), c.get("message", "")) for c in causes],
             )
         return json.loads(data) if data else None
 
@@ -146,17 +156,19 @@ class Kube:
         items: list[dict[str, Any]] = res.get("items") or []
         return items
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         """Server-side apply under the operator's field manager; force takes ownership back from
-        anyone who edited a field we own (that is how drift is corrected)."""
+        anyone who edited a field we own (that is how drift is corrected). ``dry_run``: validated
+        and admitted as a real apply would be, nothing stored."""
         meta = obj["metadata"]
         path = KINDS[obj["kind"]].path(meta["namespace"], meta["name"])
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
         res: dict[str, Any] = self._call(
-            "apply",
+            "dry_run" if dry_run else "apply",
             "PATCH",
             path,
             body=obj,
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            query=[*query, ("dryRun", "All")] if dry_run else query,
             content_type="application/apply-patch+yaml",
         )
         return res

@@ -15,6 +15,11 @@ log = logging.getLogger("dsv4.operator")
 Key = tuple[str, str]  # (namespace, name)
 
 
+class Retry(Exception):
+    """Raised by a sync that did all it could (it reported the problem) but must run again,
+    after the back-off: logged as one line, not as a failure with a traceback."""
+
+
 class Backoff:
     """Delay before the n-th retry of one key: ``initial_s * 2**(n-1)``, at most ``max_s``."""
 
@@ -104,6 +109,9 @@ class SyncQueue:
             try:
                 await asyncio.get_running_loop().run_in_executor(self._pool, self._sync, *key)
                 self.backoff.succeeded(key)
+            except Retry as e:
+                retry = self.backoff.failed(key)
+                log.warning("sync of %s/%s: %s; again in %.1fs", *key, e, retry)
             except Exception:
                 retry = self.backoff.failed(key)
                 log.exception("sync of %s/%s failed; retrying in %.1fs", *key, retry)

@@ -56,11 +56,13 @@ class FakeKube:
                 out.append(item)
         return out
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.calls["apply"] += 1
+    def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        self.calls["dry_run" if dry_run else "apply"] += 1
         meta = obj["metadata"]
         if (obj["kind"], meta["name"]) in self.reject:
             raise self.reject[(obj["kind"], meta["name"])]
+        if dry_run:
+            return copy.deepcopy(obj)
         key = (obj["kind"], meta["namespace"], meta["name"])
         old = self.objects.get(key)
         new = copy.deepcopy(obj)

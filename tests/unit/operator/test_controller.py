@@ -9,6 +9,7 @@ import pytest
 
 from dsv4_operator.controller import Controller
 from dsv4_operator.kube import KubeError
+from dsv4_operator.queue import Retry, SyncQueue
 from dsv4_operator.reconcile.names import DESIRED_HASH_ANNOTATION
 
 from .conftest import make_cr
@@ -148,13 +149,67 @@ def test_an_object_someone_else_owns_is_not_adopted(cpu_cr: dict[str, Any]) -> N
     )
 
 
-def test_a_child_the_api_server_refuses_is_reported(cpu_cr: dict[str, Any]) -> None:
+_BAD_TOLERATION = KubeError(
+    422,
+    "Invalid",
+    'StatefulSet.apps "v4-prefill-0" is invalid: ...',
+    [
+        (
+            "spec.template.spec.tolerations[0].operator",
+            'Unsupported value: "Bogus": supported values: "Equal", "Exists"',
+        )
+    ],
+)
+
+
+def test_a_child_the_api_server_refuses_leaves_every_child_as_it_was(
+    cpu_cr: dict[str, Any],
+) -> None:
     kube, ctl = _cluster(cpu_cr)
-    kube.reject[("Deployment", "v4-gateway")] = KubeError(422, "Invalid", "spec.replicas: bad")
+    kube.reject[("StatefulSet", "v4-prefill-0")] = _BAD_TOLERATION
+    with pytest.raises(Retry, match="refused"):
+        ctl.sync("ml", "v4")
+    assert kube.calls["dry_run"] == 15 and kube.calls["apply"] == 0
+    assert _children(kube) == set()
+    assert _status(kube)["phase"] == "Degraded"
+    assert _degraded(kube)["reason"] == "ChildRejected"
+    message = (
+        'spec.scheduling.tolerations[0].operator: Unsupported value: "Bogus": supported values: '
+        '"Equal", "Exists" (the API server refused StatefulSet v4-prefill-0)'
+    )
+    assert _degraded(kube)["message"] == message
+    [event] = kube.events
+    assert event["type"] == "Warning" and event["message"] == f"phase Degraded: {message}"
+
+
+def test_a_refused_deployment_backs_off_and_a_fixed_spec_converges(
+    cpu_cr: dict[str, Any],
+) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    kube.reject[("StatefulSet", "v4-prefill-0")] = _BAD_TOLERATION
+    delays = []
+    queue = SyncQueue(ctl.sync, delay_s=0.0)
+    for _ in range(3):
+        with pytest.raises(Retry):
+            ctl.sync("ml", "v4")
+        delays.append(queue.backoff.failed(("ml", "v4")))
+    assert delays == [0.5, 1.0, 2.0]
+    assert len(kube.events) == 1  # the same refusal again is no news
+    del kube.reject[("StatefulSet", "v4-prefill-0")]  # the user fixed the tolerations
+    _edit_spec(kube, scheduling={})
     ctl.sync("ml", "v4")
-    assert _degraded(kube)["reason"] == "InvalidChild"
-    assert _degraded(kube)["message"] == "Deployment v4-gateway rejected: spec.replicas: bad"
-    assert len(_children(kube)) == 14
+    assert _children(kube) == CHILDREN
+    assert _degraded(kube)["status"] == "False"
+
+
+def test_a_single_changed_child_is_its_own_dry_run(cpu_cr: dict[str, Any]) -> None:
+    kube, ctl = _cluster(cpu_cr)
+    ctl.sync("ml", "v4")
+    before = dict(kube.calls)
+    _edit_spec(kube, gateway={"routingPolicy": "round_robin"})
+    ctl.sync("ml", "v4")
+    assert kube.calls["dry_run"] == before["dry_run"]
+    assert kube.calls["apply"] == before["apply"] + 1
 
 
 class _BrokenPods(FakeKube):

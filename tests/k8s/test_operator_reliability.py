@@ -1,0 +1,73 @@
+"""The operator under bad specs and a dying API server, on the real control plane."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.helpers import wait_for
+from tests.k8s.operator_fixtures import apply_yaml, kubectl_json
+from tests.k8s.test_operator import _children, _phase_is, _status
+
+
+def _cpu_cr(name: str, **spec: Any) -> dict[str, Any]:
+    """The tiny CPU deployment (its pods run on the kwok nodes) with ``spec`` added."""
+    cpu = {"npusPerNode": 0, "parallelism": {"tp": 1}}
+    return {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"preset": "dsv4-tiny", "servedName": "tiny"},
+            "prefill": cpu,
+            "decode": cpu,
+            "kvTransfer": {"transport": "tcp"},
+            **spec,
+        },
+    }
+
+
+def _warnings(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    return kubectl_json(
+        cluster,
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        f"involvedObject.name={name},type=Warning",
+    )["items"]
+
+
+def test_a_child_the_api_server_refuses_applies_nothing_and_names_the_field(
+    k8s_cluster, operator, namespace
+) -> None:
+    cluster, ns = k8s_cluster, namespace
+    # the CRD keeps tolerations opaque (a core type): the API server judges them in the child
+    bad = _cpu_cr("bad", scheduling={"tolerations": [{"key": "a", "operator": "Bogus"}]})
+    apply_yaml(cluster, json.dumps(bad), ns)
+    st = wait_for("phase Degraded", lambda: _phase_is(cluster, ns, "bad", "Degraded"))
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "ChildRejected"
+    assert degraded["message"].startswith(
+        'spec.scheduling.tolerations[0].operator: Unsupported value: "Bogus"'
+    ), degraded["message"]
+    assert not _children(cluster, ns, "bad")  # not a ConfigMap, Secret or Service
+    assert any(
+        "spec.scheduling.tolerations[0]" in e["message"] for e in _warnings(cluster, ns, "bad")
+    )
+
+    cluster.kubectl(
+        "patch",
+        "dsv4",
+        "bad",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"scheduling": {"tolerations": [{"key": "a", "operator": "Exists"}]}}}),
+    )
+    wait_for("Ready once fixed", lambda: _phase_is(cluster, ns, "bad", "Ready"), timeout_s=120)
+    assert "StatefulSet/bad-prefill-0" in _children(cluster, ns, "bad")
+    degraded = next(c for c in _status(cluster, ns, "bad")["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
