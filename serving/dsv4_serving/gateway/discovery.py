@@ -1,7 +1,9 @@
 """Where engines are: static URL lists, or the EndpointSlices of the role Services, watched.
 
 EndpointSlices carry the labels of their Service (``serving.dsv4.io/role``); an engine is an
-endpoint that is ready and is node rank 0 of its instance (the pod that serves HTTP).
+endpoint that is serving and not terminating, and is node rank 0 of its instance (the pod that
+serves HTTP). ``ready`` says neither: the role Services publish not-ready addresses (peers must
+find each other before they are ready), which makes ``ready`` always true.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ def static_members(cfg: GatewayConfig, pool: InstancePool) -> None:
     pool.set_members("both", cfg.both_urls)
 
 
+def routable(conditions: dict[str, Any]) -> bool:
+    """Whether new requests may go to an endpoint with these EndpointSlice conditions: its pod
+    is ready (``serving``; ``ready`` where an older server sets only that) and not being
+    deleted (``terminating``). Unset means unknown, which consumers are to treat as true for
+    ``serving``/``ready`` and false for ``terminating``. Requests already sent to an endpoint
+    that stops being routable finish: only membership changes."""
+    serving = conditions.get("serving")
+    if serving is None:
+        serving = conditions.get("ready")
+    return serving is not False and conditions.get("terminating") is not True
+
+
 def members_from_slices(slices: list[dict[str, Any]]) -> dict[Role, set[str]]:
     """Engine base URLs per role from EndpointSlice objects (as dicts)."""
     out: dict[Role, set[str]] = {r: set() for r in _ROLES}
@@ -40,8 +54,7 @@ def members_from_slices(slices: list[dict[str, Any]]) -> dict[Role, set[str]]:
         if port is None:
             continue
         for ep in s.get("endpoints") or []:
-            # an unset "ready" means unknown, which consumers are to treat as ready
-            if (ep.get("conditions") or {}).get("ready") is False:
+            if not routable(ep.get("conditions") or {}):
                 continue
             pod = (ep.get("targetRef") or {}).get("name", "")
             if _FOLLOWER.search(pod):

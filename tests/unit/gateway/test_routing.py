@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_serving.engine.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
-from dsv4_serving.gateway.discovery import members_from_slices
+from dsv4_serving.gateway.discovery import members_from_slices, routable
 from dsv4_serving.gateway.health import apply_scrape
 from dsv4_serving.gateway.instances import Instance, InstancePool, PrefixIndex
 from dsv4_serving.gateway.policies import RouteRequest, make_policy
@@ -159,6 +159,34 @@ def test_endpointslices_give_ready_leaders_per_role() -> None:
     assert m["prefill"] == {"http://10.0.0.1:8000"}
     assert m["decode"] == {"http://[fd00::5]:8000"}
     assert m["both"] == set()
+
+
+@pytest.mark.parametrize(
+    ("conditions", "expected"),
+    [
+        ({"ready": True, "serving": True, "terminating": False}, True),
+        # publishNotReadyAddresses: ready is always true, serving is the pod's readiness
+        ({"ready": True, "serving": False, "terminating": False}, False),
+        # a pod being deleted, still passing its probes: no new requests
+        ({"ready": True, "serving": True, "terminating": True}, False),
+        ({"ready": False, "serving": True, "terminating": True}, False),
+        # older servers: only ready; all unset: unknown, treated as routable
+        ({"ready": False}, False),
+        ({"ready": True}, True),
+        ({}, True),
+    ],
+)
+def test_an_endpoint_is_routable_when_serving_and_not_terminating(
+    conditions: dict[str, bool], expected: bool
+) -> None:
+    assert routable(conditions) is expected
+    ep = {"addresses": ["10.0.0.9"], "conditions": conditions, "targetRef": {"name": "v-d-0-0"}}
+    s = {
+        "metadata": {"name": "s", "labels": {"serving.dsv4.io/role": "decode"}},
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [ep],
+    }
+    assert members_from_slices([s])["decode"] == ({"http://10.0.0.9:8000"} if expected else set())
 
 
 def test_routing_key_hashes_token_prompts_with_the_engine_hash() -> None:
