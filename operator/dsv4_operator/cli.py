@@ -6,7 +6,11 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import threading
+from collections.abc import Callable
+
+log = logging.getLogger("dsv4.operator")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,17 +68,60 @@ def run(args: argparse.Namespace) -> int:
     if metrics:
         start_http_server(metrics, addr="0.0.0.0")
     stop = threading.Event()
-    asyncio.run(
-        kopf.operator(
-            clusterwide=not args.namespace,
-            namespaces=list(args.namespace),
-            standalone=args.standalone,
-            **(
-                {} if args.standalone else {"peering_name": args.peering, "priority": args.priority}
-            ),
-            liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
-            stop_flag=stop,
-            memo=handlers.OperatorMemo(kubeconfig=args.kubeconfig),
-        )
+    memo = handlers.OperatorMemo(kubeconfig=args.kubeconfig)
+    operator = kopf.operator(
+        clusterwide=not args.namespace,
+        namespaces=list(args.namespace),
+        standalone=args.standalone,
+        **({} if args.standalone else {"peering_name": args.peering, "priority": args.priority}),
+        liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
+        stop_flag=stop,
+        memo=memo,
     )
-    return 0
+    return run_until_stopped(lambda: asyncio.run(operator), stop, memo.idle)
+
+
+EXIT_WITHIN_S = 7.0
+"""How long a stop may take before the process exits anyway: kopf's own shutdown (its last
+peering write, the syncs in flight) waits on API requests that an unreachable API server never
+answers, and a standby replica waits for this one meanwhile (kubelet's SIGKILL comes at 30 s)."""
+
+
+def run_until_stopped(
+    serve: Callable[[], None], stop: threading.Event, idle: Callable[[], bool]
+) -> int:
+    """Run ``serve`` (which returns once ``stop`` is set) in a thread of its own while this one
+    waits for SIGTERM or SIGINT; then give it ``EXIT_WITHIN_S`` to finish. ``idle``: no sync is
+    running, so nothing holds the interpreter's exit (it joins the sync threads)."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            serve()
+        except BaseException as e:  # reported by the main thread
+            failure.append(e)
+        finally:
+            done.set()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    threading.Thread(target=target, name="kopf", daemon=True).start()
+    while not done.wait(0.2) and not stop.is_set():
+        pass
+    finished = done.wait(EXIT_WITHIN_S)
+    if failure:
+        raise failure[0]
+    if finished and idle():
+        return 0
+    log.warning(
+        "stopped without waiting further for the API server (%.0f s passed); "
+        "the next active replica resyncs everything",
+        EXIT_WITHIN_S,
+    )
+    logging.shutdown()
+    os._exit(0)

@@ -7,6 +7,8 @@ starts) before every child kind and the pods have been listed once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,6 +41,10 @@ CHILD_RESOURCES = [
 ]
 
 
+CLEANUP_S = 3.0
+"""How long a stop waits for the syncs in flight."""
+
+
 @dataclass
 class OperatorMemo:
     """kopf's memo: one per operator, shallow-copied per object (so every copy shares these)."""
@@ -47,6 +53,10 @@ class OperatorMemo:
     cache: WatchCache = field(default_factory=WatchCache)
     controller: Controller | None = None
     queue: SyncQueue | None = None
+
+    def idle(self) -> bool:
+        """No sync is running (nothing holds the process's exit)."""
+        return self.queue is None or self.queue.idle()
 
     def sync_queue(self) -> SyncQueue:
         assert self.queue is not None, "startup builds the queue before any watch runs"
@@ -69,7 +79,9 @@ async def startup(
 @kopf.on.cleanup()
 async def cleanup(memo: OperatorMemo, **_: Any) -> None:
     if memo.queue is not None:
-        await memo.queue.drain()
+        # bounded: a sync waiting on an unreachable API server must not hold the exit
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(memo.queue.drain(), CLEANUP_S)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,8 @@ class SyncQueue:
         # syncs block on HTTP: a pool of their own, as wide as the limit (the default pool has
         # cpu_count + 4 threads, fewer than the limit on a small node)
         self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="sync")
+        self._lock = threading.Lock()
+        self._in_threads = 0
 
     def enqueue(self, key: Key, delay_s: float | None = None) -> None:
         """Sync ``key`` after ``delay_s`` (default: the coalescing delay); a sync already due
@@ -107,7 +110,7 @@ class SyncQueue:
             self._running.add(key)
             retry: float | None = None
             try:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self._sync, *key)
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._call, *key)
                 self.backoff.succeeded(key)
             except Retry as e:
                 retry = self.backoff.failed(key)
@@ -123,6 +126,20 @@ class SyncQueue:
             self.enqueue(key, retry)  # the retry reads the newest state anyway
         elif again:
             self.enqueue(key)
+
+    def idle(self) -> bool:
+        """No sync is running in a thread (a cancelled wait for one does not end it)."""
+        with self._lock:
+            return self._in_threads == 0
+
+    def _call(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._in_threads += 1
+        try:
+            self._sync(namespace, name)
+        finally:
+            with self._lock:
+                self._in_threads -= 1
 
     async def drain(self) -> None:
         while self._tasks:
