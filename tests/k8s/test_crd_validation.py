@@ -118,6 +118,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _cr(scheduling={"npuResourceName": "Ascend 910"}),
         "spec.scheduling.npuResourceName",
     ),
+    (
+        "grace period shorter than the preStop pause and the exit margin",
+        _cr(decode={"terminationGracePeriodSeconds": 5}),
+        "spec.decode.terminationGracePeriodSeconds in body should be greater than or equal to 10",
+    ),
     ("name starting with a digit", _named("4v"), "metadata.name must be a DNS label"),
     ("name too long", _named("v" * 41), "at most 40 characters"),
     ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),

@@ -34,6 +34,11 @@ from dsv4_operator.api.schema import (
 
 DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
 DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (no torch)
+# How an engine pod stops (reconcile/shutdown.py sizes it): the preStop pause for endpoints to drop
+# the pod, then the drain, then a margin to exit; a grace period below their sum drains nothing.
+PRESTOP_S = 5
+EXIT_MARGIN_S = 5
+MIN_GRACE_S = PRESTOP_S + EXIT_MARGIN_S
 MAX_NAME = 40  # children append "-prefill-NN-ranktable"; pod names must stay DNS labels (63)
 
 
@@ -182,9 +187,12 @@ def _role(role: str) -> Schema:
                 minimum=30,
             ),
             "terminationGracePeriodSeconds": integer(
-                "Time to drain in-flight requests on shutdown.",
+                f"The whole time an engine pod gets to stop: a {PRESTOP_S} s pause for "
+                "endpoints to drop it, then the engine finishes in-flight requests and the KV "
+                f"sidecar serves its exports (each --shutdown-timeout: this minus {MIN_GRACE_S}), "
+                f"then {EXIT_MARGIN_S} s to exit.",
                 default=120,
-                minimum=0,
+                minimum=MIN_GRACE_S,
                 maximum=3600,
             ),
         },

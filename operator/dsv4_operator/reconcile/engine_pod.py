@@ -14,6 +14,7 @@ from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
 from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
 from dsv4_operator.reconcile.shm import staging_bytes
+from dsv4_operator.reconcile.shutdown import role_shutdown
 
 CONFIG_DIR = "/etc/dsv4"
 KV_AUTH_DIR = "/etc/dsv4/kv-auth"
@@ -70,6 +71,9 @@ def engine_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         str(role.mtp_tokens),
         "--device",
         "npu" if role.on_npu else "cpu",
+        # per role (engine.json is shared by both): the drain fits the role's grace period
+        "--shutdown-timeout",
+        str(role_shutdown(role).drain_s),
     ]
     if role.on_npu:
         cmd += ["--rank-table", "$(RANK_TABLE_FILE)"]
@@ -100,6 +104,8 @@ def sidecar_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         # the staging region shares the pod's /dev/shm with the engine (reconcile/shm.py)
         "--staging-bytes",
         str(staging_bytes(role.role, role.shm_size)),
+        "--shutdown-timeout",
+        str(role_shutdown(role).drain_s),
     ]
 
 
@@ -169,6 +175,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
     """Pod template of ``role``'s engine pods; ``identity`` says how a pod learns its instance
     and node rank (the workload kind decides)."""
     volumes, mounts = _volumes(spec, role, identity)
+    shutdown = role_shutdown(role)
     env = [
         _downward("POD_NAME", "metadata.name"),
         _downward("POD_NAMESPACE", "metadata.namespace"),
@@ -191,10 +198,10 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "startupProbe": _probe(
             "/health", PROBE_PERIOD_S, max(1, role.startup_timeout_s // PROBE_PERIOD_S)
         ),
-        "readinessProbe": _probe("/health", 5, 3),
+        # ready: loaded and not draining; alive: the process and its engine core (also draining)
+        "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", PROBE_PERIOD_S, 6),
-        # Leave endpoints a moment to drop the pod before the engine starts draining on SIGTERM.
-        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "lifecycle": shutdown.lifecycle(),
         "securityContext": _security(spec),
     }
     sidecar = {
@@ -212,13 +219,18 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
             {"name": "shm", "mountPath": "/dev/shm"},
             {"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True},
         ],
-        "readinessProbe": {"tcpSocket": {"port": "kv"}, "periodSeconds": 5},
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "kv-metrics"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "lifecycle": shutdown.lifecycle(),
         "securityContext": _security(spec),
     }
     pod_spec: dict[str, Any] = {
         "containers": [engine, sidecar],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": role.termination_grace_s,
+        "terminationGracePeriodSeconds": shutdown.grace_s,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "securityContext": {} if spec.features.privileged else {"fsGroup": 1000},

@@ -6,6 +6,7 @@ from typing import Any
 
 from dsv4_operator.api.spec import DeploymentSpec
 from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.shutdown import gateway_shutdown
 
 
 def gateway_command(spec: DeploymentSpec) -> list[str]:
@@ -26,6 +27,8 @@ def gateway_command(spec: DeploymentSpec) -> list[str]:
         spec.namespace,
         "--selector",
         f"{names.DEPLOYMENT_LABEL}={spec.name}",
+        "--shutdown-timeout",
+        str(gateway_shutdown(spec).drain_s),
     ]
 
 
@@ -42,6 +45,7 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
             }
         )
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
+    shutdown = gateway_shutdown(spec)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -53,6 +57,7 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
                 "metadata": {"labels": labels},
                 "spec": {
                     "serviceAccountName": name,
+                    "terminationGracePeriodSeconds": shutdown.grace_s,
                     "enableServiceLinks": False,
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
                     "containers": [
@@ -65,8 +70,13 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
                             "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
                             "resources": spec.gateway.resources
                             or {"requests": {"cpu": "1", "memory": "1Gi"}},
-                            "readinessProbe": probe,
+                            # /ready fails as soon as it drains (SIGTERM); /health only if stuck
+                            "readinessProbe": {
+                                **probe,
+                                "httpGet": {"path": "/ready", "port": "http"},
+                            },
                             "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+                            "lifecycle": shutdown.lifecycle(),
                             "securityContext": {
                                 "allowPrivilegeEscalation": False,
                                 "capabilities": {"drop": ["ALL"]},
