@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -170,7 +171,98 @@ def test_logprobs_cover_every_token_with_at_most_the_asked_alternatives(
     client: openai.OpenAI,
 ) -> None:
     lp = client.completions.create(**GREEDY, logprobs=3).choices[0].logprobs
-    assert len(lp.token_logprobs) == 20 and all(len(t) <= 3 for t in lp.top_logprobs)
+    # the sampled token and the 3 most likely (OpenAI: up to logprobs + 1 entries)
+    assert len(lp.token_logprobs) == 20 and all(3 <= len(t) <= 4 for t in lp.top_logprobs)
+
+
+def _sampled_and_distinct(lp: Any, ids: list[int], as_ids: bool) -> None:
+    """Every step's dict holds the sampled token (under its own spelling, with its logprob)
+    and one key per token id: none overwrote another."""
+    for step, (tok, value, top, tid) in enumerate(
+        zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ids, strict=True)
+    ):
+        assert top[tok] == value, step
+        if as_ids:
+            assert tok == f"token_id:{tid}" and all(k.startswith("token_id:") for k in top)
+        # 5 alternatives + the sampled one, unless it is among them: never fewer (a collision)
+        assert len(top) in (5, 6), (step, top)
+
+
+def test_logprobs_keys_never_collide_and_hold_the_sampled_token(client: openai.OpenAI) -> None:
+    # dsv4-tiny's bytes 128-255 all decode to U+FFFD on their own: text keys would collide
+    body = {**GREEDY, "prompt": "\u00e9t\u00e9 \u4e2d\u6587", "temperature": 1.0, "seed": 3}
+    body["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
+    for as_ids in (False, True):
+        extra = {**body["extra_body"], "return_tokens_as_token_ids": as_ids}
+        c = client.completions.create(**{**body, "extra_body": extra}, logprobs=5).choices[0]
+        ids = c.token_ids  # type: ignore[attr-defined]
+        _sampled_and_distinct(c.logprobs, ids, as_ids)
+        # text_offset: where each token's text starts in the answer's text
+        offsets = c.logprobs.text_offset
+        assert len(offsets) == 20 and offsets[0] == 0
+        assert offsets == sorted(offsets) and offsets[-1] <= len(c.text)
+
+
+def test_chat_logprobs_name_every_token(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 12
+    for e in content:
+        assert len(e.top_logprobs) == 2
+        assert e.bytes is None or bytes(e.bytes).decode() == e.token
+        assert e.bytes is not None or e.token.startswith("token_id:")
+
+
+def test_n_samples_are_the_seeded_samples_sharing_the_prompt(
+    client: openai.OpenAI, engine_server: Service
+) -> None:
+    sk: dict[str, Any] = {
+        "model": MODEL,
+        # 315 tokens: two full blocks of 128, cached once sample 0 has computed them
+        "prompt": "a third prompt, the one fanned out " * 9,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 11,
+        "extra_body": {"ignore_eos": True},
+    }
+    hits = engine_server.metric("vllm:prefix_cache_hits_total")
+    r = client.completions.create(**sk, n=3)
+    # samples 1 and 2 found the prompt's full blocks that sample 0 computed
+    assert engine_server.metric("vllm:prefix_cache_hits_total") - hits >= 2 * 256
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage is not None and r.usage.completion_tokens == 18
+    assert r.usage.prompt_tokens == len(sk["prompt"].encode())
+    details = r.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens >= 256
+    alone = [client.completions.create(**{**sk, "seed": 11 + i}).choices[0].text for i in range(3)]
+    assert [c.text for c in r.choices] == alone  # sample i is seed + i (vLLM's rule)
+    assert len(set(alone)) > 1
+    # streamed: the same samples, chunk by chunk, each with its index
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in client.completions.create(**sk, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == alone and finished == {0, 1, 2}
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        n=2,
+        seed=1,
+        temperature=1.0,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    wait_blocks_free(engine_server)
 
 
 def test_the_same_seed_samples_the_same_text(client: openai.OpenAI) -> None:
@@ -195,7 +287,8 @@ def test_the_same_seed_samples_the_same_text(client: openai.OpenAI) -> None:
         ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "invalid_request", None),
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "invalid_request", None),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "invalid_request", None),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, "invalid_request", None),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "invalid_request", None),
+        ({"model": MODEL, "prompt": "hi", "n": 65}, "invalid_request", None),
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "invalid_request", None),
         ({"model": MODEL, "prompt": [70000]}, "invalid_request", "prompt"),
         ({"model": MODEL}, "invalid_request", None),

@@ -183,6 +183,8 @@ def build_app(
             return draining_response()
         chat = isinstance(body, ChatCompletionRequest)
         kv = parse_kv_params(body.kv_transfer_params, role, has_connector)
+        if kv is not None and body.n != 1:
+            raise BadRequest("n > 1 is not supported with kv_transfer_params", param="n")
         if isinstance(kv, PrefillRequestParams):
             if body.stream:
                 raise BadRequest(
@@ -202,7 +204,16 @@ def build_app(
         dp_rank = check_dp_rank(request.headers.get(DP_RANK_HEADER), info.data_parallel_size)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         work = serving.completion(
-            ids, params, body.stream, include_usage, chat, kv, body.return_token_ids, dp_rank
+            ids,
+            params,
+            body.stream,
+            include_usage,
+            chat,
+            kv,
+            body.return_token_ids,
+            dp_rank,
+            n=body.n,
+            tokens_as_ids=body.return_tokens_as_token_ids,
         )
         drain.held += 1
         streaming = False

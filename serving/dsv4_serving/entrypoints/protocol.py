@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4_serving.engine.sampling_params import SamplingParams
 
+MAX_N = 64
+"""Most samples one request may ask for (each is an engine request)."""
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -33,10 +36,12 @@ class _Common(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's extension: the generated token ids in each choice
     return_token_ids: bool = False
+    # vLLM's extension: logprobs name tokens ``token_id:<id>``, never by their text
+    return_tokens_as_token_ids: bool = False
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,

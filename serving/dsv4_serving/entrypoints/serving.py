@@ -1,8 +1,17 @@
 """Completions and chat completions on top of ``AsyncLLM``: OpenAI response bodies, SSE
-chunks, usage, logprobs."""
+chunks, usage, logprobs (``logprobs``), and ``n`` > 1.
+
+``n`` samples are ``n`` engine requests of the same prompt: the first runs alone until its
+prompt is computed (its first token), then the others start and find the prompt's full KV
+blocks in the prefix cache. With a ``seed``, sample ``i`` uses ``seed + i`` (vLLM's rule), so
+sample 0 is what ``n=1`` with that seed gives.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -10,58 +19,87 @@ from typing import Any
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.engine.async_llm import AsyncLLM, RequestOutput
-from dsv4_serving.engine.request import Logprob
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.tokenizer import Tokenizer
+from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
+
+Indexed = tuple[int, RequestOutput]
 
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(o: RequestOutput) -> dict[str, Any]:
+def _usage(last: dict[int, RequestOutput]) -> dict[str, Any]:
+    """One prompt, ``n`` completions; cached tokens: the most any sample found cached."""
+    outs = list(last.values())
+    prompt = outs[0].num_prompt_tokens
+    completion = sum(o.num_output_tokens for o in outs)
     return {
-        "prompt_tokens": o.num_prompt_tokens,
-        "completion_tokens": o.num_output_tokens,
-        "total_tokens": o.num_prompt_tokens + o.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": o.num_cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": max(o.num_cached_tokens for o in outs)},
     }
 
 
-class _Logprobs:
-    """Accumulates logprobs in the completions (legacy) or chat format."""
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index``'s params: its own seed (``seed + index``) when a seed is given."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**63)
 
-    def __init__(self, tok: Tokenizer, chat: bool) -> None:
-        self.tok, self.chat = tok, chat
-        self.items: list[Logprob] = []
 
-    def _t(self, i: int) -> str:
-        return self.tok.decode([i], skip_special_tokens=False)
+async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Indexed]:
+    """The increments of several requests as they come, tagged with their index. Sample 0
+    goes first alone until its first increment (its prompt is in the prefix cache then);
+    leaving early closes every generator (which aborts its request)."""
+    queue: asyncio.Queue[Indexed | BaseException | None] = asyncio.Queue()
 
-    def render(self, lps: list[Logprob] | None) -> dict[str, Any] | None:
-        if lps is None:
-            return None
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": self._t(lp.token_id),
-                        "logprob": lp.logprob,
-                        "bytes": list(self._t(lp.token_id).encode()),
-                        "top_logprobs": [
-                            {"token": self._t(t), "logprob": v, "bytes": list(self._t(t).encode())}
-                            for t, v in lp.top
-                        ],
-                    }
-                    for lp in lps
-                ]
-            }
-        return {
-            "tokens": [self._t(lp.token_id) for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self._t(t): v for t, v in lp.top} for lp in lps],
-            "text_offset": [],
-        }
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for o in gen:
+                queue.put_nowait((i, o))
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        first = await anext(gens[0])
+        yield 0, first
+        running = len(gens)
+        if first.finished:
+            running -= 1
+        else:
+            tasks.append(asyncio.ensure_future(pump(0, gens[0])))
+        tasks += [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens) if i]
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for g in gens:
+            with contextlib.suppress(Exception):
+                await g.aclose()  # type: ignore[attr-defined]
+
+
+async def _single(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[Indexed]:
+    try:
+        async for o in gen:
+            yield 0, o
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
 
 
 class OpenAIServing:
@@ -80,59 +118,82 @@ class OpenAIServing:
         kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
         return_token_ids: bool = False,
         data_parallel_rank: int | None = None,
+        n: int = 1,
+        tokens_as_ids: bool = False,
     ) -> AsyncIterator[str] | dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
-        gen = self.engine.generate(ids, params, rid, kv_transfer_params, data_parallel_rank)
+        gens = [
+            self.engine.generate(
+                ids,
+                sample_params(params, i),
+                rid if n == 1 else f"{rid}-{i}",
+                kv_transfer_params,
+                data_parallel_rank,
+            )
+            for i in range(n)
+        ]
+        outputs = _single(gens[0]) if n == 1 else _merged(gens)
         created = int(time.time())
-        lp = _Logprobs(self.tokenizer, chat)
+        lps = [ChoiceLogprobs(self.tokenizer, chat, tokens_as_ids) for _ in range(n)]
         if stream:
             # pull the first increment now so a rejected request becomes an HTTP error, not a
             # broken stream
-            first = await gen.__anext__()
-            return self._stream(gen, first, rid, created, lp, include_usage, chat, return_token_ids)
-        text, lps, last, token_ids = [], [], None, []
-        async for o in gen:
-            text.append(o.delta_text)
-            lps.extend(o.delta_logprobs or [])
-            token_ids.extend(o.delta_token_ids)
-            last = o
-        assert last is not None
-        logprobs = lp.render(lps) if params.logprobs is not None else None
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": logprobs,
-            "finish_reason": last.finish_reason,
-            "stop_reason": last.stop_reason,
-        }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        if return_token_ids:  # vLLM's extension
-            choice["token_ids"] = token_ids
+            try:
+                first = await anext(outputs)
+            except BaseException:
+                await outputs.aclose()  # type: ignore[attr-defined]
+                raise
+            return self._stream(
+                outputs, first, rid, created, lps, include_usage, chat, n, return_token_ids
+            )
+        text: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[Any]] = [[] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        last: dict[int, RequestOutput] = {}
+        async for i, o in outputs:
+            text[i].append(o.delta_text)
+            logprobs[i].extend(o.delta_logprobs or [])
+            token_ids[i].extend(o.delta_token_ids)
+            last[i] = o
+        choices = []
+        for i in range(n):
+            choice: dict[str, Any] = {
+                "index": i,
+                "logprobs": lps[i].render(logprobs[i]) if params.logprobs is not None else None,
+                "finish_reason": last[i].finish_reason,
+                "stop_reason": last[i].stop_reason,
+            }
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+            else:
+                choice["text"] = "".join(text[i])
+            if return_token_ids:  # vLLM's extension
+                choice["token_ids"] = token_ids[i]
+            choices.append(choice)
         body: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self.model_name,
-            "choices": [choice],
+            "choices": choices,
             "usage": _usage(last),
         }
         if kv_transfer_params is not None:  # PD (vLLM's protocol): what the decode side needs
-            kv = last.kv_transfer_params
+            kv = last[0].kv_transfer_params
             body["kv_transfer_params"] = kv.to_dict() if kv is not None else None
         return body
 
     async def _stream(
         self,
-        gen: AsyncIterator[RequestOutput],
-        first: RequestOutput,
+        outputs: AsyncIterator[Indexed],
+        first: Indexed,
         rid: str,
         created: int,
-        lp: _Logprobs,
+        lps: list[ChoiceLogprobs],
         include_usage: bool,
         chat: bool,
+        n: int,
         return_token_ids: bool = False,
     ) -> AsyncIterator[str]:
         base = {
@@ -141,22 +202,24 @@ class OpenAIServing:
             "created": created,
             "model": self.model_name,
         }
+        last: dict[int, RequestOutput] = {}
         try:
             if chat:
-                role = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield _sse({**base, "choices": [role]})
-            o: RequestOutput | None = first
-            last = first
-            while o is not None:
-                last = o
+                for i in range(n):
+                    role = {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse({**base, "choices": [role]})
+            item: Indexed | None = first
+            while item is not None:
+                i, o = item
+                last[i] = o
                 choice: dict[str, Any] = {
-                    "index": 0,
-                    "logprobs": lp.render(o.delta_logprobs),
+                    "index": i,
+                    "logprobs": lps[i].render(o.delta_logprobs),
                     "finish_reason": o.finish_reason,
                 }
                 if o.finished:
@@ -168,10 +231,10 @@ class OpenAIServing:
                 if return_token_ids:
                     choice["token_ids"] = o.delta_token_ids
                 yield _sse({**base, "choices": [choice]})
-                o = None if o.finished else await gen.__anext__()
+                item = await anext(outputs, None)
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(last)})
             yield "data: [DONE]\n\n"
         finally:
-            # the client went away (or we are done): closing the generator aborts the request
-            await gen.aclose()  # type: ignore[attr-defined]
+            # the client went away (or we are done): closing the outputs aborts the requests
+            await outputs.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,77 @@
+"""Logprobs in the OpenAI formats and the seeds of ``n`` samples: pure rendering, exact values,
+with dsv4-tiny's byte-level tokenizer (bytes 128-255 are no text on their own)."""
+
+from __future__ import annotations
+
+import math
+
+from dsv4_serving.engine.request import Logprob
+from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.tokenizer import load_tokenizer
+from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
+from dsv4_serving.entrypoints.serving import sample_params
+
+TOK = load_tokenizer("dsv4-tiny")
+E_ACUTE = list("é".encode())  # [0xC3, 0xA9]: two tokens, neither text alone
+
+
+def test_partial_characters_get_distinct_keys_and_the_sampled_token_comes_first() -> None:
+    lp = ChoiceLogprobs(TOK, chat=False)
+    steps = [
+        Logprob(0xC3, -0.5, [(ord("a"), -0.1), (0xC3, -0.5), (0xC4, -2.0)]),
+        Logprob(0xA9, -0.25, [(0xA8, -0.2), (ord("b"), -3.0)]),
+    ]
+    out = lp.render(steps)
+    assert out == {
+        "tokens": ["token_id:195", "token_id:169"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [
+            {"token_id:195": -0.5, "a": -0.1, "token_id:196": -2.0},
+            {"token_id:169": -0.25, "token_id:168": -0.2, "b": -3.0},
+        ],
+        "text_offset": [0, 0],
+    }
+
+
+def test_text_offset_counts_characters_across_increments() -> None:
+    lp = ChoiceLogprobs(TOK, chat=False)
+    first = lp.render([Logprob(ord("h"), -1.0, []), Logprob(ord("i"), -1.0, [])])
+    ids = [*E_ACUTE, ord("!")]
+    second = lp.render([Logprob(i, -1.0, []) for i in ids])
+    assert first is not None and second is not None
+    # "hi" then "é!": é starts at 2, its second byte too (no new character yet), "!" at 3
+    assert first["text_offset"] == [0, 1] and second["text_offset"] == [2, 2, 3]
+    assert second["tokens"] == ["token_id:195", "token_id:169", "!"]
+
+
+def test_token_ids_spelling_and_the_json_safe_floor() -> None:
+    lp = ChoiceLogprobs(TOK, chat=False, as_token_ids=True)
+    out = lp.render([Logprob(ord("a"), -math.inf, [(ord("b"), -1.0)])])
+    assert out is not None
+    assert out["tokens"] == ["token_id:97"] and out["token_logprobs"] == [-9999.0]
+    assert out["top_logprobs"] == [{"token_id:97": -9999.0, "token_id:98": -1.0}]
+
+
+def test_chat_entries_carry_bytes_only_for_whole_characters() -> None:
+    lp = ChoiceLogprobs(TOK, chat=True)
+    out = lp.render([Logprob(ord("a"), -0.5, [(0xC3, -1.0)])])
+    assert out == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.5,
+                "bytes": [97],
+                "top_logprobs": [{"token": "token_id:195", "logprob": -1.0, "bytes": None}],
+            }
+        ]
+    }
+    assert lp.render(None) is None
+
+
+def test_sample_i_uses_seed_plus_i_and_unseeded_samples_stay_unseeded() -> None:
+    p = SamplingParams(seed=7, temperature=1.0)
+    assert [sample_params(p, i).seed for i in range(3)] == [7, 8, 9]
+    assert sample_params(p, 0) is p
+    q = SamplingParams(temperature=1.0)
+    assert sample_params(q, 2).seed is None
+    assert sample_params(SamplingParams(seed=2**63 - 1), 1).seed == 0
