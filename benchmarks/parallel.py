@@ -9,9 +9,11 @@ through the front end (``AsyncLLM``) with
 on the same CPUs: output tokens/s of each, the ratio to TP 1, and each layout's time in
 collectives per forward step (each rank measures it, ``DSV4_COMM_PROFILE``; waiting for a
 slower peer counts too). Two cores cannot show a speed-up; the ratio shows the overhead.
+A layout name ending in ``-gloo`` (``tp2-gloo``) runs with the shared-memory collectives off
+(``DSV4_SHM_COMM=0``): the A/B of ``distributed/shm_comm.py``.
 
     .venv/bin/python benchmarks/parallel.py [--requests 64] [--prompt 64] [--output 32]
-        [--layouts tp1,tp2,dp2]
+        [--layouts tp1,tp2,dp2,tp2-gloo,dp2-gloo]
 """
 
 from __future__ import annotations
@@ -73,21 +75,25 @@ async def _serve(llm: Any, prompts: list[list[int]], output: int) -> tuple[int, 
 
 
 def run_layout(name: str, prompts: list[list[int]], output: int) -> Result:
+    from dsv4_serving.distributed.shm_comm import DISABLE_ENV
     from dsv4_serving.engine.async_llm import AsyncLLM
     from dsv4_serving.engine.config import EngineConfig
     from dsv4_serving.engine.tokenizer import load_tokenizer
     from dsv4_serving.engine.worker import PROFILE_ENV
 
+    gloo = name.endswith("-gloo")
     config = EngineConfig(
         model="dsv3-small",
         max_model_len=max(len(p) for p in prompts) + output + 8,
         num_kv_blocks=len(prompts) * (-(-(len(prompts[0]) + output + 8) // 16) + 1),
         max_num_seqs=len(prompts),
         num_speculative_tokens=0,
-        **LAYOUTS[name],  # type: ignore[arg-type]
+        **LAYOUTS[name.removesuffix("-gloo")],  # type: ignore[arg-type]
     )
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[PROFILE_ENV] = tmp
+        if gloo:
+            os.environ[DISABLE_ENV] = "0"  # the ranks inherit it when spawned
         llm = AsyncLLM(config, load_tokenizer(config.model))
         llm.start(timeout_s=300)
         try:
@@ -95,6 +101,7 @@ def run_layout(name: str, prompts: list[list[int]], output: int) -> Result:
         finally:
             llm.shutdown()
             del os.environ[PROFILE_ENV]
+            os.environ.pop(DISABLE_ENV, None)
         ranks = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rank-*.json"))]
     per_step = [r["comm_s"] / max(1, r["steps"]) for r in ranks] or [0.0]
     steps = ranks[0]["steps"] if ranks else 0

@@ -1,5 +1,9 @@
 """Collectives over a ``Group``; a size-1 group returns its input untouched (no call made).
 
+A group whose members share a node carries a shared-memory channel (``shm_comm``): CPU tensors
+and every object go through it (microseconds instead of gloo's ~0.8 ms per call); device tensors
+and groups without one use the torch backend.
+
 gloo (CPU) has no dependable reduce_scatter or uneven all_gather, so ``reduce_scatterv`` is an
 all-reduce plus a slice and ``all_gatherv`` pads to the longest share; the traffic is larger
 than nccl/hccl's native collectives would need, which do not change the results.
@@ -7,6 +11,7 @@ than nccl/hccl's native collectives would need, which do not change the results.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_serving.distributed.groups import Group
+from dsv4_serving.distributed.shm_comm import ShmChannel
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -54,10 +60,35 @@ _gather_object = _timed(dist.gather_object)
 _all_gather_object = _timed(dist.all_gather_object)
 
 
+def _shm(group: Group, x: torch.Tensor | None = None) -> ShmChannel | None:
+    """The group's shared-memory channel when it applies to ``x`` (objects: always)."""
+    if group.shm is None or (x is not None and x.device.type != "cpu"):
+        return None
+    return group.shm  # type: ignore[no-any-return]
+
+
+@_timed
+def _shm_all_reduce(shm: ShmChannel, x: torch.Tensor) -> torch.Tensor:
+    return shm.all_reduce(x)
+
+
+@_timed
+def _shm_all_gather(shm: ShmChannel, x: torch.Tensor, dim: int) -> torch.Tensor:
+    return shm.all_gather(x, dim)
+
+
+@_timed
+def _exchange(group: Group, obj: Any, send: bool) -> list[Any]:
+    blobs = group.shm.exchange(pickle.dumps(obj) if send else b"")
+    return [pickle.loads(b) if b else None for b in blobs]
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group (in place on ``x``; returns it)."""
     if group.size == 1:
         return x
+    if shm := _shm(group, x):
+        return _shm_all_reduce(shm, x)
     _all_reduce(x, group=group.device_group)
     return x
 
@@ -66,6 +97,8 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Equal shares concatenated along ``dim`` in group order."""
     if group.size == 1:
         return x
+    if shm := _shm(group, x):
+        return _shm_all_gather(shm, x, dim)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size)]
     _all_gather(parts, x, group=group.device_group)
@@ -104,6 +137,8 @@ def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     """Member ``src``'s object on every member (over the CPU group)."""
     if group.size == 1:
         return obj
+    if _shm(group):
+        return _exchange(group, obj, group.index == src)[src]
     box = [obj]
     _broadcast_object_list(box, src=group.ranks[src], group=group.cpu_group)
     return box[0]
@@ -113,6 +148,9 @@ def gather_object(obj: Any, group: Group, dst: int = 0) -> list[Any] | None:
     """Every member's object, in group order, on member ``dst``; None elsewhere."""
     if group.size == 1:
         return [obj]
+    if _shm(group):
+        every = _exchange(group, obj, True)
+        return every if group.index == dst else None
     out: list[Any] | None = [None] * group.size if group.index == dst else None
     _gather_object(obj, out, dst=group.ranks[dst], group=group.cpu_group)
     return out
@@ -121,6 +159,8 @@ def gather_object(obj: Any, group: Group, dst: int = 0) -> list[Any] | None:
 def all_gather_object(obj: Any, group: Group) -> list[Any]:
     if group.size == 1:
         return [obj]
+    if _shm(group):
+        return _exchange(group, obj, True)
     out: list[Any] = [None] * group.size
     _all_gather_object(out, obj, group=group.cpu_group)
     return out

@@ -21,6 +21,8 @@ class Group:
     # torch ProcessGroups; None for a size-1 group (never created, never called)
     device_group: Any = field(default=None, compare=False, repr=False)
     cpu_group: Any = field(default=None, compare=False, repr=False)
+    # a node-local shared-memory channel (``shm_comm``) for CPU tensors and objects; None: gloo
+    shm: Any = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:

@@ -19,6 +19,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from dsv4_serving.distributed.comm import all_gather_object
 from dsv4_serving.distributed.groups import Group, ModelParallel
+from dsv4_serving.distributed.shm_comm import open_channel
 from dsv4_serving.distributed.topology import Topology
 from dsv4_serving.platform.device import get_platform
 
@@ -79,6 +80,14 @@ def _group(ranks: list[int], rank: int, backend: str, timeout: timedelta) -> Gro
     return Group(tuple(ranks), ranks.index(rank), dev, cpu)
 
 
+def _with_shm(group: Group, topo: Topology, timeout_s: float) -> Group:
+    """``group`` with a shared-memory channel when its members share a node (every member
+    calls this for its groups in the same order)."""
+    if group.size == 1 or len({topo.node_of(r) for r in group.ranks}) > 1:
+        return group
+    return replace(group, shm=open_channel(group.ranks, group.index, group.cpu_group, timeout_s))
+
+
 def _mine(groups: list[Group]) -> Group:
     return next(g for g in groups if g.index >= 0)
 
@@ -128,6 +137,7 @@ def init_distributed(
     world = replace(world, cpu_group=cpu_world)
     tp = _mine([_group(g, rank, backend, timeout) for g in topo.tp_groups()])
     dp = _mine([_group(g, rank, backend, timeout) for g in topo.dp_groups()])
+    world, tp, dp = (_with_shm(g, topo, timeout_s) for g in (world, tp, dp))
     ep = world if topo.ep > 1 else Group((rank,), 0)
     if topo.world == 1:
         world = Group()
@@ -177,6 +187,11 @@ def get_ep_group() -> Group:
 
 
 def destroy_distributed() -> None:
+    if "model" in _STATE:
+        m: ModelParallel = _STATE["model"]
+        for g in {id(g): g for g in (_STATE["world"], m.tp, m.dp, m.ep)}.values():
+            if g.shm is not None:
+                g.shm.close()
     if _STATE and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.clear()
