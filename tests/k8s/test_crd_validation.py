@@ -123,6 +123,42 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _cr(decode={"terminationGracePeriodSeconds": 5}),
         "spec.decode.terminationGracePeriodSeconds in body should be greater than or equal to 10",
     ),
+    (
+        "environment variable name Kubernetes refuses",
+        _cr(prefill={"env": {"1BAD": "x"}}),
+        "prefill.env: variable names must be letters, digits",
+    ),
+    (
+        "engineArgs overriding the role",
+        _cr(decode={"engineArgs": ["--max-num-seqs=8", "--role=prefill"]}),
+        "decode.engineArgs: --role=prefill sets what the operator sets from the deployment",
+    ),
+    (
+        "engineArgs abbreviating an owned flag",
+        _cr(prefill={"engineArgs": ["--kv-side", "http://elsewhere"]}),
+        "prefill.engineArgs: --kv-side sets what the operator sets",
+    ),
+    ("unknown preset", _cr(model={"preset": "dsv4-huge", "servedName": "v4"}), "dsv4-huge"),
+    (
+        "zero TPOT target",
+        _cr(autoscaling={"tpotSeconds": 0}),
+        "autoscaling.tpotSeconds must be a positive number of seconds",
+    ),
+    (
+        "negative TTFT target",
+        _cr(autoscaling={"ttftSeconds": -1}),
+        "autoscaling.ttftSeconds must be a positive number of seconds",
+    ),
+    (
+        "resource amount not a quantity",
+        _cr(prefill={"resources": {"requests": {"cpu": "lots"}}}),
+        "each resource amount must be a Kubernetes quantity",
+    ),
+    (
+        "sidecar resource amount not a quantity",
+        _cr(kvTransfer={"sidecarResources": {"limits": {"memory": "2GB"}}}),
+        "each resource amount must be a Kubernetes quantity",
+    ),
     ("name starting with a digit", _named("4v"), "metadata.name must be a DNS label"),
     ("name too long", _named("v" * 41), "at most 40 characters"),
     ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),
@@ -167,6 +203,11 @@ def test_invalid_deployment_is_rejected(
 
 def test_knobs_at_their_defaults_are_accepted(k8s_control_plane, dsv4_crd) -> None:
     cr = _cr(
+        prefill={
+            "engineArgs": ["--max-num-seqs=64", "--enable-prefix-caching", "-x", "--"],
+            "env": {"HCCL_BUFFSIZE": "400", "my.var-1": "x"},
+            "resources": {"requests": {"cpu": 4, "memory": "64Gi"}, "limits": {"cpu": "500m"}},
+        },
         autoscaling={"enabled": False, "decode": {"min": 1, "max": 8}},
         features={"eplb": {"enabled": False}, "mlapo": True, "c8": "auto"},
         model={"path": "/data/v4", "servedName": "v4", "quantization": "none"},

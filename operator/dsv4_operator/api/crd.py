@@ -39,6 +39,32 @@ DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (
 PRESTOP_S = 5
 EXIT_MARGIN_S = 5
 MIN_GRACE_S = PRESTOP_S + EXIT_MARGIN_S
+# Engine flags the operator sets itself, on the command line or as engine.json keys (the engine
+# takes those as flags too): engineArgs may not repeat them, nor a prefix of them (argparse takes
+# a unique prefix for the whole flag). A unit test keeps this the set the operator renders.
+OWNED_ENGINE_FLAGS = (
+    "--architecture",
+    "--config",
+    "--data-parallel-size",
+    "--device",
+    "--dtype",
+    "--expert-parallel-size",
+    "--host",
+    "--kv-failure-policy",
+    "--kv-pull-timeout",
+    "--kv-sidecar",
+    "--max-model-len",
+    "--model",
+    "--num-speculative-tokens",
+    "--port",
+    "--rank-table",
+    "--role",
+    "--served-model-name",
+    "--shutdown-timeout",
+    "--tensor-parallel-size",
+)
+# Models built into the engine image (dsv4_serving.presets; a unit test keeps them in step).
+PRESETS = ("dsv3-small", "dsv4-tiny")
 MAX_NAME = 40  # children append "-prefill-NN-ranktable"; pod names must stay DNS labels (63)
 
 
@@ -76,9 +102,8 @@ def _model() -> Schema:
                 description="Checkpoint on a PersistentVolumeClaim (ReadOnlyMany or ReadWriteMany).",
             ),
             "preset": string(
-                "A model built into the engine image (e.g. dsv4-tiny, for CPU smoke tests).",
-                pattern="^[a-z0-9][-a-z0-9.]*$",
-                max_length=63,
+                "A model built into the engine image (dsv4-tiny: for CPU smoke tests).",
+                enum=list(PRESETS),
             ),
             "architecture": string(
                 "The architecture the checkpoint's config.json must name; engines refuse to "
@@ -146,6 +171,35 @@ def _parallelism() -> Schema:
     )
 
 
+ENV_NAME = "^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+def _engine_args(role: str) -> Schema:
+    """Each argument is checked on its own: one that sets (or abbreviates: argparse takes a
+    unique prefix for the whole flag) a flag the operator sets is refused, by name."""
+    owned = "[" + ", ".join(f"'{f}'" for f in OWNED_ENGINE_FLAGS) + "]"
+    arg: Schema = {
+        "type": "string",
+        "maxLength": 1024,
+        "x-kubernetes-validations": [
+            {
+                "rule": "!self.startsWith('--') || self.size() <= 2 || "
+                f"!{owned}.exists(f, f.startsWith(self.split('=')[0]))",
+                "messageExpression": f"'{role}.engineArgs: ' + self + ' sets what the operator "
+                "sets from the deployment (use its fields: model, parallelism, mtpTokens, "
+                "kvTransfer, terminationGracePeriodSeconds, ...)'",
+            }
+        ],
+    }
+    return {
+        "type": "array",
+        "description": "Extra engine command-line arguments, appended last; not the flags the "
+        "operator sets (" + ", ".join(OWNED_ENGINE_FLAGS) + ").",
+        "items": arg,
+        "maxItems": 64,
+    }
+
+
 def _role(role: str) -> Schema:
     return obj(
         {
@@ -168,8 +222,19 @@ def _role(role: str) -> Schema:
             "mtpTokens": integer(
                 "MTP speculative tokens per step (0 disables).", default=1, minimum=0, maximum=3
             ),
-            "engineArgs": string_list("Extra engine command-line arguments, appended last."),
-            "env": string_map("Extra environment variables for the engine container."),
+            "engineArgs": _engine_args(role),
+            "env": {
+                **string_map("Extra environment variables for the engine container."),
+                "maxProperties": 256,
+                "x-kubernetes-validations": [
+                    {
+                        "rule": f"self.all(k, k.size() <= 256 && k.matches('{ENV_NAME}'))",
+                        "message": f"{role}.env: variable names must be letters, digits, '_', "
+                        "'-' or '.', not starting with a digit (what every Kubernetes version "
+                        "accepts), at most 256 characters",
+                    }
+                ],
+            },
             "resources": resources(
                 "CPU/memory for the engine container; NPUs are added by the operator."
             ),
@@ -310,12 +375,22 @@ def _autoscaling() -> Schema:
                 "Scale prefill on TTFT and decode on TPOT. Not supported yet: must be false.",
                 default=False,
             ),
-            "ttftSeconds": number("TTFT objective (p90, seconds).", default=2.0, minimum=0.001),
-            "tpotSeconds": number("TPOT objective (p90, seconds).", default=0.05, minimum=0.0001),
+            "ttftSeconds": number("TTFT objective (p90, seconds).", default=2.0),
+            "tpotSeconds": number("TPOT objective (p90, seconds).", default=0.05),
             "prefill": _bounds("prefill"),
             "decode": _bounds("decode"),
         },
         rules=[
+            (
+                "self.ttftSeconds > 0.0",
+                "autoscaling.ttftSeconds must be a positive number of seconds (the p90 "
+                "time-to-first-token objective, e.g. 2)",
+            ),
+            (
+                "self.tpotSeconds > 0.0",
+                "autoscaling.tpotSeconds must be a positive number of seconds (the p90 time "
+                "per output token objective, e.g. 0.05)",
+            ),
             (
                 "!self.enabled",
                 _not_yet(
@@ -323,7 +398,7 @@ def _autoscaling() -> Schema:
                     "no controller scales instances",
                     "set it to false and size prefill/decode instances by hand",
                 ),
-            )
+            ),
         ],
         default={},
     )

@@ -134,12 +134,23 @@ def opaque(description: str, *, array: bool = False) -> Schema:
 
 QUANTITY: Schema = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
     "x-kubernetes-int-or-string": True,
 }
 
 
 def resources(description: str) -> Schema:
-    """corev1.ResourceRequirements (requests and limits only)."""
-    qmap = {"type": "object", "additionalProperties": QUANTITY}
+    """corev1.ResourceRequirements (requests and limits only); each amount a quantity, checked
+    with CEL so the message says so (a regular expression's message only shows itself)."""
+    qmap = {
+        "type": "object",
+        "additionalProperties": QUANTITY,
+        "maxProperties": 8,
+        "x-kubernetes-validations": [
+            {
+                "rule": "self.all(k, type(self[k]) == int || isQuantity(string(self[k])))",
+                "message": "each resource amount must be a Kubernetes quantity such as 500m, "
+                "2, 512Mi or 4Gi",
+            }
+        ],
+    }
     return obj({"requests": qmap, "limits": qmap}, description=description)

@@ -8,6 +8,7 @@ sizes, device, MTP tokens, rank table) are flags on each pod's command line.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from dsv4_operator.api.spec import DeploymentSpec
@@ -16,18 +17,24 @@ from dsv4_operator.reconcile import names
 ENGINE_CONFIG_KEY = "engine.json"
 
 
+# engine.json's keys (EngineConfig fields) and how each is read from the deployment.
+_FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
+    "model": lambda s: s.model.engine_model_arg,
+    "served_model_name": lambda s: s.model.served_name,
+    "architecture": lambda s: s.model.architecture,
+    "dtype": lambda s: s.model.dtype,
+    "max_model_len": lambda s: s.model.max_model_len,
+    "kv_sidecar": lambda s: f"http://127.0.0.1:{s.kv.control_port}",
+    "kv_failure_policy": lambda s: s.kv.failure_policy,
+    "kv_pull_timeout": lambda s: s.kv.pull_timeout_s,
+}
+ENGINE_CONFIG_FIELDS = tuple(_FIELDS)
+"""Every key engine.json may hold: settings the operator owns (``engineArgs`` may not repeat
+them as flags)."""
+
+
 def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
-    m, kv = spec.model, spec.kv
-    values: dict[str, Any] = {
-        "model": m.engine_model_arg,
-        "served_model_name": m.served_name,
-        "architecture": m.architecture,
-        "dtype": m.dtype,
-        "max_model_len": m.max_model_len,
-        "kv_sidecar": f"http://127.0.0.1:{kv.control_port}",
-        "kv_failure_policy": kv.failure_policy,
-        "kv_pull_timeout": kv.pull_timeout_s,
-    }
+    values = {key: read(spec) for key, read in _FIELDS.items()}
     return {k: v for k, v in values.items() if v is not None}
 
 

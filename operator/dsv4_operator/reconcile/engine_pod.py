@@ -47,7 +47,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def engine_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
+def engine_command(role: RoleSpec) -> list[str]:
     """The per-role flags; the deployment-wide settings are in engine.json (``--config``)."""
     par = role.parallelism
     cmd = [
@@ -190,7 +190,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "name": "engine",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": engine_command(spec, role),
+        "command": engine_command(role),
         "env": env,
         "ports": [{"name": names.METRICS_PORT_NAME, "containerPort": names.ENGINE_PORT}],
         "resources": _engine_resources(spec, role),

@@ -83,3 +83,25 @@ def test_every_rendered_command_parses_with_the_dsv4_command(path: Path) -> None
     }
     for argv in commands:
         parser.parse_args(argv[1:])  # exits (fails the test) on an unknown or malformed flag
+
+
+def test_the_crds_owned_engine_flags_are_those_the_operator_renders() -> None:
+    from dsv4_common.config_cli import flag_name
+    from dsv4_operator.api.crd import OWNED_ENGINE_FLAGS
+    from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_FIELDS
+
+    rendered = set()
+    for path in EXAMPLES:
+        for argv in _commands(_example(path)):
+            if argv[1] == "engine":
+                rendered |= {a for a in argv if a.startswith("--")}
+    npu = _example(next(p for p in EXAMPLES if p.stem != "tiny-cpu"))
+    assert npu.prefill.on_npu  # its command has --rank-table
+    assert set(OWNED_ENGINE_FLAGS) == rendered | {flag_name(k) for k in ENGINE_CONFIG_FIELDS}
+
+
+def test_the_crds_presets_are_the_engines() -> None:
+    from dsv4_operator.api.crd import PRESETS
+    from dsv4_serving.presets.configs import PRESETS as ENGINE_PRESETS
+
+    assert tuple(sorted(ENGINE_PRESETS)) == PRESETS
