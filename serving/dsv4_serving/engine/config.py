@@ -11,6 +11,7 @@ from dsv4_serving.distributed.topology import Topology, TopologyError
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+Quantization = Literal["auto", "none", "fp8", "fp4", "w8a8"]
 KVFailurePolicy = Literal["fail", "recompute"]
 
 
@@ -47,6 +48,10 @@ class EngineConfig:
     """Weights and KV dtype; auto = float32 on CPU, bfloat16 elsewhere."""
     load_format: LoadFormat = "auto"
     """auto = dummy for presets, safetensors for directories."""
+    quantization: Quantization = "auto"
+    """How weights are held: auto = as the checkpoint stores them (fp8 128x128 blocks, fp4
+    experts, W8A8 int8 stay quantized); none = dequantized to ``dtype`` at load; fp8 / fp4
+    (fp8 linears + fp4 experts, DeepSeek-V4 as shipped) / w8a8 must match the checkpoint."""
     seed: int = 0
     """Dummy-weight seed and the sampler's default seed."""
     block_size: int = 0
@@ -100,6 +105,10 @@ class EngineConfig:
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"unsupported load_format {self.load_format!r}")
+        if self.quantization not in ("auto", "none", "fp8", "fp4", "w8a8"):
+            raise ConfigError(
+                f"quantization must be auto, none, fp8, fp4 or w8a8, got {self.quantization!r}"
+            )
         if self.block_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
             raise ConfigError("block_size, num_kv_blocks and max_model_len must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -153,19 +162,13 @@ class EngineConfig:
 
     def check_parallel(self, device: str, model_config: Any = None) -> None:
         """The sizes form a valid topology that splits ``model_config`` evenly, on a setup
-        the worker processes support (PD transfer per rank is not built yet)."""
+        the worker processes support."""
         topo = self.topology()
         if model_config is not None:
             try:
                 topo.check_model(model_config)
             except TopologyError as exc:
                 raise ConfigError(str(exc)) from None
-        if topo.world > 1 and self.kv_sidecar:
-            raise ConfigError(
-                f"a KV sidecar (PD roles) with tp x dp = {topo.world} ranks on {device} is not "
-                "supported yet: KV export/import per rank is the next part of the parallel "
-                "engine; use 1/1/1 for prefill and decode engines"
-            )
 
     def rank_threads(self, cpus: int) -> int:
         """Torch threads of one rank's process on a machine with ``cpus`` CPUs (0 = leave

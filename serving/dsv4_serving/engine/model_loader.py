@@ -3,6 +3,7 @@ weights. Also sizes the KV cache (the seed's memory profiling step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.engine.config import ConfigError, EngineConfig
+from dsv4_serving.layers.quant.scheme import NONE, QuantScheme, scheme_from_checkpoint
 from dsv4_serving.models.config import architecture_of, read_config_json
 from dsv4_serving.presets.configs import PRESETS, preset_config
 
@@ -45,6 +47,27 @@ class LoadedModel:
     num_mtp_layers: int
 
 
+def resolve_quantization(
+    requested: str, found: QuantScheme, model: str, preset: bool
+) -> QuantScheme:
+    """The scheme to build: the checkpoint's (``auto``), none (dequantize at load), or the
+    requested one, which must be the checkpoint's; a preset has no checkpoint to disagree
+    with, so its dummy weights take any format."""
+    if requested == "auto":
+        return found
+    if requested == "none":
+        return NONE
+    if preset:
+        return QuantScheme.of(requested)  # type: ignore[arg-type]
+    if requested != found.name:
+        raise ConfigError(
+            f"--quantization {requested}: the checkpoint {model} is {found.name} (linears "
+            f"{found.linear}, experts {found.experts}); use auto, none (dequantize at load) "
+            f"or {found.name}"
+        )
+    return found
+
+
 def default_block_size(model_config: Any) -> int:
     ratios = [
         r
@@ -60,6 +83,7 @@ def load_model(
 ) -> LoadedModel:
     """The model (this rank's shard of it under ``parallel``, on device ``device_index`` of
     an accelerator) with its weights."""
+    from dsv4_serving.layers.quant.methods import QuantError, cast_model
     from dsv4_serving.loader.weights import load_weights
     from dsv4_serving.models.registry import REGISTRY
     from dsv4_serving.platform.device import detect_platform
@@ -72,16 +96,30 @@ def load_model(
             f"--architecture {config.architecture}: the checkpoint {config.model} is {arch}"
         )
     cls = REGISTRY.resolve(arch)
-    mcfg = cls.config_class.from_dict(hf)
+    try:
+        found = scheme_from_checkpoint(hf, ckpt)
+        mcfg = cls.config_class.from_dict(hf)
+    except ValueError as exc:
+        raise ConfigError(f"{config.model}: {exc}") from None
+    scheme = resolve_quantization(config.quantization, found, config.model, ckpt is None)
+    if platform.name == "npu" and {scheme.linear, scheme.experts} & {"fp8", "fp4"}:
+        raise ConfigError(
+            f"{config.model} is {scheme.name}: Ascend 910 has no fp8/fp4 compute; serve a W8A8 "
+            "checkpoint (ModelSlim W8A8_DYNAMIC) or --quantization none (bf16, 2 bytes/param)"
+        )
+    mcfg = dataclasses.replace(mcfg, quant=scheme)
     config.check_parallel(platform.name, mcfg)
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "float32" if platform.name == "cpu" else "bfloat16"
     dtype = _DTYPES[dtype_name]
     device = platform.torch_device(device_index)
-    with torch.device(device):
-        model = cls(mcfg, parallel)
-    model = model.to(dtype=dtype).eval()
+    try:
+        with torch.device(device):
+            model = cls(mcfg, parallel)
+    except QuantError as exc:
+        raise ConfigError(f"--quantization {scheme.name}: {exc}") from None
+    model = cast_model(model, dtype).eval()
     fmt = config.load_format
     if fmt == "auto":
         fmt = "dummy" if ckpt is None else "safetensors"
@@ -95,7 +133,15 @@ def load_model(
             f"max_model_len {max_len} exceeds the model's max_position_embeddings "
             f"{mcfg.max_position_embeddings}"
         )
-    log.info("model %s (%s) on %s, %s, block size %d", config.model, arch, device, dtype, bs)
+    log.info(
+        "model %s (%s) on %s, %s, weights %s, block size %d",
+        config.model,
+        arch,
+        device,
+        dtype,
+        scheme.name,
+        bs,
+    )
     return LoadedModel(
         model, hf, mcfg, device, dtype, bs, max_len, int(mcfg.num_nextn_predict_layers)
     )

@@ -12,15 +12,25 @@ from torch import nn
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.paged import gather_entries
 from dsv4_serving.distributed.groups import SOLO, Group
-from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
+from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm
+from dsv4_serving.layers.quant.methods import QuantMethods
 from dsv4_serving.layers.rope import Rotary, rotate_halves, rotate_tail_interleaved
 from dsv4_serving.models.config import DeepseekV3Config
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, rotary: Rotary, tp: Group = SOLO) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV3Config,
+        rotary: Rotary,
+        tp: Group = SOLO,
+        quant: QuantMethods | None = None,
+    ) -> None:
         super().__init__()
+        # wkv_b stays in the compute dtype (dequantized at load): the absorbed form below
+        # needs the matrix itself, not a product with it
+        q = (quant or QuantMethods()).linear
         h, dim = cfg.num_attention_heads, cfg.hidden_size
         self.n_heads = tp.split(h)[1]
         self.nope, self.rope_dim, self.v_dim = (
@@ -32,17 +42,17 @@ class MLAttention(nn.Module):
         self.q_lora = cfg.q_lora_rank
         qk = cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.wq = ColumnParallelLinear(dim, h * qk, tp)
+            self.wq = ColumnParallelLinear(dim, h * qk, tp, q)
         else:
-            self.wq_a = nn.Linear(dim, cfg.q_lora_rank, bias=False)
+            self.wq_a = ReplicatedLinear(dim, cfg.q_lora_rank, q)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, h * qk, tp)
-        self.wkv_a = nn.Linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, h * qk, tp, q)
+        self.wkv_a = ReplicatedLinear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, q)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.wkv_b = ColumnParallelLinear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp
         )
-        self.wo = RowParallelLinear(h * cfg.v_head_dim, dim, tp)
+        self.wo = RowParallelLinear(h * cfg.v_head_dim, dim, tp, quant=q)
         self.scale = cfg.softmax_scale()
         self.rotary = rotary
         self.interleave = cfg.rope_interleave

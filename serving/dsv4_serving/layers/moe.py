@@ -16,6 +16,7 @@ from torch import nn
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsv4_serving.layers.moe_comm import make_moe_comm
+from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
 from dsv4_serving.layers.shard import ShardSpec
 
 
@@ -24,12 +25,19 @@ class SwiGLU(nn.Module):
     the up projection to ``[-limit, limit]`` (V4's clamped SwiGLU)."""
 
     def __init__(
-        self, dim: int, inter: int, limit: float = 0.0, group: Group = SOLO, reduce: bool = True
+        self,
+        dim: int,
+        inter: int,
+        limit: float = 0.0,
+        group: Group = SOLO,
+        reduce: bool = True,
+        quant: QuantMethod | None = None,
     ) -> None:
         super().__init__()
-        self.w1 = ColumnParallelLinear(dim, inter, group)
-        self.w2 = RowParallelLinear(inter, dim, group, reduce)
-        self.w3 = ColumnParallelLinear(dim, inter, group)
+        q = quant or QuantMethod()
+        self.w1 = ColumnParallelLinear(dim, inter, group, q)
+        self.w2 = RowParallelLinear(inter, dim, group, reduce, q)
+        self.w3 = ColumnParallelLinear(dim, inter, group, q)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +56,7 @@ class Experts(nn.Module):
         inter: int,
         limit: float = 0.0,
         parallel: ModelParallel = SINGLE,
+        quant: QuantMethod | None = None,
     ) -> None:
         super().__init__()
         self.shards: dict[str, ShardSpec] = {}
@@ -62,9 +71,11 @@ class Experts(nn.Module):
                 "w2": ShardSpec(2, start, part, inter),
             }
             inter = part
-        self.w1 = nn.Parameter(torch.empty(local, inter, dim))
-        self.w3 = nn.Parameter(torch.empty(local, inter, dim))
-        self.w2 = nn.Parameter(torch.empty(local, dim, inter))
+        # stacked [E, out, in]; the quant method holds them (and their scales, sharded alike)
+        self.quant = quant or QuantMethod()
+        self.quant.create(self, "w1", (local, inter, dim))
+        self.quant.create(self, "w3", (local, inter, dim))
+        self.quant.create(self, "w2", (local, dim, inter))
         self.limit = limit
         self.num_experts = num_experts
         self.first = first
@@ -86,6 +97,7 @@ class Experts(nn.Module):
         # the k choices in a fixed order by the caller: no index_add_, slower on CPU and
         # order-dependent)
         local = self.w1.shape[0]
+        mm = self.quant.matmul
         every = local == self.num_experts
         ys = x.new_empty((t * k, x.shape[1])) if every else x.new_zeros((t * k, x.shape[1]))
         start = 0
@@ -97,11 +109,11 @@ class Experts(nn.Module):
                 start += c
                 continue
             xs = x[token_of[start : start + c]]
-            gate, up = xs @ self.w1[le].t(), xs @ self.w3[le].t()
+            gate, up = mm(self, "w1", xs, le), mm(self, "w3", xs, le)
             if self.limit > 0:
                 gate = gate.clamp(max=self.limit)
                 up = up.clamp(min=-self.limit, max=self.limit)
-            y = (F.silu(gate) * up) @ self.w2[le].t()
+            y = mm(self, "w2", F.silu(gate) * up, le)
             ys[start : start + c] = (y * w_flat[start : start + c, None]).to(ys.dtype)
             start += c
         unsorted = torch.empty_like(ys)
@@ -170,11 +182,15 @@ class V4MoE(nn.Module):
         limit: float,
         n_shared: int,
         parallel: ModelParallel = SINGLE,
+        quant: QuantMethods | None = None,
     ) -> None:
         super().__init__()
+        q = quant or QuantMethods()
         self.gate = V4Gate(dim, num_experts, top_k, vocab, hashed, scoring, route_scale)
-        self.experts = Experts(num_experts, dim, inter, limit, parallel)
-        self.shared_experts = SwiGLU(dim, inter * n_shared, limit, parallel.tp, reduce=False)
+        self.experts = Experts(num_experts, dim, inter, limit, parallel, q.experts)
+        self.shared_experts = SwiGLU(
+            dim, inter * n_shared, limit, parallel.tp, reduce=False, quant=q.linear
+        )
         self.comm = make_moe_comm(parallel)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -233,11 +249,15 @@ class V3MoE(nn.Module):
         route_scale: float,
         n_shared: int,
         parallel: ModelParallel = SINGLE,
+        quant: QuantMethods | None = None,
     ) -> None:
         super().__init__()
+        q = quant or QuantMethods()
         self.gate = V3Gate(dim, num_experts, top_k, n_group, topk_group, norm_topk, route_scale)
-        self.experts = Experts(num_experts, dim, inter, parallel=parallel)
-        self.shared_experts = SwiGLU(dim, inter * n_shared, group=parallel.tp, reduce=False)
+        self.experts = Experts(num_experts, dim, inter, parallel=parallel, quant=q.experts)
+        self.shared_experts = SwiGLU(
+            dim, inter * n_shared, group=parallel.tp, reduce=False, quant=q.linear
+        )
         self.comm = make_moe_comm(parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

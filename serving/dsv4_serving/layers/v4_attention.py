@@ -25,8 +25,9 @@ from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.paged import gather_entries, scatter_entries
 from dsv4_serving.cache.v4 import V4LayerCache
 from dsv4_serving.distributed.groups import SOLO, Group
-from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
+from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm, rms_norm
+from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
 from dsv4_serving.layers.rope import Rotary, rotate_tail_interleaved
 from dsv4_serving.layers.shard import ShardSpec
 from dsv4_serving.models.config import DeepseekV4Config
@@ -38,8 +39,9 @@ class Compressor(nn.Module):
     def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
         super().__init__()
         coff = 2 if overlap else 1
-        self.wkv = nn.Linear(dim, coff * head_dim, bias=False)
-        self.wgate = nn.Linear(dim, coff * head_dim, bias=False)
+        # DeepSeek ships the compressor (and the indexer's weights_proj) unquantized
+        self.wkv = ReplicatedLinear(dim, coff * head_dim)
+        self.wgate = ReplicatedLinear(dim, coff * head_dim)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim))
         self.norm = RMSNorm(head_dim, eps)
         self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
@@ -85,12 +87,14 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: ``score(t, w) = sum_h relu(q_th . k_w) * scale * weight_th``."""
 
-    def __init__(self, cfg: DeepseekV4Config, ratio: int) -> None:
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, quant: QuantMethod | None = None) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.topk = cfg.index_topk
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.wq_b = ReplicatedLinear(
+            cfg.q_lora_rank, self.n_heads * self.head_dim, quant or QuantMethod()
+        )
+        self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
 
 
@@ -102,21 +106,25 @@ class V4Attention(nn.Module):
         rotary_main: Rotary,
         rotary_comp: Rotary,
         tp: Group = SOLO,
+        quant: QuantMethods | None = None,
     ) -> None:
         super().__init__()
+        q = (quant or QuantMethods()).linear
         d, h, g = cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
         first_head, local_heads = tp.split(h)
         self.n_heads, self.head_dim, self.window = local_heads, d, cfg.sliding_window
         self.o_groups = tp.split(g)[1]
         self.eps = cfg.rms_norm_eps
         self.ratio = cfg.layer_ratio(layer)
-        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.wq_a = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, q)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, h * d, tp)
-        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, h * d, tp, q)
+        self.wkv = ReplicatedLinear(cfg.hidden_size, d, q)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # wo_a stays in the compute dtype (dequantized at load): it is applied per group
+        # through its matrix (the grouped einsum below)
         self.wo_a = ColumnParallelLinear(h * d // g, g * cfg.o_lora_rank, tp)
-        self.wo_b = RowParallelLinear(g * cfg.o_lora_rank, cfg.hidden_size, tp)
+        self.wo_b = RowParallelLinear(g * cfg.o_lora_rank, cfg.hidden_size, tp, quant=q)
         self.attn_sink = nn.Parameter(torch.zeros(local_heads))
         self.shards: dict[str, ShardSpec] = {}
         if tp.size > 1:
@@ -127,7 +135,7 @@ class V4Attention(nn.Module):
             csa = self.ratio == cfg.csa_ratio
             self.compressor = Compressor(cfg.hidden_size, d, self.ratio, csa, cfg.rms_norm_eps)
             if csa:
-                self.indexer = Indexer(cfg, self.ratio)
+                self.indexer = Indexer(cfg, self.ratio, q)
         # window-only layers use the plain rope; compressed layers the YaRN "compress" rope
         self.rotary = rotary_comp if self.ratio else rotary_main
         self.rotary_comp = rotary_comp

@@ -1,9 +1,12 @@
-"""Dequantisation of DeepSeek's shipped formats to the compute dtype, at load time.
+"""The quantized formats' math: dequantisation to the compute dtype (the oracle, and the
+``--quantization none`` load path) and quantisation (tests, dummy weights, tools).
 
-- fp8 e4m3 weights with 128x128 block scales: ``weight_scale_inv`` (float32, V3) or ``scale``
-  (e8m0, V4); ``w = fp8 * scale[i // 128, j // 128]``.
+- fp8 e4m3 weights with (bn x bk) block scales, 128x128 as DeepSeek ships: ``weight_scale_inv``
+  (float32, V3) or ``scale`` (e8m0, V4); ``w = fp8 * scale[i // bn, j // bk]``.
 - fp4 e2m1 experts (V4), two values per int8 byte (element ``2j`` in the low nibble) with one
   e8m0 scale per block of input channels (32).
+- W8A8 int8 (ModelSlim's W8A8_DYNAMIC weights): ``weight_scale`` per output channel ([O] or
+  [O, 1]), ``weight_offset`` zero (symmetric); ``w = int8 * scale[i]``.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import torch
 
 FP8_BLOCK = 128
+Block = tuple[int, int]
 # e2m1 code -> value; bit 3 is the sign
-_E2M1 = torch.tensor(
+E2M1 = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
 
@@ -25,13 +29,20 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp8_block(
-    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    block: Block = (FP8_BLOCK, FP8_BLOCK),
 ) -> torch.Tensor:
     out_f, in_f = weight.shape
+    bn, bk = block
     s = e8m0_to_float(scale) if scale.dtype != torch.float32 else scale
-    if s.shape != (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK)):
-        raise ValueError(f"fp8 scale shape {tuple(s.shape)} does not tile {tuple(weight.shape)}")
-    full = s.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    if s.shape != (-(-out_f // bn), -(-in_f // bk)):
+        raise ValueError(
+            f"fp8 scale shape {tuple(s.shape)} does not tile {tuple(weight.shape)} in "
+            f"{bn}x{bk} blocks"
+        )
+    full = s.repeat_interleave(bn, 0)[:out_f].repeat_interleave(bk, 1)[:, :in_f]
     return (weight.float() * full).to(dtype)
 
 
@@ -40,7 +51,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     b = packed.view(torch.uint8).int()
     lo, hi = b & 0xF, (b >> 4) & 0xF
     codes = torch.stack((lo, hi), dim=-1).flatten(-2)
-    return _E2M1.to(packed.device)[codes.long()]
+    return E2M1.to(packed.device)[codes.long()]
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,26 +69,52 @@ def is_fp4(weight: torch.Tensor, scale: torch.Tensor) -> bool:
     return weight.dtype in (torch.int8, torch.uint8) and scale.shape[0] == weight.shape[0]
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def int8_channel_scale(scale: torch.Tensor, offset: torch.Tensor | None, what: str) -> torch.Tensor:
+    """ModelSlim's per-channel scale ([O] or [O, 1]) as float32 [O]; the offset must be zero
+    (symmetric: W8A8_DYNAMIC as vllm-ascend serves DeepSeek)."""
+    if offset is not None and bool(offset.ne(0).any()):
+        raise ValueError(f"{what}: non-zero weight_offset (asymmetric int8) is not supported")
+    return scale.float().reshape(scale.shape[0], -1)[:, 0] if scale.dim() > 1 else scale.float()
+
+
+def dequant_int8_channel(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    s = scale.float().reshape(weight.shape[0], 1)
+    return (weight.float() * s).to(dtype)
+
+
+def dequantize(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    block: Block = (FP8_BLOCK, FP8_BLOCK),
+    int8_channel: bool = False,
+) -> torch.Tensor:
+    if int8_channel:
+        return dequant_int8_channel(weight, scale, dtype)
     if is_fp4(weight, scale):
         return dequant_fp4(weight, scale, dtype)
-    return dequant_fp8_block(weight, scale, dtype)
+    return dequant_fp8_block(weight, scale, dtype, block)
 
 
 # -- the inverse, for writing tiny quantised checkpoints in tests and tools -----------------
 
 
-def quantize_fp8_block(w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(
+    w: torch.Tensor, e8m0: bool, block: Block = (FP8_BLOCK, FP8_BLOCK)
+) -> tuple[torch.Tensor, torch.Tensor]:
     out_f, in_f = w.shape
-    nb_o, nb_i = -(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK)
-    pad = torch.zeros(nb_o * FP8_BLOCK, nb_i * FP8_BLOCK)
+    bn, bk = block
+    nb_o, nb_i = -(-out_f // bn), -(-in_f // bk)
+    pad = torch.zeros(nb_o * bn, nb_i * bk)
     pad[:out_f, :in_f] = w.float()
-    blocks = pad.view(nb_o, FP8_BLOCK, nb_i, FP8_BLOCK)
+    blocks = pad.view(nb_o, bn, nb_i, bk)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
     scale = amax / torch.finfo(torch.float8_e4m3fn).max
     if e8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    full = scale.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    full = scale.repeat_interleave(bn, 0)[:out_f].repeat_interleave(bk, 1)[:, :in_f]
     q = (w.float() / full).to(torch.float8_e4m3fn)
     if e8m0:
         return q, (torch.log2(scale) + 127).round().to(torch.uint8)
@@ -89,7 +126,14 @@ def quantize_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     g = w.float().view(out_f, in_f // block, block)
     scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-12) / 6.0)))
     x = g / scale[..., None]
-    codes = (x.flatten(1)[..., None] - _E2M1[None, None, :]).abs().argmin(-1)
+    codes = (x.flatten(1)[..., None] - E2M1[None, None, :]).abs().argmin(-1)
     codes = codes.view(out_f, in_f // 2, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8).view(torch.int8)
     return packed, (torch.log2(scale) + 127).round().to(torch.uint8)
+
+
+def quantize_int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (weight, float32 scale [O])."""
+    scale = w.float().abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale

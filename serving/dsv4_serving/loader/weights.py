@@ -1,8 +1,11 @@
 """Load a checkpoint directory into one of our models.
 
 safetensors, single file or sharded with ``model.safetensors.index.json``, read by several
-threads straight to the target device, dequantised to the compute dtype; names may be
-DeepSeek-native or transformers'. Every parameter must be filled and every checkpoint tensor
+threads straight to the target device; names may be DeepSeek-native or transformers'. A
+quantized tensor (with its scale: ``weight_scale_inv`` / ``scale`` / ModelSlim's
+``weight_scale`` + ``weight_offset``) is stored as is when the model holds that weight
+quantized (``layers/quant``), else dequantised to the compute dtype (``--quantization none``,
+the oracle). Every parameter must be filled and every checkpoint tensor
 used (MTP copies of the shared embedding/head excepted): a mismatch is an error naming it.
 A sharded model (tensor or expert parallel) takes its slice of each tensor (``ShardSpec``);
 per-expert tensors of experts another rank holds are skipped by name, never read.
@@ -23,10 +26,13 @@ from torch import nn
 from dsv4_serving.layers.shard import ShardSpec, shard_specs
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.loader.names import convert, expert_of
-from dsv4_serving.loader.quant import dequantize
+from dsv4_serving.loader.quant import dequantize, e8m0_to_float, int8_channel_scale
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
-_SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+# DeepSeek V3 (float32), DeepSeek V4 (e8m0), ModelSlim W8A8 (per channel, with weight_offset)
+_SCALE_SUFFIXES = (".weight_scale_inv", ".scale", ".weight_scale")
+_OFFSET_SUFFIX = ".weight_offset"
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the HF-hosted V3 checkpoints repeat embed/head inside each MTP layer
 _SHARED_COPIES = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 
@@ -80,6 +86,50 @@ def _local(
     return spec.narrow(t, dim_offset=-1), expert
 
 
+def _checkpoint_block(root: Path) -> tuple[int, int]:
+    """The fp8 scale block the checkpoint declares (its config.json), 128x128 by default."""
+    cfg = root / "config.json"
+    if cfg.is_file():
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+        bs = qc.get("weight_block_size") or (128, 128)
+        return int(bs[0]), int(bs[1])
+    return (128, 128)
+
+
+def _stored(
+    p: torch.Tensor,
+    raw: torch.Tensor,
+    scale: torch.Tensor,
+    suffix: str,
+    offset: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scale) in the format the model holds ``p`` in; ValueError on a mismatch."""
+    fp4_dtype = getattr(torch, "float4_e2m1fn_x2", None)
+    if (
+        p.dtype == torch.float8_e4m3fn
+        and raw.dtype == torch.float8_e4m3fn
+        and suffix != ".weight_scale"
+    ):
+        return raw, scale if scale.dtype == torch.float32 else e8m0_to_float(scale)
+    if (
+        p.dtype == torch.uint8
+        and raw.dtype in (torch.int8, torch.uint8, fp4_dtype)
+        and suffix == ".scale"
+    ):
+        e8m0 = scale.view(torch.uint8) if scale.dtype != torch.float32 else None
+        if e8m0 is None:
+            raise ValueError("fp4 scales must be e8m0 (uint8 exponents), got float32")
+        return raw.view(torch.uint8), e8m0
+    if p.dtype == torch.int8 and raw.dtype == torch.int8 and suffix == ".weight_scale":
+        return raw, int8_channel_scale(scale, offset, "int8 weight")
+    held = {torch.float8_e4m3fn: "fp8", torch.uint8: "fp4 (packed)", torch.int8: "w8a8 int8"}
+    raise ValueError(
+        f"the model holds it as {held.get(p.dtype, str(p.dtype))} but the checkpoint stores "
+        f"{raw.dtype} with a {suffix.lstrip('.')} scale (a different quantization: check "
+        "--quantization against the checkpoint)"
+    )
+
+
 def load_weights(
     model: nn.Module,
     path: str | Path,
@@ -98,14 +148,44 @@ def load_weights(
     root = Path(path)
     names = _shards(root)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
-    sample = next(iter(params.values()))
+    sample = next(p for p in params.values() if p.dtype in _FLOAT_DTYPES)
     device, dtype = sample.device, sample.dtype
+    block = _checkpoint_block(root)
+    quantized = {
+        f"{prefix}.{n}" if prefix else n
+        for prefix, module in model.named_modules()
+        for n in getattr(module, "quant_params", ())
+        if not n.endswith("_scale")
+    }
     filled: dict[str, set[int] | None] = {}
     lock = threading.Lock()
     errors: list[str] = []
     scales = {s for n in names if (s := _scale_name(n, names))}
+    offsets = {n for n in names if n.endswith(_OFFSET_SUFFIX)}
     specs = shard_specs(model)
     held = _held_experts(specs)
+
+    def place(name: str, param: str, tensor: torch.Tensor, expert: int | None) -> None:
+        p = params[param]
+        part, row = _local(tensor, expert, specs.get(param))
+        if part is None:
+            return
+        dst = p.data if row is None else p.data[row]
+        if tuple(dst.shape) != tuple(part.shape):
+            with lock:
+                errors.append(
+                    f"tensor {name}: shape {tuple(part.shape)}, {param} expects {tuple(dst.shape)}"
+                )
+            return
+        with torch.no_grad():
+            dst.copy_(part.to(dst.dtype))
+        with lock:
+            if row is None:
+                filled[param] = None
+            else:
+                rows = filled.setdefault(param, set())
+                if rows is not None:
+                    rows.add(row)
 
     def read(shard: str, keys: list[str]) -> None:
         handles: dict[str, object] = {}
@@ -117,49 +197,72 @@ def load_weights(
             return handles[f].get_tensor(name)  # type: ignore[attr-defined]
 
         for name in keys:
-            if name in scales:
+            if name in scales or name in offsets:
                 continue
             e = expert_of(name)
             if e is not None and held is not None and not held.holds(e):
                 continue  # another EP rank's expert
             t = get(name)
             sname = _scale_name(name, names)
-            if sname is not None:
-                t = dequantize(t, get(sname), dtype)
             pieces = convert(name, t, architecture, num_hidden_layers)
             if pieces is None:
                 with lock:
                     errors.append(f"unexpected tensor {name}: no parameter of the model takes it")
                 continue
-            for piece in pieces:
+            scale = offset = None
+            suffix = ""
+            if sname is not None:
+                suffix = sname[len(name) - len(".weight") :]
+                scale = get(sname)
+                oname = name[: -len(".weight")] + _OFFSET_SUFFIX
+                offset = get(oname) if oname in offsets else None
+                # the scale splits (transformers' stacked gate_up) as its weight does
+                scale_pieces = convert(name, scale, architecture, num_hidden_layers) or []
+            for i, piece in enumerate(pieces):
                 if _SHARED_COPIES.match(piece.param):
                     continue
-                p = params.get(piece.param)
-                if p is None:
+                if piece.param not in params:
                     with lock:
                         errors.append(f"unexpected tensor {name} (-> {piece.param})")
                     continue
-                spec = specs.get(piece.param)
-                part, row = _local(piece.tensor, piece.expert, spec)
-                if part is None:
-                    continue
-                dst = p.data if row is None else p.data[row]
-                if tuple(dst.shape) != tuple(part.shape):
-                    with lock:
-                        errors.append(
-                            f"tensor {name}: shape {tuple(part.shape)}, "
-                            f"{piece.param} expects {tuple(dst.shape)}"
+                if piece.param in quantized:
+                    try:
+                        if scale is None:
+                            raise ValueError(
+                                f"the model holds it quantized but the checkpoint stores "
+                                f"{t.dtype} without a scale"
+                            )
+                        w, sc = _stored(
+                            params[piece.param],
+                            piece.tensor,
+                            scale_pieces[i].tensor,
+                            suffix,
+                            offset,
                         )
+                    except ValueError as exc:
+                        with lock:
+                            errors.append(f"tensor {name} (-> {piece.param}): {exc}")
+                        continue
+                    place(name, piece.param, w, piece.expert)
+                    place(name, piece.param + "_scale", sc, piece.expert)
                     continue
-                with torch.no_grad():
-                    dst.copy_(part.to(dst.dtype))
-                with lock:
-                    if row is None:
-                        filled[piece.param] = None
-                    else:
-                        rows = filled.setdefault(piece.param, set())
-                        if rows is not None:
-                            rows.add(row)
+                value = piece.tensor
+                if scale is not None:
+                    try:
+                        value = dequantize(
+                            value,
+                            int8_channel_scale(scale_pieces[i].tensor, offset, name)
+                            if suffix == ".weight_scale"
+                            else scale_pieces[i].tensor,
+                            dtype,
+                            block,
+                            int8_channel=suffix == ".weight_scale",
+                        )
+                    except ValueError as exc:
+                        with lock:
+                            errors.append(f"tensor {name}: {exc}")
+                        continue
+                place(name, piece.param, value, piece.expert)
 
     by_shard: dict[str, list[str]] = {}
     for n, f in names.items():
@@ -171,7 +274,8 @@ def load_weights(
         got = filled.get(pname, set())
         if got is None:
             continue
-        want = p.shape[0] if pname.endswith(("experts.w1", "experts.w2", "experts.w3")) else 0
+        stacked = ("experts.w1", "experts.w2", "experts.w3")
+        want = p.shape[0] if pname.removesuffix("_scale").endswith(stacked) else 0
         if not got or (want and len(got) != want):
             missing = sorted(set(range(want)) - got) if want and got else None
             detail = f" (experts {missing[:8]} missing)" if missing else ""

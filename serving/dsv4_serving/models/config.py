@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_serving.layers.quant.scheme import NONE, QuantScheme, scheme_from_config
+
 _LAYER_TYPE_TO_RATIO = {
     "sliding_attention": 0,
     "compressed_sparse_attention": -1,  # resolved to the CSA rate
@@ -119,6 +121,8 @@ class DeepseekV4Config:
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     architecture: str = "DeepseekV4ForCausalLM"
+    # how the checkpoint's weights are stored (and kept): ``quantization_config``
+    quant: QuantScheme = NONE
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -222,6 +226,7 @@ class DeepseekV4Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id", 0),
             eos_token_id=d.get("eos_token_id", 1),
+            quant=scheme_from_config(d),
             raw=dict(d),
         )
 
@@ -258,6 +263,8 @@ class DeepseekV3Config:
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     architecture: str = "DeepseekV3ForCausalLM"
+    # how the checkpoint's weights are stored (and kept): ``quantization_config``
+    quant: QuantScheme = NONE
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -305,6 +312,7 @@ class DeepseekV3Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id", 0),
             eos_token_id=d.get("eos_token_id", 1),
+            quant=scheme_from_config(d),
             raw=dict(d),
         )
 

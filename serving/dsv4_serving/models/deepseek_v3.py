@@ -12,6 +12,7 @@ from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.mla import MLAttention
 from dsv4_serving.layers.moe import SwiGLU, V3MoE
 from dsv4_serving.layers.norm import RMSNorm
+from dsv4_serving.layers.quant.methods import QuantMethods, methods_for
 from dsv4_serving.layers.rope import Rotary
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV3Config
@@ -19,16 +20,24 @@ from dsv4_serving.models.config import DeepseekV3Config
 
 class V3Block(nn.Module):
     def __init__(
-        self, cfg: DeepseekV3Config, layer: int, rotary: Rotary, parallel: ModelParallel = SINGLE
+        self,
+        cfg: DeepseekV3Config,
+        layer: int,
+        rotary: Rotary,
+        parallel: ModelParallel = SINGLE,
+        quant: QuantMethods | None = None,
     ) -> None:
         super().__init__()
+        q = quant or QuantMethods()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLAttention(cfg, rotary, parallel.tp)
+        self.attn = MLAttention(cfg, rotary, parallel.tp, q)
         self.ffn: nn.Module
         if layer < cfg.first_k_dense_replace:
-            self.ffn = SwiGLU(cfg.hidden_size, cfg.intermediate_size, group=parallel.tp)
+            self.ffn = SwiGLU(
+                cfg.hidden_size, cfg.intermediate_size, group=parallel.tp, quant=q.linear
+            )
         else:
             self.ffn = V3MoE(
                 cfg.hidden_size,
@@ -41,6 +50,7 @@ class V3Block(nn.Module):
                 cfg.routed_scaling_factor,
                 cfg.n_shared_experts,
                 parallel,
+                q,
             )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache) -> torch.Tensor:
@@ -53,9 +63,14 @@ class V3MTP(V3Block):
     head are shared with the main model."""
 
     def __init__(
-        self, cfg: DeepseekV3Config, layer: int, rotary: Rotary, parallel: ModelParallel = SINGLE
+        self,
+        cfg: DeepseekV3Config,
+        layer: int,
+        rotary: Rotary,
+        parallel: ModelParallel = SINGLE,
+        quant: QuantMethods | None = None,
     ) -> None:
-        super().__init__(cfg, layer, rotary, parallel)
+        super().__init__(cfg, layer, rotary, parallel, quant)
         dim = cfg.hidden_size
         self.enorm = RMSNorm(dim, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(dim, cfg.rms_norm_eps)
@@ -75,14 +90,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.parallel = parallel
         rotary = Rotary(cfg.rope)
         self._rotary = rotary
+        self.quant = methods_for(cfg.quant)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.tp)
         self.layers = nn.ModuleList(
-            V3Block(cfg, i, rotary, parallel) for i in range(cfg.num_hidden_layers)
+            V3Block(cfg, i, rotary, parallel, self.quant) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel.tp)
         self.mtp = nn.ModuleList(
-            V3MTP(cfg, cfg.num_hidden_layers + i, rotary, parallel)
+            V3MTP(cfg, cfg.num_hidden_layers + i, rotary, parallel, self.quant)
             for i in range(cfg.num_nextn_predict_layers)
         )
 

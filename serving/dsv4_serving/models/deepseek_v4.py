@@ -16,6 +16,7 @@ from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.mhc import hc_head, hc_post, hc_pre
 from dsv4_serving.layers.moe import V4MoE
 from dsv4_serving.layers.norm import RMSNorm
+from dsv4_serving.layers.quant.methods import QuantMethods, methods_for
 from dsv4_serving.layers.rope import Rotary
 from dsv4_serving.layers.v4_attention import V4Attention
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -30,6 +31,7 @@ class V4Block(nn.Module):
         rotary_main: Rotary,
         rotary_comp: Rotary,
         parallel: ModelParallel = SINGLE,
+        quant: QuantMethods | None = None,
     ) -> None:
         super().__init__()
         n, dim = cfg.hc_mult, cfg.hidden_size
@@ -38,7 +40,7 @@ class V4Block(nn.Module):
         self.layer = layer
         self.attn_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.attn = V4Attention(cfg, layer, rotary_main, rotary_comp, parallel.tp)
+        self.attn = V4Attention(cfg, layer, rotary_main, rotary_comp, parallel.tp, quant)
         self.ffn = V4MoE(
             dim,
             cfg.moe_intermediate_size,
@@ -51,6 +53,7 @@ class V4Block(nn.Module):
             cfg.swiglu_limit,
             cfg.n_shared_experts,
             parallel,
+            quant,
         )
         self.hc_attn_fn = nn.Parameter(torch.empty(mix, n * dim))
         self.hc_attn_base = nn.Parameter(torch.zeros(mix))
@@ -101,8 +104,9 @@ class V4MTP(V4Block):
         rotary_main: Rotary,
         rotary_comp: Rotary,
         parallel: ModelParallel = SINGLE,
+        quant: QuantMethods | None = None,
     ) -> None:
-        super().__init__(cfg, layer, rotary_main, rotary_comp, parallel)
+        super().__init__(cfg, layer, rotary_main, rotary_comp, parallel, quant)
         dim, n = cfg.hidden_size, cfg.hc_mult
         self.e_proj = nn.Linear(dim, dim, bias=False)
         self.h_proj = nn.Linear(dim, dim, bias=False)
@@ -130,9 +134,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         rotary_main = Rotary(cfg.main_rope)
         rotary_comp = Rotary(cfg.compress_rope)
         self._rotaries = (rotary_main, rotary_comp)
+        self.quant = methods_for(cfg.quant)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, dim, parallel.tp)
         self.layers = nn.ModuleList(
-            V4Block(cfg, i, rotary_main, rotary_comp, parallel)
+            V4Block(cfg, i, rotary_main, rotary_comp, parallel, self.quant)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(dim, cfg.rms_norm_eps)
@@ -141,7 +146,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList(
-            V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp, parallel)
+            V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp, parallel, self.quant)
             for i in range(cfg.num_nextn_predict_layers)
         )
 
