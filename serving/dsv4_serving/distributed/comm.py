@@ -55,6 +55,7 @@ def _timed(fn: Callable[P, R]) -> Callable[P, R]:
 
 _all_reduce = _timed(dist.all_reduce)
 _all_gather = _timed(dist.all_gather)
+_broadcast = _timed(dist.broadcast)
 _broadcast_object_list = _timed(dist.broadcast_object_list)
 _gather_object = _timed(dist.gather_object)
 _all_gather_object = _timed(dist.all_gather_object)
@@ -75,6 +76,11 @@ def _shm_all_reduce(shm: ShmChannel, x: torch.Tensor) -> torch.Tensor:
 @_timed
 def _shm_all_gather(shm: ShmChannel, x: torch.Tensor, dim: int) -> torch.Tensor:
     return shm.all_gather(x, dim)
+
+
+@_timed
+def _shm_broadcast(shm: ShmChannel, x: torch.Tensor, src: int) -> torch.Tensor:
+    return shm.broadcast(x, src)
 
 
 @_timed
@@ -131,6 +137,17 @@ def reduce_scatterv(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Te
     total = all_reduce(x.contiguous(), group)
     start = sum(sizes[: group.index])
     return total[start : start + sizes[group.index]]
+
+
+def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """Member ``src``'s ``x`` on every member, in place (every member passes its tensor of
+    that shape and dtype)."""
+    if group.size == 1:
+        return x
+    if shm := _shm(group, x):
+        return _shm_broadcast(shm, x, src)
+    _broadcast(x, src=group.ranks[src], group=group.device_group)
+    return x
 
 
 def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:

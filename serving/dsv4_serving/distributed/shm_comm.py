@@ -184,7 +184,7 @@ class ShmChannel:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self._data[start : start + nbytes].view(dtype)
 
-    def _rows(self, numel: int, dtype: torch.dtype) -> int:
+    def _per_round(self, dtype: torch.dtype) -> int:
         return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
 
     # --- collectives -------------------------------------------------------------------
@@ -193,7 +193,7 @@ class ShmChannel:
         """Sum over the members, in place on ``x`` (returned)."""
         work = x if x.is_contiguous() else x.contiguous()
         flat = work.view(-1)
-        per = self._rows(flat.numel(), flat.dtype)
+        per = self._per_round(flat.dtype)
         for a in range(0, max(1, flat.numel()), per):
             piece = flat[a : a + per]
             seq = self._arrive()
@@ -213,7 +213,7 @@ class ShmChannel:
         flat = x.contiguous().view(-1)
         n = flat.numel()
         out = flat.new_empty((self.size, n))
-        per = self._rows(n, flat.dtype)
+        per = self._per_round(flat.dtype)
         for a in range(0, max(1, n), per):
             piece = flat[a : a + per]
             seq = self._arrive()
@@ -222,6 +222,24 @@ class ShmChannel:
             for j in range(self.size):
                 out[j, a : a + piece.numel()] = self._view(j, seq, piece.dtype, piece.numel())
         return torch.cat([out[j].view(x.shape) for j in range(self.size)], dim=dim)
+
+    @torch.no_grad()
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Member ``src``'s ``x`` on every member, in place (returned)."""
+        work = x if x.is_contiguous() else x.contiguous()
+        flat = work.view(-1)
+        per = self._per_round(flat.dtype)
+        for a in range(0, max(1, flat.numel()), per):
+            piece = flat[a : a + per]
+            seq = self._arrive()
+            if self.index == src:
+                self._view(src, seq, piece.dtype, piece.numel()).copy_(piece)
+            self._publish_and_wait(seq)
+            if self.index != src:
+                piece.copy_(self._view(src, seq, piece.dtype, piece.numel()))
+        if work is not x:
+            x.copy_(work)
+        return x
 
     def exchange(self, data: bytes) -> list[bytes]:
         """Every member's bytes, in member order (a member with nothing to say sends b"")."""

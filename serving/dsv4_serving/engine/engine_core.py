@@ -41,7 +41,13 @@ from dsv4_serving.engine.scheduler import (
     SchedulerOutput,
     SchedulerStats,
 )
-from dsv4_serving.engine.step_protocol import Heartbeat, RunStep, StopFollowing, ToFollower
+from dsv4_serving.engine.step_protocol import (
+    Heartbeat,
+    ReplicateKV,
+    RunStep,
+    StopFollowing,
+    ToFollower,
+)
 
 if TYPE_CHECKING:
     from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
@@ -208,9 +214,16 @@ class EngineCore:
             self.kv_worker.start_load_kv(self.kv_scheduler.build_connector_meta())
 
     def _finish_kv_loads(self) -> None:
-        """Loads that ended: imported into their blocks (or failed), told to the scheduler."""
+        """Loads that ended: imported into their blocks (or failed), told to the scheduler.
+        The TP followers' replicated caches get the same blocks first."""
         if self.kv_worker is not None:
-            self.scheduler.update_from_connector(self.kv_worker.get_finished())
+            done = self.kv_worker.get_finished()
+            if done.loaded_kv and self.tp.size > 1:
+                from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
+
+                self._tell_followers(ReplicateKV(done.loaded_kv))
+                replicate_kv(self.runner.cache, done.loaded_kv, self.tp)
+            self.scheduler.update_from_connector(done)
 
     def _save_kv(self, outputs: list[EngineCoreOutput]) -> None:
         """Export the KV of prefills (for a remote decode) that finished this step."""

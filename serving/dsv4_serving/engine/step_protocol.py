@@ -1,6 +1,7 @@
 """What the core (TP rank 0) broadcasts to its TP followers over the TP CPU group, once per
 loop turn: the step to run, a heartbeat while idle (a follower's collective must never sit
-until its timeout), or the end. Pickled dataclasses; the follower matches on the class."""
+until its timeout), the KV blocks an import just filled on the core (``ReplicateKV``), or the
+end. Pickled dataclasses; the follower matches on the class."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ class RunStep:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicateKV:
+    loads: list[tuple[list[int], int]]  # (block ids, state slot) per finished import
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     pass
 
@@ -25,4 +31,4 @@ class StopFollowing:
     pass
 
 
-ToFollower = RunStep | Heartbeat | StopFollowing
+ToFollower = RunStep | ReplicateKV | Heartbeat | StopFollowing

@@ -28,10 +28,11 @@ from dsv4_serving.distributed.parallel_state import (
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.dp_lockstep import run_lockstep
 from dsv4_serving.engine.engine_core import EngineCore, run_engine_core, set_threads
+from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
 from dsv4_serving.engine.messages import CoreFailed
 from dsv4_serving.engine.model_runner import ModelRunner
 from dsv4_serving.engine.runner_setup import setup_runner
-from dsv4_serving.engine.step_protocol import Heartbeat, RunStep, StopFollowing
+from dsv4_serving.engine.step_protocol import Heartbeat, ReplicateKV, RunStep, StopFollowing
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ def follow(
         match msg:
             case RunStep(out=out, mtp_chain=chain):
                 rs.runner.execute(out, chain)
+            case ReplicateKV(loads=loads):
+                replicate_kv(rs.runner.cache, loads, parallel.tp)
             case Heartbeat():
                 pass
             case StopFollowing():

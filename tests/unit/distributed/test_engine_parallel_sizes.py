@@ -27,10 +27,15 @@ def test_a_model_that_cannot_split_is_named() -> None:
     EngineConfig().check_parallel("cpu", cfg)
 
 
-def test_pd_roles_with_several_ranks_are_refused_until_kv_moves_per_rank() -> None:
-    cfg = EngineConfig(tensor_parallel_size=2, role="decode", kv_sidecar="http://127.0.0.1:14580")
-    with pytest.raises(ConfigError, match="KV sidecar \\(PD roles\\) with tp x dp = 2 ranks"):
-        cfg.check_parallel("cpu")
+def test_pd_roles_with_several_ranks_are_accepted() -> None:
+    # KV moves per rank (tests/pd/test_pd_parallel.py): TP and DP instances may take PD roles
+    for tp, dp in ((2, 1), (1, 2)):
+        EngineConfig(
+            tensor_parallel_size=tp,
+            data_parallel_size=dp,
+            role="decode",
+            kv_sidecar="http://127.0.0.1:14580",
+        ).check_parallel("cpu")
 
 
 def test_threads_per_rank_default_splits_the_cpus_over_the_ranks() -> None:

@@ -123,3 +123,15 @@ def test_a_peer_that_never_arrives_times_out_with_its_rank(tmp_path: Path) -> No
         a.exchange(b"hi")
     a.close()
     b.close()
+
+
+def test_broadcast_copies_the_source_members_tensor_in_rounds(tmp_path: Path) -> None:
+    src = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))  # 600 bytes: 3 rounds
+
+    def fn(i: int, c: ShmChannel) -> torch.Tensor:
+        x = src.clone() if i == 1 else torch.zeros(3, 50)
+        assert c.broadcast(x, 1) is x
+        return x
+
+    for got in _run(_channels(tmp_path, 3), fn):
+        assert torch.equal(got, src)

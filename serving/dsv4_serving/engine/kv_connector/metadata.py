@@ -55,6 +55,8 @@ class KVConnectorOutput:
     """Loads that finished since the last step (the KV is in the request's blocks)."""
 
     loaded: list[str] = field(default_factory=list)
+    # (block ids, state slot) each of ``loaded`` was copied into: TP followers copy the same
+    loaded_kv: list[tuple[list[int], int]] = field(default_factory=list)
     failed: dict[str, KVTransferFailure] = field(default_factory=dict)
     pull_seconds: list[float] = field(default_factory=list)
     bytes_pulled: int = 0

@@ -142,6 +142,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
             try:
                 out.bytes_pulled += self._import(p.spec, result)
                 out.loaded.append(rid)
+                n = self.layout.num_blocks(p.spec.num_tokens) if self.layout else 0
+                out.loaded_kv.append((p.spec.block_ids[:n], p.spec.state_slot))
                 out.pull_seconds.append(time.monotonic() - p.started)
             except KVIncompatible as e:
                 log.error("request %s: %s", rid, e)
