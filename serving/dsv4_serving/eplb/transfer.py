@@ -24,10 +24,11 @@ class Move:
 
 
 def plan_moves(old: Sequence[int], new: Sequence[int], ranks: int) -> list[Move]:
-    """One move per new slot (identity moves included): where its weights come from."""
-    if len(old) != len(new) or len(new) % ranks:
+    """One move per new slot (identity moves included): where its weights come from. The
+    slot counts may differ (a placement growing redundant slots); each divides over the ranks."""
+    if len(old) % ranks or len(new) % ranks:
         raise ValueError(f"placements of {len(old)} and {len(new)} slots over {ranks} ranks")
-    per = len(new) // ranks
+    old_per, new_per = len(old) // ranks, len(new) // ranks
     holders: dict[int, list[int]] = {}
     for s, e in enumerate(old):
         holders.setdefault(e, []).append(s)
@@ -35,9 +36,10 @@ def plan_moves(old: Sequence[int], new: Sequence[int], ranks: int) -> list[Move]
     for s, e in enumerate(new):
         if e not in holders:
             raise ValueError(f"logical expert {e} has no slot in the old placement")
-        r = s // per
-        local = [o for o in holders[e] if o // per == r]
-        src = s if old[s] == e else (local[0] if local else holders[e][s % len(holders[e])])
+        r = s // new_per
+        local = [o for o in holders[e] if o // old_per == r]
+        same = len(old) == len(new) and old[s] == e
+        src = s if same else (local[0] if local else holders[e][s % len(holders[e])])
         moves.append(Move(s, src))
     return moves
 
@@ -48,33 +50,36 @@ def apply_moves(
     rank: int,
     ranks: Sequence[int],
     group: Any = None,
+    new_per_rank: int | None = None,
 ) -> list[torch.Tensor]:
     """This rank's new local stacks (each ``[slots_per_rank, ...]``) after ``moves``.
 
     ``rank`` is this rank's index in the EP group, ``ranks`` the group's global ranks (what
-    torch's point-to-point calls address). With one rank every move is a local copy.
+    torch's point-to-point calls address). ``new_per_rank`` when the slot count changes. With
+    one rank every move is a local copy.
     """
     import torch.distributed as dist
 
-    per = stacks[0].shape[0]
-    out = [torch.empty_like(t) for t in stacks]
+    old_per = stacks[0].shape[0]
+    new_per = old_per if new_per_rank is None else new_per_rank
+    out = [t.new_empty((new_per, *t.shape[1:])) for t in stacks]
     ops = []
     n = len(stacks)
     for m in moves:
-        src, dst = m.src_slot // per, m.dst_slot // per
+        src, dst = m.src_slot // old_per, m.dst_slot // new_per
         if dst == rank and src == rank:
             for i, t in enumerate(stacks):
-                out[i][m.dst_slot - rank * per].copy_(t[m.src_slot - rank * per])
+                out[i][m.dst_slot - rank * new_per].copy_(t[m.src_slot - rank * old_per])
         elif dst == rank:
             for i in range(n):
-                buf = out[i][m.dst_slot - rank * per]
+                buf = out[i][m.dst_slot - rank * new_per]
                 ops.append(dist.P2POp(dist.irecv, buf, ranks[src], group, m.dst_slot * n + i))
         elif src == rank:
             for i, t in enumerate(stacks):
                 ops.append(
                     dist.P2POp(
                         dist.isend,
-                        t[m.src_slot - rank * per],
+                        t[m.src_slot - rank * old_per],
                         ranks[dst],
                         group,
                         m.dst_slot * n + i,

@@ -23,3 +23,9 @@ def test_bad_plans_are_refused() -> None:
         plan_moves([0, 1], [0, 2], 1)
     with pytest.raises(ValueError, match="over 3 ranks"):
         plan_moves([0, 1], [1, 0], 3)
+
+
+def test_a_growing_placement_takes_redundant_slots_from_holders() -> None:
+    # 4 experts on 2 ranks grow to 6 slots: rank 0 gets a second copy of 0, rank 1 of 0 too
+    moves = plan_moves([0, 1, 2, 3], [0, 1, 0, 2, 3, 0], 2)
+    assert moves == [Move(0, 0), Move(1, 1), Move(2, 0), Move(3, 2), Move(4, 3), Move(5, 0)]
