@@ -36,6 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
     p.add_argument("--verbose", action="store_true", help="log at DEBUG level (kopf included)")
+    p.add_argument(
+        "--allow-host-path-models",
+        action="store_true",
+        help="render model.path as a hostPath volume (otherwise such a deployment is Degraded)",
+    )
+    p.add_argument(
+        "--allow-privileged",
+        action="store_true",
+        help="render features.privileged (otherwise such a deployment is Degraded)",
+    )
 
 
 def _port(value: int, flag: str) -> int:
@@ -52,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from dsv4_operator import handlers
+    from dsv4_operator.reconcile.host_access import HostAccess
 
     health, metrics = (
         _port(args.health_port, "--health-port"),
@@ -68,7 +79,12 @@ def run(args: argparse.Namespace) -> int:
     if metrics:
         start_http_server(metrics, addr="0.0.0.0")
     stop = threading.Event()
-    memo = handlers.OperatorMemo(kubeconfig=args.kubeconfig)
+    memo = handlers.OperatorMemo(
+        kubeconfig=args.kubeconfig,
+        host_access=HostAccess(
+            model_path=args.allow_host_path_models, privileged=args.allow_privileged
+        ),
+    )
     operator = kopf.operator(
         clusterwide=not args.namespace,
         namespaces=list(args.namespace),

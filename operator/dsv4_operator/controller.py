@@ -29,6 +29,7 @@ from dsv4_operator.kube import KubeApi
 from dsv4_operator.observe import LWS_CRD, observe
 from dsv4_operator.queue import Retry
 from dsv4_operator.reconcile import ReconcileError, desired_children, names
+from dsv4_operator.reconcile.host_access import HostAccess, check_host_access
 from dsv4_operator.reconcile.status import Observed, compute_status
 
 SYNCS = Counter("dsv4_operator_syncs", "Syncs of a DeepSeekV4Deployment", ["result"])
@@ -92,10 +93,14 @@ def _message(status: dict[str, Any], ctype: str) -> str | None:
 
 
 class Controller:
-    def __init__(self, kube: KubeApi, view: ChildView | None = None) -> None:
+    def __init__(
+        self, kube: KubeApi, view: ChildView | None = None, host_access: HostAccess | None = None
+    ) -> None:
         """``view``: where children and pods are read (the operator's watch cache; default a
-        LIST per kind)."""
+        LIST per kind); ``host_access``: what of the node deployments may reach (default
+        nothing)."""
         self.kube = kube
+        self.host_access = host_access or HostAccess()
         self.view = view or ListedChildren(kube)
         self._lws: tuple[float, bool] = (0.0, False)
 
@@ -148,6 +153,7 @@ class Controller:
         observed = seen.observed
         refused: list[str] = []
         try:
+            check_host_access(spec, self.host_access)
             desired = desired_children(spec, seen.facts)
         except ReconcileError as e:
             # nothing is applied or pruned while the spec cannot be built

@@ -22,6 +22,7 @@ from dsv4_operator.controller import Controller
 from dsv4_operator.kube import Kube, load_api_client
 from dsv4_operator.observe import LWS_CRD
 from dsv4_operator.queue import SyncQueue
+from dsv4_operator.reconcile.host_access import HostAccess
 
 # (group, version, plural, kind) of everything a deployment owns, and its engine pods
 CHILD_RESOURCES = [
@@ -50,6 +51,7 @@ class OperatorMemo:
     """kopf's memo: one per operator, shallow-copied per object (so every copy shares these)."""
 
     kubeconfig: str | None = None
+    host_access: HostAccess = field(default_factory=HostAccess)
     cache: WatchCache = field(default_factory=WatchCache)
     controller: Controller | None = None
     queue: SyncQueue | None = None
@@ -71,7 +73,9 @@ async def startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
-    memo.controller = Controller(Kube(load_api_client(memo.kubeconfig)), memo.cache)
+    memo.controller = Controller(
+        Kube(load_api_client(memo.kubeconfig)), memo.cache, memo.host_access
+    )
     memo.queue = SyncQueue(memo.controller.sync)
     logger.info("dsv4 operator started")
 

@@ -127,3 +127,23 @@ def test_manifests_match_their_sources(k8s_control_plane, tmp_path: Path) -> Non
         assert committed.read_text() == (tmp_path / rel).read_text(), (
             f"{rel} drifted from its source: run scripts/gen-manifests"
         )
+
+
+def test_host_access_is_off_unless_a_chart_value_allows_it(k8s_control_plane) -> None:
+    chart = str(REPO / "charts" / "dsv4")
+
+    def command(*values: str) -> list[str]:
+        res = helm(k8s_control_plane, "template", "x", chart, *values)
+        assert res.returncode == 0, res.stderr
+        deployment = next(
+            d for d in yaml.safe_load_all(res.stdout) if d and d["kind"] == "Deployment"
+        )
+        cmd: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+        return cmd
+
+    default = command()
+    assert "--allow-host-path-models" not in default and "--allow-privileged" not in default
+    allowed = command("--set", "hostAccess.modelPath=true", "--set", "hostAccess.privileged=true")
+    assert {"--allow-host-path-models", "--allow-privileged"} <= set(allowed)
+    res = helm(k8s_control_plane, "template", "x", chart, "--set", "hostAccess.modelPath=yes")
+    assert res.returncode != 0 and "modelPath" in res.stderr

@@ -24,7 +24,7 @@ def _npu_cr(name: str, **spec: Any) -> dict[str, Any]:
         "apiVersion": "serving.dsv4.io/v1alpha1",
         "kind": "DeepSeekV4Deployment",
         "metadata": {"name": name},
-        "spec": {"model": {"path": "/data/v4", "servedName": "v4"}, **spec},
+        "spec": {"model": {"preset": "dsv4-tiny", "servedName": "v4"}, **spec},
     }
 
 

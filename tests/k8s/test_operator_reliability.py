@@ -71,3 +71,16 @@ def test_a_child_the_api_server_refuses_applies_nothing_and_names_the_field(
     assert "StatefulSet/bad-prefill-0" in _children(cluster, ns, "bad")
     degraded = next(c for c in _status(cluster, ns, "bad")["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False"
+
+
+def test_a_node_path_model_is_refused_unless_the_chart_allows_it(
+    k8s_cluster, operator, namespace
+) -> None:
+    cluster, ns = k8s_cluster, namespace
+    cr = _cpu_cr("hostpath", model={"path": "/data/v4", "servedName": "v4"})
+    apply_yaml(cluster, json.dumps(cr), ns)
+    st = wait_for("phase Degraded", lambda: _phase_is(cluster, ns, "hostpath", "Degraded"))
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert "--set hostAccess.modelPath=true" in degraded["message"]
+    assert not _children(cluster, ns, "hostpath")

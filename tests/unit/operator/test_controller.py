@@ -10,6 +10,7 @@ import pytest
 from dsv4_operator.controller import Controller
 from dsv4_operator.kube import KubeError
 from dsv4_operator.queue import Retry, SyncQueue
+from dsv4_operator.reconcile.host_access import HostAccess
 from dsv4_operator.reconcile.names import DESIRED_HASH_ANNOTATION
 
 from .conftest import make_cr
@@ -129,7 +130,12 @@ def test_a_spec_change_applies_only_the_children_it_changes(cpu_cr: dict[str, An
 
 
 def test_a_spec_the_cluster_cannot_serve_is_degraded_and_applies_nothing() -> None:
-    kube, ctl = _cluster(make_cr(scheduling={"workload": "LeaderWorkerSet"}))
+    kube, ctl = _cluster(
+        make_cr(
+            model={"preset": "dsv4-tiny", "servedName": "tiny"},
+            scheduling={"workload": "LeaderWorkerSet"},
+        )
+    )
     ctl.sync("ml", "v4")
     assert kube.calls["apply"] == 0 and _children(kube) == set()
     assert _status(kube)["phase"] == "Degraded"
@@ -295,3 +301,38 @@ def test_an_unschedulable_pod_degrades_it_with_the_schedulers_message(
         "pod v4-prefill-0-0 cannot be scheduled: 0/2 nodes are available"
     )
     assert [e["type"] for e in kube.events] == ["Normal", "Warning"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "value"),
+    [
+        ({}, "hostAccess.modelPath=true"),  # make_cr's model is a path on the node
+        (
+            {
+                "model": {"preset": "dsv4-tiny", "servedName": "tiny"},
+                "features": {"privileged": True},
+            },
+            "hostAccess.privileged=true",
+        ),
+    ],
+)
+def test_host_access_is_refused_unless_the_operator_was_installed_to_allow_it(
+    spec: dict[str, Any], value: str
+) -> None:
+    kube, ctl = _cluster(make_cr(**spec))
+    ctl.sync("ml", "v4")
+    assert kube.writes() == 2  # the status and its event; no child
+    assert _degraded(kube)["reason"] == "InvalidSpec"
+    assert f"install the dsv4 chart with --set {value}" in _degraded(kube)["message"]
+
+    kube = FakeKube()
+    kube.put(make_cr(**spec))
+    Controller(kube, host_access=HostAccess(model_path=True, privileged=True)).sync("ml", "v4")
+    assert _children(kube) >= CHILDREN  # and the NPU rank tables
+    pod = kube.objects[("StatefulSet", "ml", "v4-prefill-0")]["spec"]["template"]["spec"]
+    if not spec:
+        assert {"name": "model", "hostPath": {"path": "/data/v4", "type": "Directory"}} in pod[
+            "volumes"
+        ]
+    else:
+        assert pod["containers"][0]["securityContext"] == {"privileged": True}
