@@ -44,6 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "dsv4-kv-sidecar"
     sidecar: Sidecar  # set on the subclass built per server
     probes_only = False  # the metrics listener: /health and /metrics, nothing that changes state
+    _raw = b""  # the request's body
 
     def setup(self) -> None:
         super().setup()
@@ -68,14 +69,21 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, code: str, message: str, param: str | None = None) -> None:
         self._json(status, openai_error(status, message, code=code, param=param))
 
-    def _body(self) -> dict[str, Any]:
+    def _read_body(self) -> bytes:
+        """Every request's body comes off the connection, wanted or not: bytes left unread would
+        be taken for the next request on this keep-alive connection (found by fuzzing)."""
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
+            self.close_connection = True
             raise ApiError(400, "bad_request", "bad Content-Length") from None
         if not 0 <= n <= MAX_BODY:
+            self.close_connection = True
             raise ApiError(413, "too_large", f"request body over {MAX_BODY} bytes")
-        raw = self.rfile.read(n) if n else b"{}"
+        return self.rfile.read(n) if n else b""
+
+    def _body(self) -> dict[str, Any]:
+        raw = self._raw or b"{}"
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
@@ -89,6 +97,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [p for p in url.path.split("/") if p]
         sc = self.sidecar
         try:
+            self._raw = self._read_body()
             if method == "GET" and parts == ["health"]:
                 return self._json(200, sc.health())
             if method == "GET" and parts == ["ready"]:
@@ -134,6 +143,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._route("DELETE")
+
+    # answered (404, the error body) rather than http.server's 501 page
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_PATCH(self) -> None:
+        self._route("PATCH")
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -146,8 +146,11 @@ class PullRequest:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PullRequest:
+        raw = body.get("kv_transfer_params") or {}
+        if not isinstance(raw, dict):  # found by fuzzing: a number here was a 500
+            raise _bad("kv_transfer_params", "must be an object", "bad_kv_transfer_params")
         try:
-            params = RemotePrefillParams.from_dict(body.get("kv_transfer_params") or {})
+            params = RemotePrefillParams.from_dict(raw)
         except KVParamsError as e:
             raise ApiError(
                 400, "bad_kv_transfer_params", str(e), param=f"kv_transfer_params.{e.field}"

@@ -28,6 +28,7 @@ from dsv4_serving.gateway.health import health_loop
 from dsv4_serving.gateway.instances import InstancePool
 from dsv4_serving.gateway.lifecycle import Admission, Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
+from dsv4_serving.gateway.openapi import openapi_document
 from dsv4_serving.gateway.policies import RouteRequest, make_policy
 from dsv4_serving.gateway.prompt import load_encoder, routing_key
 from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
@@ -233,6 +234,11 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             ]
         )
 
+    document = openapi_document()
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -246,6 +252,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             Route("/ready", ready, methods=["GET"]),
             Route("/instances", instances, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
     )
     app.state.gateway = gw
