@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "model", "dist", "engine", "pd", "gateway", "k8s")
+TIERS = ("unit", "model", "dist", "engine", "pd", "gateway", "k8s", "node")
 _HERE = Path(__file__).parent
 
 

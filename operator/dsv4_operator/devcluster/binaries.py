@@ -9,14 +9,16 @@ from pathlib import Path
 # operator/dsv4_operator/devcluster/binaries.py -> the repository root.
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = _REPO_ROOT / "scripts" / "k8s-test-binaries"
+IMAGES_SCRIPT = _REPO_ROOT / "scripts" / "node-images"
 
 
 class BinariesError(RuntimeError):
     pass
 
 
-def ensure_binaries() -> Path:
-    """The bin directory: ``DSV4_K8S_BIN_DIR`` if set, else the build script's (cached) output."""
+def ensure_binaries(node: bool = False) -> Path:
+    """The bin directory: ``DSV4_K8S_BIN_DIR`` if set, else the build script's (cached) output;
+    ``node`` adds what real nodes run (kubelet, kube-proxy, crictl, coredns)."""
     explicit = os.environ.get("DSV4_K8S_BIN_DIR")
     if explicit:
         return Path(explicit)
@@ -26,12 +28,22 @@ def ensure_binaries() -> Path:
             "set DSV4_K8S_BIN_DIR to a directory holding etcd, kube-apiserver, kubectl, "
             "kube-controller-manager, kube-scheduler, kwok and helm"
         )
-    res = subprocess.run([str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
+    return _last_line([str(BUILD_SCRIPT), *(["--node"] if node else [])])
+
+
+def ensure_node_images(app: bool = False) -> Path:
+    """The directory of the node images' archives (pause, busybox; ``app``: engine, operator),
+    built (cached) by scripts/node-images."""
+    if not IMAGES_SCRIPT.exists():
+        raise BinariesError(f"{IMAGES_SCRIPT} not found: real nodes need a source checkout")
+    return _last_line([str(IMAGES_SCRIPT), *(["--app"] if app else [])])
+
+
+def _last_line(argv: list[str]) -> Path:
+    res = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
     if res.returncode != 0:
-        raise BinariesError(
-            f"{BUILD_SCRIPT} failed with status {res.returncode} (its errors are above)"
-        )
+        raise BinariesError(f"{argv[0]} failed with status {res.returncode} (its errors are above)")
     lines = res.stdout.strip().splitlines()
     if not lines:
-        raise BinariesError(f"{BUILD_SCRIPT} printed no bin directory")
+        raise BinariesError(f"{argv[0]} printed no directory")
     return Path(lines[-1])

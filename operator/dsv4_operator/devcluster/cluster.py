@@ -48,6 +48,9 @@ class ClusterConfig:
     """How long each component may take to become ready."""
     node_spec: FakeNodeSpec = field(default_factory=FakeNodeSpec)
     """What each fake node advertises (NPU resource name and count, cpu, memory, labels)."""
+    bind_address: str = "127.0.0.1"
+    """Where the apiserver listens. Real nodes need a non-loopback address that pods reach: it is
+    then advertised, so the ``kubernetes`` Service gets it as its endpoint (via kube-proxy)."""
 
     def __post_init__(self) -> None:
         missing = [b for b in REQUIRED_BINARIES if not (self.bin_dir / b).exists()]
@@ -101,6 +104,12 @@ class LocalCluster:
         self._pki: LocalPKI | None = None
         self._admin: CertPair | None = None
         self._sa: CertPair | None = None
+
+    @property
+    def pki(self) -> LocalPKI:
+        """The cluster's CA: real nodes get their kubelet certificates from it."""
+        assert self._pki is not None, "start() first"
+        return self._pki
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -253,9 +262,15 @@ class LocalCluster:
                 "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
                 "10.96.0.1",
+                *([] if self.config.bind_address == "127.0.0.1" else [self.config.bind_address]),
             ],
             client=False,
         )
+        # The apiserver's client identity towards kubelets (logs, exec, port-forward).
+        kubelet_client = pki.issue(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", org="system:masters"
+        )
+        loopback = self.config.bind_address == "127.0.0.1"
 
         client_port, peer_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{client_port}"
@@ -277,15 +292,20 @@ class LocalCluster:
         self._wait("etcd", lambda: _http_ok(f"{etcd_url}/health"), etcd)
 
         port = free_port()
-        self.server = f"https://127.0.0.1:{port}"
+        self.server = f"https://{self.config.bind_address}:{port}"
         apiserver = self._spawn(
             "kube-apiserver",
             [
                 self._bin("kube-apiserver"),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
+                f"--bind-address={self.config.bind_address}",
                 f"--secure-port={port}",
                 f"--cert-dir={self.work_dir / 'apiserver-certs'}",
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                f"--kubelet-certificate-authority={pki.ca.cert}",
+                # nothing resolves node names here: dial the kubelet's InternalIP
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={pki.ca.cert}",
@@ -301,7 +321,11 @@ class LocalCluster:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 # The 'kubernetes' Service endpoints may not point at a loopback address.
-                "--endpoint-reconciler-type=none",
+                *(
+                    ["--endpoint-reconciler-type=none"]
+                    if loopback
+                    else [f"--advertise-address={self.config.bind_address}"]
+                ),
                 "--allow-privileged=true",
                 "--profiling=false",
                 "--v=1",

@@ -1,0 +1,136 @@
+"""The node tier: a dev cluster with one real node (containerd + runc + kubelet), kube-proxy and
+CoreDNS, started once per session. Needs root; without it every test skips with the reason (never
+silently). The host state is read before the cluster starts; `test_zz_host_state.py`, the tier's
+last module, stops the cluster and asserts nothing was left."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REAL_NODE_SELECTOR = {"dsv4.io/real-node": "true"}
+
+
+class RealClusterHandle:
+    """Starts on first use; ``close()`` (idempotent) stops it and returns the host-state diff."""
+
+    def __init__(self) -> None:
+        from dsv4_operator.devcluster import hoststate
+
+        self.before = hoststate.snapshot()
+        self._stack: Any = None
+        self.cluster: Any = None
+        self.real: Any = None
+        self.left: dict[str, list[str]] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def get(self) -> Any:
+        import contextlib
+
+        from dsv4_operator.devcluster import ClusterConfig
+        from dsv4_operator.devcluster.binaries import ensure_binaries, ensure_node_images
+        from dsv4_operator.devcluster.realnode import (
+            RealNodes,
+            cluster_with_real_nodes,
+            unavailable_reason,
+        )
+
+        if self.cluster is not None:
+            return self.cluster
+        bin_dir = ensure_binaries(node=True)
+        reason = unavailable_reason(bin_dir)
+        if reason:
+            pytest.skip(f"node tier: {reason}")
+        images = sorted(
+            ensure_node_images(app=os.environ.get("DSV4_NODE_APP") == "1").glob("*.tar")
+        )
+        self._tmp = tempfile.TemporaryDirectory(prefix="dsv4-node-")
+        work = Path(self._tmp.name)
+        self.real = RealNodes(1, bin_dir, work / "real-nodes", images=images)
+        self._stack = contextlib.ExitStack()
+        self.cluster = self._stack.enter_context(
+            cluster_with_real_nodes(ClusterConfig(bin_dir=bin_dir, work_dir=work), self.real)
+        )
+        return self.cluster
+
+    def close(self) -> dict[str, list[str]]:
+        from dsv4_operator.devcluster import hoststate
+
+        if self.left is None:
+            if self._stack is not None:
+                self._stack.close()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            self.left = hoststate.diff(self.before, hoststate.snapshot())
+        return self.left
+
+
+@pytest.fixture(scope="session")
+def real_handle() -> Iterator[RealClusterHandle]:
+    handle = RealClusterHandle()
+    try:
+        yield handle
+    finally:
+        left = handle.close()
+        assert not left, f"the node tier left host state behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def real_cluster(real_handle: RealClusterHandle) -> Any:
+    """A LocalCluster with one kwok node and one real node `real-0`."""
+    return real_handle.get()
+
+
+@pytest.fixture
+def real_namespace(real_cluster: Any) -> Iterator[str]:
+    import uuid
+
+    name = f"n-{uuid.uuid4().hex[:8]}"
+    real_cluster.kubectl("create", "namespace", name)
+    # Pods need the namespace's default ServiceAccount.
+    deadline = time.monotonic() + 30
+    while not real_cluster.kubectl("get", "sa", "default", "-n", name, "--ignore-not-found"):
+        assert time.monotonic() < deadline, "no default ServiceAccount"
+        time.sleep(0.2)
+    yield name
+    real_cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False)
+
+
+def apply(cluster: Any, *objs: dict[str, Any]) -> None:
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})
+    )
+
+
+def wait_pod(cluster: Any, ns: str, name: str, cond: str = "Ready", timeout: int = 120) -> None:
+    cluster.kubectl(
+        "wait", f"--for=condition={cond}", f"--timeout={timeout}s", "-n", ns, f"pod/{name}"
+    )
+
+
+def busybox_pod(name: str, command: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "nodeSelector": REAL_NODE_SELECTOR,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "dsv4.local/busybox:1",
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", command],
+                }
+            ],
+            **spec,
+        },
+    }
