@@ -28,6 +28,9 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
         # drop a token when the ones before it already reach top_p (the top one always stays)
         drop = (cum - sorted_x.softmax(dim=-1)) >= sp.top_p
+        # explicitly: a top_p below float32's range (1e-313) is 0 here, and 0 >= 0 would drop
+        # every token (a NaN distribution that killed the core; found by fuzzing)
+        drop[..., 0] = False
         sorted_x = sorted_x.masked_fill(drop, -torch.inf)
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     return x.softmax(dim=-1)
