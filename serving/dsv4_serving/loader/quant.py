@@ -42,8 +42,11 @@ def dequant_fp8_block(
             f"fp8 scale shape {tuple(s.shape)} does not tile {tuple(weight.shape)} in "
             f"{bn}x{bk} blocks"
         )
-    full = s.repeat_interleave(bn, 0)[:out_f].repeat_interleave(bk, 1)[:, :in_f]
-    return (weight.float() * full).to(dtype)
+    # one float copy, scaled a block row at a time (no full-size scale map beside it)
+    out = weight.to(torch.float32)
+    for b in range(s.shape[0]):
+        out[b * bn : (b + 1) * bn].mul_(s[b].repeat_interleave(bk)[:in_f])
+    return out.to(dtype)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -80,8 +83,8 @@ def int8_channel_scale(scale: torch.Tensor, offset: torch.Tensor | None, what: s
 def dequant_int8_channel(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    s = scale.float().reshape(weight.shape[0], 1)
-    return (weight.float() * s).to(dtype)
+    out = weight.to(torch.float32)  # one float copy, scaled in place
+    return out.mul_(scale.float().reshape(weight.shape[0], 1)).to(dtype)
 
 
 def dequantize(
