@@ -9,7 +9,12 @@ from dsv4_operator.reconcile import names
 
 
 def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
-    """Headless: stable DNS per pod, and EndpointSlices the gateway discovers engines from."""
+    """Headless: stable DNS per pod, and EndpointSlices the gateway discovers engines from.
+
+    The gateway routes by each endpoint's ``serving`` (the pod's readiness: /ready, so false
+    while loading or draining) and ``terminating`` conditions, never by ``ready``, which
+    publishNotReadyAddresses pins to true: that stays on only where pods of a multi-node
+    instance must resolve each other before they are ready (their rendezvous)."""
     labels = names.role_labels(spec, role)
     return {
         "apiVersion": "v1",
@@ -17,8 +22,7 @@ def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
         "metadata": names.metadata(spec, names.role_service_name(spec, role), labels),
         "spec": {
             "clusterIP": "None",
-            # Pods of a multi-node instance must resolve each other before they are ready.
-            "publishNotReadyAddresses": True,
+            "publishNotReadyAddresses": spec.role(role).nodes_per_instance > 1,
             "selector": names.selector_for(labels),
             "ports": [
                 {"name": "http", "port": names.ENGINE_PORT, "targetPort": names.ENGINE_PORT},
