@@ -36,10 +36,16 @@ class LocalRanks:
     """``target(*args[i])`` in process ``i``, started at construction."""
 
     def __init__(
-        self, target: Callable[..., object], args: Sequence[tuple[Any, ...]], name: str
+        self,
+        target: Callable[..., object],
+        args: Sequence[tuple[Any, ...]],
+        name: str,
+        first: int = 0,
     ) -> None:
+        """``first``: the global rank of process 0 (the names carry global ranks)."""
         ctx = mp.get_context("spawn")
-        names = [name] if len(args) == 1 else [f"{name}-{i}" for i in range(len(args))]
+        n = len(args)
+        names = [name] if n == 1 and not first else [f"{name}-{first + i}" for i in range(n)]
         self.procs = [
             ctx.Process(target=_rank_entry, args=(target, n, a), daemon=True, name=n)
             for n, a in zip(names, args, strict=True)

@@ -20,12 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
 from dsv4_common.process import free_port
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.distributed.launcher import LocalRanks
+from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.engine_core import run_engine_core
 from dsv4_serving.engine.messages import (
@@ -112,21 +113,25 @@ class AsyncLLM:
 
     # ---- lifecycle --------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 600.0) -> EngineInfo:
-        """Spawn the core (and its peer ranks) and wait until the model is loaded (blocking)."""
+    def start(self, timeout_s: float = 600.0, placement: Placement | None = None) -> EngineInfo:
+        """Spawn the core (and its peer ranks on this node: node 0 of ``placement``) and wait
+        until the model is loaded (blocking); the other nodes run ``dsv4 engine --headless``."""
         ctx = mp.get_context("spawn")
         self._in: Any = ctx.Queue()
         self._out: Any = ctx.Queue()
-        world = self.config.topology().world
+        placement = placement or Placement()
+        topo = self.config.topology(placement.nnodes)
         args: list[tuple[Any, ...]]
-        if world == 1:
+        if topo.world == 1:
             args = [(self.config, self._in, self._out)]
             self._ranks = LocalRanks(run_engine_core, args, "dsv4-engine-core")
         else:
             from dsv4_serving.engine.worker import rank_main  # torch: imported by the ranks
 
-            port = free_port()
-            args = [(self.config, r, port, self._in, self._out) for r in range(world)]
+            if not placement.master_port:
+                placement = replace(placement, master_port=free_port())
+            ranks = placement.ranks(topo)
+            args = [(self.config, r, placement, self._in, self._out) for r in ranks]
             self._ranks = LocalRanks(rank_main, args, "dsv4-rank")
         deadline = time.monotonic() + timeout_s
         while True:

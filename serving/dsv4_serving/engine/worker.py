@@ -25,6 +25,7 @@ from dsv4_serving.distributed.parallel_state import (
     get_world_group,
     init_distributed,
 )
+from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.dp_lockstep import run_lockstep
 from dsv4_serving.engine.engine_core import EngineCore, run_engine_core, set_threads
@@ -40,20 +41,21 @@ log = logging.getLogger(__name__)
 PROFILE_ENV = "DSV4_COMM_PROFILE"
 
 
-def rank_main(config: EngineConfig, rank: int, port: int, in_q: Any, out_q: Any) -> None:
-    """Rank ``rank`` of the instance; only rank 0 (the core) uses the queues."""
+def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, out_q: Any) -> None:
+    """Rank ``rank`` of the instance (on node ``placement.node_rank``, rendezvous at its
+    master address and port); only rank 0 (the core, on node 0) uses the queues."""
     from dsv4_serving.platform.device import detect_platform
 
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
     set_threads(config)
-    topo = config.topology()
+    topo = config.topology(placement.nnodes)
     device = detect_platform(None if config.device == "auto" else config.device).name
     try:
         parallel = init_distributed(
             topo,
             rank,
-            master_addr="127.0.0.1",
-            master_port=port,
+            master_addr=placement.master_addr,
+            master_port=placement.master_port,
             device=device,
             timeout_s=config.distributed_timeout,
             fingerprint=dataclasses.asdict(config),

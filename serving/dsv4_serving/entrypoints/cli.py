@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from dsv4_common.config_cli import add_config_arguments, given
+from dsv4_serving.distributed.placement import Placement, PlacementError
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 
 log = logging.getLogger("dsv4.engine")
@@ -46,9 +47,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"same as --no-{dest.replace('_', '-')}",
         )
+    add_node_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--port", type=int, default=8000, help="port to serve on")
     p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """Where this process sits in a multi-node instance (``distributed/placement.py``);
+    each defaults to the environment the operator renders."""
+    g = p.add_argument_group("multi-node instances")
+    g.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's ranks only (/health and /metrics, no API); what node rank > 0 "
+        "does anyway, refused on node 0",
+    )
+    g.add_argument("--nnodes", type=int, help="nodes of the instance [env DSV4_NODES_PER_INSTANCE]")
+    g.add_argument("--node-rank", type=int, help="this node's index [env DSV4_NODE_RANK]")
+    g.add_argument("--master-addr", help="node 0's address [env DSV4_MASTER_ADDR]")
+    g.add_argument(
+        "--master-port",
+        type=int,
+        help="node 0's rendezvous port [env DSV4_MASTER_PORT; 29550 with several nodes, else a "
+        "free local port]",
+    )
+
+
+def placement_of(args: argparse.Namespace) -> Placement:
+    """The flags over the environment; a node rank > 0 is headless, ``--headless`` on node 0
+    is refused."""
+    placement = Placement.resolve(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+    if args.headless and not placement.headless:
+        raise PlacementError(
+            "--headless runs the ranks of a node rank > 0, and this is node 0 (set --node-rank "
+            "or DSV4_NODE_RANK)"
+        )
+    return placement
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
@@ -92,19 +132,25 @@ def run(args: argparse.Namespace) -> int:
                 f"model {config.model!r} is neither a directory nor a preset "
                 f"({', '.join(sorted(PRESETS))})"
             )
+        placement = placement_of(args)
+        config.topology(placement.nnodes)  # the world splits over the nodes
         if config.device == "cpu":
             config.check_parallel("cpu")
         if config.rank_table and not Path(config.rank_table).is_file():
             raise ConfigError(f"rank table {config.rank_table} does not exist")
         if config.kv_sidecar:
             check_sidecar(config.kv_sidecar, config.kv_sidecar_wait)
-    except (ConfigError, OSError, json.JSONDecodeError, TypeError) as exc:
+    except (ConfigError, PlacementError, OSError, json.JSONDecodeError, TypeError) as exc:
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 2
-    return serve(config, args.host, args.port)
+    if placement.headless:
+        from dsv4_serving.engine.headless import serve_headless
+
+        return serve_headless(config, placement, args.host, args.port)
+    return serve(config, args.host, args.port, placement)
 
 
-def serve(config: EngineConfig, host: str, port: int) -> int:
+def serve(config: EngineConfig, host: str, port: int, placement: Placement | None = None) -> int:
     import uvicorn
 
     from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError
@@ -120,7 +166,7 @@ def serve(config: EngineConfig, host: str, port: int) -> int:
     metrics = EngineMetrics(config.model_name)
     engine = AsyncLLM(config, tokenizer, metrics)
     try:
-        info = engine.start()
+        info = engine.start(placement=placement)
     except EngineDeadError as exc:
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,120 @@
+"""Two "nodes" of one instance as process trees on 127.0.0.1: node 0 is ``dsv4 engine
+--nnodes 2``, node 1 is ``dsv4 engine --headless`` configured the way the operator renders a
+follower pod (``DSV4_NODE_RANK``, ``DSV4_NODES_PER_INSTANCE``, ``DSV4_MASTER_ADDR`` and the
+rendezvous port). TP 2 x DP 2 (EP 4): each node holds one DP rank's TP group (shared-memory
+collectives inside a node, gloo across). The greedy tokens equal one process's, requests pinned
+to DP rank 1 run on node 1, and stopping node 0 ends node 1 cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4_common.process import Service, dsv4_argv, free_port
+from tests.engine.common import start_engine, workload
+
+pytestmark = pytest.mark.dist
+
+COMMON = [
+    *("--model", "dsv4-tiny", "--max-model-len", "384", "--num-kv-blocks", "200"),
+    *("--threads-per-rank", "1", "--num-speculative-tokens", "1", "--log-level", "WARNING"),
+]
+SHAPE = ["--tensor-parallel-size", "2", "--data-parallel-size", "2", "--expert-parallel-size", "4"]
+ITEMS = workload(6, 5, shared_prefix=12)
+
+
+def _tokens(url: str, prompt: list[int], max_tokens: int, rank: int | None = None) -> list[int]:
+    body = {
+        "model": "dsv4-tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def _follower(tmp: Path, port: int) -> Service:
+    http = free_port()
+    argv = dsv4_argv(
+        "engine", "--headless", "--host", "127.0.0.1", "--port", str(http), *COMMON, *SHAPE
+    )
+    s = Service("node1", argv, tmp / "engine-node1.log", f"http://127.0.0.1:{http}")
+    s.start(
+        env={
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "DSV4_NODE_RANK": "1",
+            "DSV4_NODES_PER_INSTANCE": "2",
+            "DSV4_MASTER_ADDR": "127.0.0.1",
+            "DSV4_MASTER_PORT": str(port),
+        }
+    )
+    return s
+
+
+def _alive(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
+            if int(group) == pgid and state != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Path) -> None:
+    port = free_port()
+    ref = start_engine("ref", tmp_path, *COMMON)
+    node0 = start_engine(
+        "node0", tmp_path, *COMMON, *SHAPE, "--nnodes", "2", "--master-port", str(port)
+    )
+    node1 = _follower(tmp_path, port)
+    try:
+        for s in (ref, node0, node1):
+            s.wait_ready(240)
+        assert node1.metric("dsv4_headless_ranks_alive", node_rank="1") == 2
+        with ThreadPoolExecutor(6) as pool:
+            want = list(pool.map(lambda it: _tokens(ref.url, *it), ITEMS))
+            wave = pool.map(lambda it: _tokens(node0.url, *it, rank=1), ITEMS[:3])
+            # the pinned wave runs on DP rank 1, whose ranks are node 1's
+            seen = {"0": 0.0, "1": 0.0}
+            deadline = time.monotonic() + 60
+            while seen["1"] == 0 and time.monotonic() < deadline:
+                for r in seen:
+                    seen[r] = max(seen[r], node0.metric("vllm:num_requests_running", engine=r))
+                time.sleep(0.02)
+            got = list(wave) + list(pool.map(lambda it: _tokens(node0.url, *it), ITEMS[3:]))
+        assert got == want
+        assert seen["0"] == 0 and seen["1"] > 0, seen
+        pgid = node1.pid
+        assert pgid is not None
+        assert node0.pid is not None
+        os.kill(node0.pid, signal.SIGTERM)  # what a pod's stop sends: its main process only
+        deadline = time.monotonic() + 30
+        while (node0.running() or node1.running()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert node1.exit_code() == 0, node1.tail()
+        assert node0.exit_code() == 0
+        assert _alive(pgid) == []
+    except BaseException:
+        for s in (node0, node1):
+            print(f"--- {s.name} ---\n{s.tail(60)}")
+        raise
+    finally:
+        for s in (ref, node0, node1):
+            s.stop()
