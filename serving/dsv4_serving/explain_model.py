@@ -4,19 +4,26 @@ In the seed's troubleshooting order: (1) which class the checkpoint's architectu
 and who registered it, (2) which device and attention backend the platform picks and from
 which config fields, (3) the derived switches and the KV cache shape, then (5) the parallel
 plan for ``--tp/--dp/--ep``: which tensors each rank holds whole, TP-sharded or expert-local,
-and the weight and KV bytes per rank. Reads ``config.json`` only; no weights are loaded.
+and the weight and KV bytes per rank, (6) the memory plan: weight bytes per rank by kind in
+the stored format (``--quantization``), KV per token and per 4K/32K/128K sequence, and with
+``--device-memory`` how many sequences fit (exit 1 when the weights alone do not). Reads
+``config.json`` only; no weights are loaded. The released models' shapes are built in
+(``deepseek-v4-flash``, ``deepseek-v3``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 from dsv4_serving.distributed.topology import Topology
+from dsv4_serving.layers.quant.scheme import QuantScheme, scheme_from_checkpoint, scheme_from_config
 from dsv4_serving.models.config import architecture_of, read_config_json
-from dsv4_serving.presets.configs import PRESETS, preset_config
+from dsv4_serving.models.memory_plan import MemoryPlan, memory_plan, parse_bytes, render_memory
+from dsv4_serving.presets.configs import PRESETS, SHAPES, preset_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default="dsv4-tiny",
-        help=f"checkpoint directory, config.json, or preset ({', '.join(sorted(PRESETS))})",
+        help="checkpoint directory, config.json, preset or released shape "
+        f"({', '.join(sorted(PRESETS) + sorted(SHAPES))})",
     )
     parser.add_argument(
         "--device",
@@ -36,12 +44,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (1 or tp x dp)")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes the ranks spread over")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "fp8", "fp4", "w8a8"],
+        help="weight format to plan for (default: the checkpoint's; none = bf16)",
+    )
+    parser.add_argument(
+        "--device-memory", default=None, help="memory of one device, e.g. 64GiB (910B), 80GB"
+    )
+    parser.add_argument(
+        "--memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of device memory for weights + KV (the engine's gpu_memory_utilization)",
+    )
 
 
 def load_model_config(model: str) -> tuple[dict[str, Any], str]:
     if model in PRESETS:
         return preset_config(model), f"preset {model}"
+    if model in SHAPES:
+        return dict(SHAPES[model]), f"{model} (built-in config.json fields, no weights)"
     return read_config_json(model), str(Path(model))
+
+
+def _scheme(config: dict[str, Any], source: str, quantization: str) -> QuantScheme:
+    found = scheme_from_config(config)
+    if quantization == "auto":
+        ckpt = Path(source)
+        if ckpt.is_dir() or ckpt.is_file():
+            return scheme_from_checkpoint(config, ckpt if ckpt.is_dir() else ckpt.parent)
+        return found
+    return QuantScheme.of(quantization, found.block)  # type: ignore[arg-type]
 
 
 def explain(
@@ -50,7 +85,25 @@ def explain(
     device: str,
     block_size: int,
     topology: Topology | None = None,
+    quantization: str = "auto",
+    device_bytes: int | None = None,
+    utilization: float = 0.9,
 ) -> str:
+    return _explain(
+        config, source, device, block_size, topology, quantization, device_bytes, utilization
+    )[0]
+
+
+def _explain(
+    config: dict[str, Any],
+    source: str,
+    device: str,
+    block_size: int,
+    topology: Topology | None,
+    quantization: str,
+    device_bytes: int | None,
+    utilization: float,
+) -> tuple[str, MemoryPlan | None]:
     from dsv4_serving.models.parallel_plan import parallel_plan, render
     from dsv4_serving.models.registry import REGISTRY
     from dsv4_serving.platform.backend import select_attention_backend
@@ -76,11 +129,20 @@ def explain(
         "3. derived switches",
     ]
     lines += [f"   {k} = {str(v).lower()}" for k, v in choice.switches.items()]
-    cfg = cls.config_class.from_dict(config)
+    scheme = _scheme(config, source, quantization)
+    cfg = dataclasses.replace(cls.config_class.from_dict(config), quant=scheme)
+    weights = "bf16" if scheme.name == "none" else f"{scheme.name} + bf16"
     lines += _layers(cfg, block_size)
-    plan = parallel_plan(cls, cfg, topology or Topology())
-    lines += render(plan, _kv_bytes_per_block(cfg, block_size), block_size)
-    return "\n".join(lines)
+    topo = topology or Topology()
+    plan = parallel_plan(cls, cfg, topo)
+    lines += render(plan, _kv_bytes_per_block(cfg, block_size), block_size, weights)
+    if hasattr(cfg, "compress_ratios") and (
+        block_size % cfg.csa_ratio or block_size % cfg.hca_ratio
+    ):
+        return "\n".join(lines), None
+    mp = memory_plan(cls, cfg, topo, block_size, device_bytes, utilization)
+    lines += render_memory(mp, weights, utilization)
+    return "\n".join(lines), mp
 
 
 def _kv_bytes_per_block(cfg: Any, block_size: int) -> int | None:
@@ -145,7 +207,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, source = load_model_config(args.model)
         topology = Topology(args.tp, args.dp, args.ep, args.nnodes)
-        print(explain(config, source, args.device, args.block_size, topology))
+        device_bytes = None if args.device_memory is None else parse_bytes(args.device_memory)
+        text, mp = _explain(
+            config,
+            source,
+            args.device,
+            args.block_size,
+            topology,
+            args.quantization,
+            device_bytes,
+            args.memory_utilization,
+        )
+        print(text)
+        if mp is not None and not mp.weights_fit:
+            print(
+                f"dsv4 explain-model: the weights alone do not fit: "
+                f"{mp.plan.weight_bytes_per_rank / 2**30:.1f} GiB per rank > "
+                f"{(mp.budget_bytes or 0) / 2**30:.1f} GiB ({args.device_memory} x "
+                f"{args.memory_utilization}); add ranks (--ep/--tp/--dp) or quantize "
+                "(--quantization w8a8 / fp8 / fp4)",
+                file=sys.stderr,
+            )
+            return 1
     except (FileNotFoundError, ValueError, KeyError, ImportError, PlatformError) as exc:
         if isinstance(exc, UnknownArchitectureError):
             print(f"dsv4 explain-model: 1. architecture: {exc}", file=sys.stderr)

@@ -18,6 +18,20 @@ from dsv4_serving.distributed.topology import Topology
 from dsv4_serving.layers.shard import shard_specs
 
 Kind = Literal["tp", "ep", "replicated"]
+# what a weight is for (the memory plan's rows)
+WEIGHT_KINDS = ("attention", "dense", "experts", "embeddings", "other")
+
+
+def weight_kind(name: str) -> str:
+    if ".ffn.experts." in name:
+        return "experts"
+    if ".attn." in name:
+        return "attention"
+    if ".ffn." in name:
+        return "dense"  # dense MLPs, shared experts, routers
+    if name.startswith(("embed.", "head.")):
+        return "embeddings"
+    return "other"  # norms, mHC mixes, MTP input projections
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +49,7 @@ class ParallelPlan:
     tensors: tuple[TensorPlan, ...]
     weight_bytes_per_rank: int
     weight_bytes_total: int  # one whole copy of the model
+    bytes_by_kind: dict[str, int]  # this rank's weight bytes per ``WEIGHT_KINDS`` entry
 
 
 def _rank0_parallel(topo: Topology) -> ModelParallel:
@@ -46,27 +61,36 @@ def _rank0_parallel(topo: Topology) -> ModelParallel:
 
 def parallel_plan(model_cls: Any, cfg: Any, topo: Topology, dtype_bytes: int = 2) -> ParallelPlan:
     """Rank 0's share (even splits: every rank holds the same sizes); floating-point weights
-    counted at ``dtype_bytes``, integer buffers (hash-routing tables) at their own size."""
+    counted at ``dtype_bytes``, quantized weights, their scales and integer buffers
+    (hash-routing tables) at their stored size (``cfg.quant`` picks the format)."""
     topo.check_model(cfg)
     with torch.device("meta"):
         part = model_cls(cfg, _rank0_parallel(topo))
     specs = shard_specs(part)
+    stored = {
+        f"{prefix}.{n}" if prefix else n
+        for prefix, module in part.named_modules()
+        for n in getattr(module, "quant_params", ())
+    }
     rows: dict[str, list[Any]] = {}
     local_bytes = total_bytes = 0
+    by_kind = dict.fromkeys(WEIGHT_KINDS, 0)
     for name, t in list(part.named_parameters()) + list(part.named_buffers()):
-        size = dtype_bytes if t.is_floating_point() else t.element_size()
+        plain = t.is_floating_point() and name not in stored
+        size = dtype_bytes if plain else t.element_size()
         spec = specs.get(name)
         logical = tuple(t.shape) if spec is None else spec.logical_shape(t.shape)
         kind: Kind = "replicated"
         if spec is not None:
             kind = "ep" if topo.ep > 1 and ".experts." in name else "tp"
         local_bytes += t.numel() * size
+        by_kind[weight_kind(name)] += t.numel() * size
         total_bytes += _numel(logical) * size
         pattern = re.sub(r"(layers|mtp)\.\d+\.", r"\1.*.", name)
         row = rows.setdefault(pattern, [kind, logical, tuple(t.shape), 0])
         row[3] += 1
     tensors = tuple(TensorPlan(p, *row) for p, row in rows.items())
-    return ParallelPlan(topo, tensors, local_bytes, total_bytes)
+    return ParallelPlan(topo, tensors, local_bytes, total_bytes, by_kind)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -76,7 +100,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def render(plan: ParallelPlan, kv_bytes_per_block: int | None, block_size: int) -> list[str]:
+def render(
+    plan: ParallelPlan, kv_bytes_per_block: int | None, block_size: int, weights: str = "bf16"
+) -> list[str]:
     t = plan.topology
     out = [
         f"5. parallel plan: tp {t.tp} x dp {t.dp} = {t.world} ranks "
@@ -102,7 +128,7 @@ def render(plan: ParallelPlan, kv_bytes_per_block: int | None, block_size: int) 
         line += f" {n},"
     out.append(line.rstrip(","))
     out.append(
-        f"   weight bytes (bf16) per rank: {plan.weight_bytes_per_rank} "
+        f"   weight bytes ({weights}) per rank: {plan.weight_bytes_per_rank} "
         f"(whole model {plan.weight_bytes_total})"
     )
     if kv_bytes_per_block is not None:
