@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dsv4_common.ports import sidecar_control_port
@@ -171,6 +172,55 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
     return children
 
 
+class StartFailed(RuntimeError):
+    """A process exited or did not become healthy in time; the message has its log tail."""
+
+
+def start_in_order(
+    children: list[Service],
+    timeout_s: float,
+    stop: threading.Event | None = None,
+    ready: Callable[[Service], None] = lambda c: None,
+) -> bool:
+    """Start sidecars first, engines next (they load in parallel), the gateway last, each group
+    healthy before the next; False if ``stop`` was set meanwhile. Raises ``StartFailed``."""
+    stop = stop or threading.Event()
+    deadline = time.monotonic() + timeout_s
+    for group in (
+        [c for c in children if c.name.endswith("sidecar")],
+        [c for c in children if not c.name.endswith("sidecar") and c.name != "gateway"],
+        [c for c in children if c.name == "gateway"],
+    ):
+        for c in group:
+            c.start(env={"PYTHONUNBUFFERED": "1"})
+        pending = list(group)
+        while pending:
+            if stop.is_set():
+                return False
+            for c in list(pending):
+                if not c.running():
+                    raise StartFailed(_exited(c))
+                if c.healthy():
+                    ready(c)
+                    pending.remove(c)
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise StartFailed(
+                    f"\n{names} not healthy after {timeout_s:.0f}s; last log lines:\n"
+                    + "\n".join(c.tail(15) for c in pending)
+                )
+            time.sleep(0.3)
+    return True
+
+
+def restart(child: Service, timeout_s: float = 120.0) -> None:
+    """The restart hook (``benchmarks/chaos.py``): start ``child`` again with the same command
+    line (same ports, same staging region name) and wait until it is healthy."""
+    if child.running():
+        child.stop(timeout_s=15.0)
+    start_in_order([child], timeout_s)
+
+
 def run(args: argparse.Namespace) -> int:
     for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
         if value < 1:
@@ -196,35 +246,18 @@ def run(args: argparse.Namespace) -> int:
 
     def supervise() -> int:
         print(f"starting {len(children)} processes (logs in {run_dir}) ...", flush=True)
-        deadline = time.monotonic() + args.startup_timeout
-        # sidecars first, engines next (they load in parallel), the gateway last
-        for group in (
-            [c for c in children if c.name.endswith("sidecar")],
-            [c for c in children if not c.name.endswith("sidecar") and c.name != "gateway"],
-            [c for c in children if c.name == "gateway"],
-        ):
-            for c in group:
-                c.start(env={"PYTHONUNBUFFERED": "1"})
-            pending = list(group)
-            while pending:
-                if stop.is_set():
-                    return 130
-                for c in list(pending):
-                    if not c.running():
-                        print(_exited(c), file=sys.stderr)
-                        return 1
-                    if c.healthy():
-                        print(f"  {c.name} ready", flush=True)
-                        pending.remove(c)
-                if time.monotonic() > deadline:
-                    names = ", ".join(c.name for c in pending)
-                    print(
-                        f"\n{names} not healthy after {args.startup_timeout:.0f}s; last log lines:\n"
-                        + "\n".join(c.tail(15) for c in pending),
-                        file=sys.stderr,
-                    )
-                    return 1
-                time.sleep(0.3)
+        try:
+            started = start_in_order(
+                children,
+                args.startup_timeout,
+                stop,
+                lambda c: print(f"  {c.name} ready", flush=True),
+            )
+        except StartFailed as e:
+            print(e, file=sys.stderr)
+            return 1
+        if not started:
+            return 130
 
         url = f"http://{args.host}:{args.port}"
         model = Path(args.model).name if os.sep in args.model else args.model

@@ -1,0 +1,265 @@
+"""Chaos soak: the ``dsv4 up`` stack (2 prefill + 2 decode engines with their KV sidecars, a
+gateway) under streamed ``dsv4 bench`` requests for a bounded time, while engines and sidecars
+are killed (SIGKILL, or SIGTERM with --signal term) and restarted at random (seeded).
+
+Prints requests sent / succeeded / failed by kind / hung (our own deadline passed: must be 0),
+the success rate of the requests that were not in flight when a process died, and what leaked:
+KV blocks (each engine's free blocks against its total) and staging bytes (each sidecar's used
+bytes), which must be 0 once the stack is idle. Exit status 1 when anything hung or leaked.
+
+    .venv/bin/python benchmarks/chaos.py --duration 60 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from dsv4_common.process import Service, free_port
+from dsv4_kvtransfer.launch import SidecarService
+from dsv4_serving import up
+from dsv4_serving.bench.client import one_request, random_prompts
+from dsv4_serving.bench.stats import RequestRecord
+
+
+@dataclass
+class Sent:
+    start: float
+    end: float
+    record: RequestRecord
+
+
+@dataclass
+class Chaos:
+    """What was killed when, and for how long it was down."""
+
+    kills: list[tuple[float, str]] = field(default_factory=list)
+    downs: list[tuple[float, float]] = field(default_factory=list)
+    restart_failures: list[str] = field(default_factory=list)
+
+
+def kind(error: str) -> str:
+    """A failure's kind: the OpenAI error code of an HTTP error, else what broke."""
+    m = re.match(r"HTTP (\d+): (.*)", error, re.S)
+    if m:
+        try:
+            code = json.loads(m.group(2))["error"].get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            code = None
+        return f"HTTP {m.group(1)} {code or '(no code)'}"
+    if error.startswith("timed out"):
+        return "hung"
+    if "broke off" in error:  # the gateway's error event: the engine died mid-stream
+        return "stream broken off (its engine died)"
+    return re.sub(r"https?://\S+", "URL", error).split(":")[0][:60] or "unknown"
+
+
+def _kill(c: Service, sig: signal.Signals) -> None:
+    if c.pid is not None and c.running():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.pid, sig)
+
+
+def chaos_loop(
+    victims: list[Service],
+    rng: random.Random,
+    every_s: float,
+    down_s: float,
+    sig: signal.Signals,
+    stop: threading.Event,
+    t0: float,
+    out: Chaos,
+) -> None:
+    """Kill a random victim every ~``every_s`` s (exponential gaps), restart it ``down_s`` later."""
+    while not stop.wait(rng.expovariate(1.0 / every_s)):
+        victim = rng.choice(victims)
+        killed = time.monotonic()
+        out.kills.append((killed - t0, victim.name))
+        print(f"  [{killed - t0:6.1f}s] {sig.name} {victim.name}", flush=True)
+        _kill(victim, sig)
+        deadline = time.monotonic() + 30
+        while victim.running() and time.monotonic() < deadline:
+            time.sleep(0.05)  # a SIGTERM drains first
+        stop.wait(down_s)
+        try:
+            up.restart(victim, timeout_s=180)
+        except up.StartFailed as e:
+            out.restart_failures.append(f"{victim.name}: {e}")
+        out.downs.append((killed - t0, time.monotonic() - t0))
+        print(f"  [{time.monotonic() - t0:6.1f}s] {victim.name} back", flush=True)
+
+
+async def load(
+    url: str,
+    args: argparse.Namespace,
+    t0: float,
+    stop: threading.Event,
+) -> list[Sent]:
+    prompts = random_prompts(
+        4096, args.input_len, 0.5, args.output_len, args.seed, False, args.model
+    )
+    sent: list[Sent] = []
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.hung_s)) as client:
+
+        async def worker(w: int) -> None:
+            i = w
+            while not stop.is_set():
+                start = time.monotonic() - t0
+                rec = await one_request(
+                    client, f"{url}/v1/completions", prompts[i % len(prompts)], {}, args.hung_s
+                )
+                sent.append(Sent(start, time.monotonic() - t0, rec))
+                i += args.concurrency
+
+        await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+    return sent
+
+
+def leaks(children: list[Service], settle_s: float) -> dict[str, float]:
+    """KV blocks and staging bytes still held once idle (0 each when nothing leaked)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        out: dict[str, float] = {}
+        for c in children:
+            try:
+                if isinstance(c, SidecarService):
+                    info = httpx.get(f"{c.url}/v1/info", timeout=5).json()
+                    out[f"{c.name} staging bytes"] = float(info["used_bytes"])
+                elif c.name != "gateway":
+                    total = c.metric("dsv4_kv_cache_total_blocks")
+                    out[f"{c.name} KV blocks"] = total - c.metric("dsv4_kv_cache_free_blocks")
+            except (httpx.HTTPError, OSError, ValueError) as e:
+                out[f"{c.name} unreachable ({type(e).__name__})"] = 1.0
+        if not any(out.values()) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
+
+
+def report(sent: list[Sent], chaos: Chaos, leaked: dict[str, float]) -> int:
+    ok = [s for s in sent if s.record.ok]
+    failed = [s for s in sent if not s.record.ok]
+    kinds = Counter(kind(s.record.error) for s in failed)
+    hung = kinds.pop("hung", 0)
+    # in flight when a process died: those may fail (with a clear error); the others should not
+    untouched = [s for s in sent if not any(s.start <= k <= s.end for k, _ in chaos.kills)]
+    untouched_ok = sum(s.record.ok for s in untouched)
+    print("\n== chaos soak ==")
+    print(f"processes killed:   {len(chaos.kills)} ({Counter(n for _, n in chaos.kills)})")
+    print(f"requests sent:      {len(sent)}")
+    print(f"  succeeded:        {len(ok)}")
+    print(f"  failed (clear):   {sum(kinds.values())}")
+    for k, n in kinds.most_common():
+        print(f"    {n:5d}  {k}")
+    print(f"  hung:             {hung}  (must be 0)")
+    rate = 100.0 * untouched_ok / max(1, len(untouched))
+    print(
+        f"not in flight at a kill: {untouched_ok}/{len(untouched)} succeeded ({rate:.1f}%; goal 99%)"
+    )
+    for name, value in leaked.items():
+        print(f"leaked {name}: {value:g}  (must be 0)")
+    for f in chaos.restart_failures:
+        print(f"restart failed: {f}")
+    examples = {kind(s.record.error): s.record.error for s in failed}
+    for k, e in examples.items():
+        print(f"  e.g. {k}: {e[:160]}")
+    bad = hung or any(leaked.values()) or chaos.restart_failures
+    return 1 if bad else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load and chaos")
+    p.add_argument("--seed", type=int, default=0, help="seeds the victims, the gaps, the prompts")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--input-len", type=int, default=48, help="prompt tokens (about)")
+    p.add_argument("--output-len", type=int, default=16, help="tokens per answer")
+    p.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills")
+    p.add_argument("--down", type=float, default=1.0, help="seconds a killed process stays down")
+    p.add_argument("--signal", choices=["kill", "term"], default="kill", help="how to kill")
+    p.add_argument("--hung-s", type=float, default=90.0, help="a request longer than this hung")
+    p.add_argument("--settle", type=float, default=60.0, help="seconds to wait for idle")
+    p.add_argument("--model", default="dsv4-tiny")
+    p.add_argument("--log-dir", type=Path, default=None)
+    args = p.parse_args()
+
+    run_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-chaos-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = argparse.Namespace(
+        model=args.model,
+        host="127.0.0.1",
+        port=free_port(),
+        prefill=2,
+        decode=2,
+        no_pd=False,
+        kv_transport="tcp",
+        load_format="dummy",
+        engine_arg=["--shutdown-timeout", "10", "--kv-pull-timeout", "10"],
+        log_dir=run_dir,
+        startup_timeout=300.0,
+    )
+    children = up.plan(stack, run_dir)
+    gateway = children[-1]
+    gateway.argv += ["--health-interval", "0.5", "--retries", "2", "--prefill-timeout", "30"]
+    victims = [c for c in children if c is not gateway]
+    print(f"chaos: {len(children)} processes, logs in {run_dir}", flush=True)
+    try:
+        up.start_in_order(children, stack.startup_timeout)
+        print(f"up: {gateway.url}; {args.duration:.0f}s of load and chaos", flush=True)
+        stop, chaos_stop = threading.Event(), threading.Event()
+        chaos = Chaos()
+        t0 = time.monotonic()
+        killer = threading.Thread(
+            target=chaos_loop,
+            args=(
+                victims,
+                random.Random(args.seed),
+                args.kill_every,
+                args.down,
+                signal.SIGKILL if args.signal == "kill" else signal.SIGTERM,
+                chaos_stop,
+                t0,
+                chaos,
+            ),
+            daemon=True,
+        )
+        killer.start()
+
+        def times_up() -> None:
+            stop.set()
+            chaos_stop.set()
+
+        timer = threading.Timer(args.duration, times_up)
+        timer.start()
+        sent = asyncio.run(load(gateway.url, args, t0, stop))
+        killer.join(240)
+        for c in victims:  # whatever was down when the chaos stopped
+            if not c.running():
+                up.restart(c, 180)
+        leaked = leaks(children, args.settle)
+        return report(sent, chaos, leaked)
+    except up.StartFailed as e:
+        print(f"chaos: the stack did not start: {e}", file=sys.stderr)
+        return 2
+    finally:
+        for c in reversed(children):
+            c.stop(timeout_s=15.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
