@@ -23,11 +23,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Run ``work``; if the client goes away first, cancel it (its ``finally`` blocks abort the
-    engine request or close the upstream call) and return None. Call it after the body is read."""
+async def _unless(work: Awaitable[T], stop: Awaitable[object]) -> T | None:
+    """``work``'s result; if ``stop`` completes first, ``work`` is cancelled (its ``finally``
+    blocks abort the engine request or close the upstream call) and the answer is None."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(stop)
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -40,6 +40,12 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None
         watcher.cancel()
         if not task.done():  # this coroutine itself was cancelled
             task.cancel()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work``; if the client goes away first, cancel it and return None. Call it after the
+    body is read."""
+    return await _unless(work, _disconnected(request))
 
 
 class Drain:
@@ -74,20 +80,7 @@ class Drain:
 
     async def race(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None (``work`` cancelled) when the grace period runs out."""
-        task = asyncio.ensure_future(work)
-        expired = asyncio.ensure_future(self.expired.wait())
-        try:
-            await asyncio.wait({task, expired}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            return None
-        finally:
-            expired.cancel()
-            if not task.done():
-                task.cancel()
+        return await _unless(work, self.expired.wait())
 
 
 def drain_on_sigterm(drain: Drain, timeout_s: float, log: logging.Logger) -> None:
