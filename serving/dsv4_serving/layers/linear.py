@@ -21,7 +21,7 @@ UNQUANTIZED = QuantMethod()
 
 
 def _init(
-    layer: ReplicatedLinear | ColumnParallelLinear | RowParallelLinear,
+    layer: ColumnParallelLinear | RowParallelLinear,
     in_features: int,
     out_features: int,
     shards: dict[str, ShardSpec],
@@ -34,21 +34,6 @@ def _init(
     layer.register_parameter("bias", None)
     vars(layer).update(shards=dict(shards), quant=quant)  # the method adds its scales' specs
     quant.create(layer, "weight", (out_features, in_features))
-
-
-class ReplicatedLinear(nn.Linear):
-    """The whole matrix on every rank (DeepSeek's down-projections to a shared latent)."""
-
-    quant: QuantMethod
-    shards: dict[str, ShardSpec]
-
-    def __init__(
-        self, in_features: int, out_features: int, quant: QuantMethod = UNQUANTIZED
-    ) -> None:
-        _init(self, in_features, out_features, {}, quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.matmul(self, "weight", x)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -91,3 +76,12 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant.matmul(self, "weight", x)
         return all_reduce(y, self.group) if self.reduce else y
+
+
+class ReplicatedLinear(ColumnParallelLinear):
+    """The whole matrix on every rank (DeepSeek's down-projections to a shared latent)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, quant: QuantMethod = UNQUANTIZED
+    ) -> None:
+        super().__init__(in_features, out_features, SOLO, quant)
