@@ -32,8 +32,9 @@ def stamp(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _empty(value: Any) -> bool:
-    # The API server omits empty strings, lists and maps (Go's omitempty).
-    return value is None or value == "" or value == [] or value == {}
+    # The API server omits empty strings, lists and maps, and false (Go's omitempty on a bool:
+    # a Service's publishNotReadyAddresses).
+    return value is None or value is False or value == "" or value == [] or value == {}
 
 
 def covers(live: Any, want: Any) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from dsv4_operator.devcluster.operator_process import OperatorService
 
-__all__ = ["OperatorService", "apply_yaml", "kubectl_json"]
+__all__ = ["OperatorService", "apply_yaml", "kubectl_json", "warning_events"]
 
 
 def kubectl_json(cluster: Any, *args: str) -> dict[str, Any]:
@@ -17,3 +17,17 @@ def kubectl_json(cluster: Any, *args: str) -> dict[str, Any]:
 
 def apply_yaml(cluster: Any, text: str, namespace: str) -> str:
     return str(cluster.kubectl("apply", "-n", namespace, "-f", "-", input=text))
+
+
+def warning_events(cluster: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The Warning events about the object ``name`` (a DeepSeekV4Deployment)."""
+    items: list[dict[str, Any]] = kubectl_json(
+        cluster,
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"involvedObject.name={name},type=Warning",
+    )["items"]
+    return items

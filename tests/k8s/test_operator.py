@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_for
-from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
+from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json, warning_events
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
 CHILD_KINDS = "statefulsets,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies"
@@ -184,7 +184,7 @@ def test_a_restarted_operator_changes_nothing(
         cr_after = kubectl_json(cluster, "get", "dsv4", "tiny", "-n", ns)["metadata"]
         assert cr_after["resourceVersion"] == cr_before["resourceVersion"]
         # not even a no-op write: every live child already holds what would be applied
-        for verb in ("apply", "delete", "patch_status", "create"):
+        for verb in ("dry_run", "apply", "delete", "patch_status", "create"):
             assert restarted.metric("dsv4_operator_api_requests_total", verb=verb) == 0, verb
     finally:
         restarted.stop()
@@ -264,16 +264,7 @@ def test_pod_larger_than_any_node_degrades_the_deployment(k8s_cluster, operator,
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "Unschedulable"
     assert "huawei.com/Ascend910" in degraded["message"]
-    warnings = kubectl_json(
-        cluster,
-        "get",
-        "events",
-        "-n",
-        ns,
-        "--field-selector",
-        "involvedObject.name=huge,type=Warning",
-    )["items"]
-    assert any(e["reason"] == "Degraded" for e in warnings)
+    assert any(e["reason"] == "Degraded" for e in warning_events(cluster, ns, "huge"))
     cluster.kubectl("delete", "dsv4", "huge", "-n", ns, "--wait=true")
 
 

@@ -10,7 +10,7 @@ import pytest
 from dsv4_operator.api.spec import parse
 from dsv4_operator.reconcile.network import role_service
 from tests.helpers import wait_for
-from tests.k8s.operator_fixtures import apply_yaml, kubectl_json
+from tests.k8s.operator_fixtures import apply_yaml, kubectl_json, warning_events
 from tests.k8s.test_operator import _children, _phase_is, _status
 
 
@@ -31,18 +31,6 @@ def _cpu_cr(name: str, **spec: Any) -> dict[str, Any]:
     }
 
 
-def _warnings(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
-    return kubectl_json(
-        cluster,
-        "get",
-        "events",
-        "-n",
-        ns,
-        "--field-selector",
-        f"involvedObject.name={name},type=Warning",
-    )["items"]
-
-
 def test_a_child_the_api_server_refuses_applies_nothing_and_names_the_field(
     k8s_cluster, operator, namespace
 ) -> None:
@@ -58,7 +46,7 @@ def test_a_child_the_api_server_refuses_applies_nothing_and_names_the_field(
     ), degraded["message"]
     assert not _children(cluster, ns, "bad")  # not a ConfigMap, Secret or Service
     assert any(
-        "spec.scheduling.tolerations[0]" in e["message"] for e in _warnings(cluster, ns, "bad")
+        "spec.scheduling.tolerations[0]" in e["message"] for e in warning_events(cluster, ns, "bad")
     )
 
     cluster.kubectl(

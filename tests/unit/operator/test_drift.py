@@ -89,3 +89,11 @@ def test_booleans_and_numbers_are_not_confused() -> None:
     assert not covers(0, False)
     assert covers(False, False)
     assert covers("8", 8) and not covers("80", 8)
+
+
+def test_a_false_bool_the_api_server_omits_is_not_a_difference() -> None:
+    # a Service's publishNotReadyAddresses: false comes back absent (omitempty)
+    assert covers({"spec": {"clusterIP": "None"}}, {"spec": {"publishNotReadyAddresses": False}})
+    assert not covers(
+        {"spec": {"publishNotReadyAddresses": True}}, {"spec": {"publishNotReadyAddresses": False}}
+    )
