@@ -44,6 +44,7 @@ class Result:
     comm_s_per_step: float  # rank 0's
     comm_s_per_step_mean: float  # over every rank
     steps: int  # rank 0's forward steps
+    calls_per_step: float  # rank 0's collectives per forward step
 
     @property
     def tok_s(self) -> float:
@@ -105,7 +106,8 @@ def run_layout(name: str, prompts: list[list[int]], output: int) -> Result:
         ranks = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rank-*.json"))]
     per_step = [r["comm_s"] / max(1, r["steps"]) for r in ranks] or [0.0]
     steps = ranks[0]["steps"] if ranks else 0
-    return Result(name, seconds, tokens, per_step[0], sum(per_step) / len(per_step), steps)
+    calls = ranks[0]["comm_calls"] / max(1, steps) if ranks else 0.0
+    return Result(name, seconds, tokens, per_step[0], sum(per_step) / len(per_step), steps, calls)
 
 
 def main() -> None:
@@ -119,11 +121,15 @@ def main() -> None:
     results = [run_layout(name, prompts, a.output) for name in a.layouts.split(",")]
     base = next((r for r in results if r.layout == "tp1"), results[0])
     print(f"dsv3-small, {a.requests} requests x {a.prompt} prompt + {a.output} output tokens")
-    print(f"{'layout':8} {'tok/s':>8} {'x tp1':>6} {'steps':>6} {'comm ms/step':>13} {'(mean)':>8}")
+    print(
+        f"{'layout':9} {'tok/s':>8} {'x tp1':>6} {'steps':>6} {'comm ms/step':>13} {'(mean)':>8} "
+        f"{'calls/step':>10}"
+    )
     for r in results:
         print(
-            f"{r.layout:8} {r.tok_s:8.1f} {r.tok_s / base.tok_s:6.2f} {r.steps:6d} "
-            f"{1e3 * r.comm_s_per_step:13.2f} {1e3 * r.comm_s_per_step_mean:8.2f}"
+            f"{r.layout:9} {r.tok_s:8.1f} {r.tok_s / base.tok_s:6.2f} {r.steps:6d} "
+            f"{1e3 * r.comm_s_per_step:13.2f} {1e3 * r.comm_s_per_step_mean:8.2f} "
+            f"{r.calls_per_step:10.1f}"
         )
 
 
