@@ -9,7 +9,15 @@ EXTRAS := operator,serving,gateway,test,dev
 # every package the tests run with, pinned; `make lock` refreshes it from pyproject.toml
 LOCK := requirements.lock
 
-.PHONY: install lock k8s-binaries lint format test test-unit test-k8s up clean
+.PHONY: install lock k8s-binaries node-prereqs lint format test test-unit test-k8s test-node up clean
+
+# The node tier runs real pods (containerd, runc, kubelet) and needs root: as root the test
+# binaries include the node's (kubelet, kube-proxy, crictl, coredns); otherwise the tier skips
+# with that reason.
+ifeq ($(shell id -u),0)
+NODE_BINARIES := --node
+endif
+K8S_BIN_DIR = $$(scripts/k8s-test-binaries $(NODE_BINARIES) | tail -n 1)
 
 install: $(STAMP)
 
@@ -31,7 +39,13 @@ lock: install
 
 # Real Kubernetes binaries (etcd, kube-apiserver, ..., kwok, helm), built once into ~/.cache/dsv4.
 k8s-binaries:
-	scripts/k8s-test-binaries
+	scripts/k8s-test-binaries $(NODE_BINARIES)
+
+# Host packages (containerd, runc, CNI plugins, buildah, debootstrap) and the node tier's
+# images (pause, busybox; engine and operator from docker/*.Dockerfile), all cached.
+node-prereqs:
+	scripts/node-host-packages
+	scripts/node-images --app
 
 lint: install
 	$(BIN)/ruff check .
@@ -45,13 +59,16 @@ format: install
 
 # Every tier; pytest exits non-zero (5) when it collects no test, so an empty run fails.
 test: install lint
-	DSV4_K8S_BIN_DIR="$$(scripts/k8s-test-binaries | tail -n 1)" $(BIN)/pytest $(PYTEST_ARGS)
+	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(BIN)/pytest $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/pytest -m unit $(PYTEST_ARGS)
 
 test-k8s: install
-	DSV4_K8S_BIN_DIR="$$(scripts/k8s-test-binaries | tail -n 1)" $(BIN)/pytest -m k8s $(PYTEST_ARGS)
+	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(BIN)/pytest -m k8s $(PYTEST_ARGS)
+
+test-node: install
+	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(BIN)/pytest -m node $(PYTEST_ARGS)
 
 # The local stack on the built-in tiny model: gateway on 127.0.0.1:8000, one prefill and one
 # decode engine with their KV sidecars. Ctrl-C stops it. UP_ARGS='--port 9000' etc. pass through.

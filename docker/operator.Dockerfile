@@ -1,19 +1,31 @@
 # The control-plane image: `dsv4 operator` and `dsv4 gateway`. No torch, no engine.
 #
 #   docker build -f docker/operator.Dockerfile -t dsv4/operator:0.1.0 .
-FROM python:3.11-slim
+#
+# (scripts/node-images builds this same file with buildah, on a Debian base, for the node tier.)
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# a CA bundle for pip behind a TLS-inspecting proxy (a path visible to RUN, e.g. a build volume)
+ARG PIP_CERT
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/dsv4
-COPY pyproject.toml README.md requirements.lock ./
+# Layer 1, the dependencies of the `operator` and `gateway` extras at requirements.lock's versions.
+COPY pyproject.toml requirements.lock ./
+RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; e = p["optional-dependencies"]; print("\n".join(p["dependencies"] + e["operator"] + e["gateway"]))' > /tmp/deps.txt \
+ && python -m pip install -c requirements.lock -r /tmp/deps.txt \
+ && rm /tmp/deps.txt \
+ && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4
+
+# Layer 2, per commit: the project itself.
+COPY README.md ./
 COPY common ./common
 COPY operator ./operator
 COPY serving ./serving
 COPY kvtransfer ./kvtransfer
-
-RUN python -m pip install -c requirements.lock ".[operator,gateway]" \
- && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4 \
+RUN python -m pip install --no-deps . && rm -rf build *.egg-info \
  && python -c "import dsv4_operator.handlers, sys; assert 'torch' not in sys.modules"
 
 USER 1000
