@@ -159,6 +159,16 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _cr(kvTransfer={"sidecarResources": {"limits": {"memory": "2GB"}}}),
         "each resource amount must be a Kubernetes quantity",
     ),
+    (
+        "hccn.conf path naming another host file",
+        _cr(features={"hccnConf": {"hostPath": "/etc/shadow"}}),
+        "features.hccnConf.hostPath must be an absolute path to a file named hccn.conf",
+    ),
+    (
+        "hccn.conf path climbing out",
+        _cr(features={"hccnConf": {"hostPath": "/etc/../root/hccn.conf"}}),
+        "features.hccnConf.hostPath must be an absolute path to a file named hccn.conf",
+    ),
     ("name starting with a digit", _named("4v"), "metadata.name must be a DNS label"),
     ("name too long", _named("v" * 41), "at most 40 characters"),
     ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),
@@ -209,7 +219,12 @@ def test_knobs_at_their_defaults_are_accepted(k8s_control_plane, dsv4_crd) -> No
             "resources": {"requests": {"cpu": 4, "memory": "64Gi"}, "limits": {"cpu": "500m"}},
         },
         autoscaling={"enabled": False, "decode": {"min": 1, "max": 8}},
-        features={"eplb": {"enabled": False}, "mlapo": True, "c8": "auto"},
+        features={
+            "eplb": {"enabled": False},
+            "mlapo": True,
+            "c8": "auto",
+            "hccnConf": {"hostPath": "/opt/npu-1.2/hccn.conf"},
+        },
         model={"path": "/data/v4", "servedName": "v4", "quantization": "none"},
     )
     res = _apply(k8s_control_plane, cr)

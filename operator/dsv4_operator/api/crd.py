@@ -470,9 +470,20 @@ def _features() -> Schema:
                         "Mount the host's hccn.conf (NPU network config).", default=True
                     ),
                     "hostPath": string(
-                        "Where hccn.conf is on the node.", default="/etc/hccn.conf", pattern="^/"
+                        "Where hccn.conf is on the node (a file of that name: anyone who may "
+                        "create the CR chooses it, so it cannot name any other file).",
+                        default="/etc/hccn.conf",
+                        max_length=256,
                     ),
                 },
+                rules=[
+                    (
+                        "self.hostPath.matches('^(/[-_.a-zA-Z0-9]+)*/hccn[.]conf$') && "
+                        "!self.hostPath.contains('/../')",
+                        "features.hccnConf.hostPath must be an absolute path to a file named "
+                        "hccn.conf (no '..')",
+                    )
+                ],
                 default={},
             ),
             "privileged": boolean("Run engine containers privileged (opt-in).", default=False),
