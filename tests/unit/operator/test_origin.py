@@ -96,3 +96,16 @@ def test_a_refusal_reads_one_line_per_cause() -> None:
     assert refusal(child, [], "quota exceeded") == [
         "the API server refused StatefulSet v4-prefill: quota exceeded"
     ]
+
+
+def test_the_positions_origin_relies_on_are_those_the_operator_renders(npu_spec: Any) -> None:
+    from dsv4_operator.reconcile import Facts, desired_children
+
+    for obj in desired_children(npu_spec, Facts(kv_token="t")):
+        if obj["kind"] == "StatefulSet":
+            pod = obj["spec"]["template"]["spec"]
+            assert [c["name"] for c in pod["containers"]] == ["engine", "kv-sidecar"]
+            assert pod["volumes"][0]["name"] == "shm"
+        if obj["kind"] == "Deployment":
+            [gateway] = obj["spec"]["template"]["spec"]["containers"]
+            assert [e["name"] for e in gateway["env"]] in ([], ["DSV4_GATEWAY_API_KEY"])
