@@ -57,11 +57,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line, or (``only``) just one subcommand's flags: a command imports no
     other subcommand's module, so an image that lacks one package (the engine image has no
     ``cryptography`` for the dev cluster) still runs every command it ships."""
-    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"dsv4 {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         p.set_defaults(_module=module)
         if only in (None, name):
             importlib.import_module(module).add_arguments(p)

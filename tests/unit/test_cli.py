@@ -96,3 +96,11 @@ def test_a_command_imports_only_what_it_needs(argv: list[str], absent: list[str]
     ).stdout.split("\n")[-2]
     loaded = set(out.split())
     assert not [m for m in absent if m in loaded or any(x.startswith(m + ".") for x in loaded)]
+
+
+def test_abbreviated_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse would read --max-num-se as --max-num-seqs: an engineArgs entry could then set a
+    # flag the operator owns under another spelling
+    with pytest.raises(SystemExit):
+        build_parser("engine").parse_args(["engine", "--max-num-se", "4"])
+    assert "unrecognized arguments: --max-num-se" in capsys.readouterr().err
