@@ -136,3 +136,18 @@ def test_loading_holds_no_float_copy_of_the_model(tmp_path: Path, fmt: str) -> N
           f"{m['peak'] / 2**20:.1f} MiB ({m['peak'] / m['resident']:.2f}x)")  # fmt: skip
     assert m["scheme"] == fmt
     assert m["peak"] < 1.5 * m["resident"]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "w8a8"])
+def test_dummy_quantized_weights_of_a_shard_are_the_single_process_values_sliced(
+    fmt: str,
+) -> None:
+    full = _model(ModelParallel(), fmt)
+    init_dummy_weights(full, seed=2)
+    part = _model(ModelParallel(tp=_pair(0), ep=_pair(0) if fmt == "w8a8" else Group((0,), 0)), fmt)
+    init_dummy_weights(part, seed=2)
+    specs, whole = shard_specs(part), dict(full.named_parameters())
+    for name, p in part.named_parameters():
+        want = whole[name] if name not in specs else specs[name].narrow(whole[name])
+        assert torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,
+                           want.view(torch.uint8) if want.element_size() == 1 else want), name  # fmt: skip
