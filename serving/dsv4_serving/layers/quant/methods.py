@@ -173,6 +173,16 @@ class Fp8Block(_Chunked):
         super().__init__()
         self.block = block
         self.row_block = block[0]
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def _table(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.device, like.dtype)
+        t = self._tables.get(key)
+        if t is None:
+            every = torch.arange(256, dtype=torch.uint8, device=like.device)
+            t = every.view(torch.float8_e4m3fn).to(like.dtype)
+            self._tables[key] = t
+        return t
 
     def create(self, module: nn.Module, name: str, shape: tuple[int, ...]) -> None:
         *lead, out_f, in_f = shape
@@ -202,7 +212,9 @@ class Fp8Block(_Chunked):
         s = _weight(module, name + "_scale", index)
         bn, bk = self.block
         in_f = int(w.shape[1])
-        out.copy_(w[r0:r1])
+        # a 256-entry byte -> value table: ~2x faster than torch's fp8 cast on CPU, same values
+        codes = w[r0:r1].view(torch.uint8).reshape(-1).int()
+        torch.index_select(self._table(out), 0, codes, out=out.view(-1))
         for b in range(r0 // bn, _cdiv(r1, bn)):
             lo, hi = max(r0, b * bn) - r0, min(r1, (b + 1) * bn) - r0
             cols = s[b].repeat_interleave(bk)[:in_f].to(out.dtype)
