@@ -70,9 +70,14 @@ def kind(error: str) -> str:
 
 
 def _kill(c: Service, sig: signal.Signals) -> None:
+    """SIGKILL: the whole process group (the engine core too), as when a container is killed;
+    SIGTERM: the leader only, as Kubernetes signals a container's main process."""
     if c.pid is not None and c.running():
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(c.pid, sig)
+            if sig == signal.SIGKILL:
+                os.killpg(c.pid, sig)
+            else:
+                os.kill(c.pid, sig)
 
 
 def chaos_loop(

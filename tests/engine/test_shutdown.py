@@ -134,3 +134,25 @@ def test_past_the_shutdown_timeout_the_rest_ends_with_an_error(tmp_path: Path) -
         assert time.monotonic() - t < 15
     finally:
         server.stop()
+
+
+def test_a_core_dying_mid_stream_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
+    server = _engine(tmp_path, "30")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        stream = _Stream(client, max_tokens=1900)
+        stream.start()
+        assert stream.started.wait(60)
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        assert children, "the engine core process"
+        for pid in children:
+            os.kill(int(pid), signal.SIGKILL)
+        stream.join(30)
+        assert not stream.is_alive()
+        # an error event from the engine, not a connection cut mid-response
+        assert isinstance(stream.error, openai.APIError), stream.error
+        assert not isinstance(stream.error, openai.APIConnectionError), stream.error
+        assert "engine core" in str(stream.error)
+        assert _wait_exit(server, 30) == 1  # a dead core ends the engine (non-zero)
+    finally:
+        server.stop()

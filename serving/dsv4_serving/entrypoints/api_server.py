@@ -53,11 +53,36 @@ def _shutdown_error(timeout_s: float) -> JSONResponse:
     return error_response(503, SHUTDOWN_MESSAGE.format(timeout_s), code="shutdown")
 
 
+def _error_event(err: dict[str, Any]) -> str:
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
+
+
+def _failure(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """Status and error body of a request the engine could not serve: the HTTP answer, or the
+    last event of a stream that had started."""
+    if isinstance(exc, EngineDeadError):
+        return 503, openai_error(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, KVTransferError):
+        # PD protocol: a decode engine could not get the KV (policy fail), or its layout
+        # differs from the prefill engine's (a deployment error: 500, never retried silently)
+        status = 500 if exc.reason == "incompatible" else 503
+        return status, openai_error(
+            status,
+            f"KV transfer failed (reason={exc.reason}): {exc}",
+            code=exc.reason,
+            type_=KV_TRANSFER_ERROR_TYPE,
+            param="kv_transfer_params",
+        )
+    log.exception("internal error")
+    return 500, openai_error(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
 async def _drained(
     chunks: AsyncIterator[str], drain: Drain, timeout_s: float
 ) -> AsyncIterator[str]:
     """The SSE stream to its end, or until the drain's grace period runs out: then an error
-    event (the OpenAI SDK raises it) and [DONE]. Closing ``chunks`` aborts the engine request."""
+    event (the OpenAI SDK raises it) and [DONE]; a failure mid-stream (the core died) ends it
+    the same way, never with a cut connection. Closing ``chunks`` aborts the engine request."""
     try:
         while True:
             try:
@@ -65,9 +90,13 @@ async def _drained(
                 chunk = await (drain.race(anext(chunks)) if drain.draining else anext(chunks))
             except StopAsyncIteration:
                 return
+            except Exception as exc:
+                yield _error_event(_failure(exc)[1])
+                return
             if chunk is None:
-                err = openai_error(503, SHUTDOWN_MESSAGE.format(timeout_s), code="shutdown")
-                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
+                yield _error_event(
+                    openai_error(503, SHUTDOWN_MESSAGE.format(timeout_s), code="shutdown")
+                )
                 return
             yield chunk
     finally:
@@ -136,26 +165,11 @@ def build_app(
         return error_response(400, str(exc), code=exc.code, param=exc.param)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc), code="engine_unavailable")
-
     @app.exception_handler(KVTransferError)
-    async def _kv_failed(_: Request, exc: KVTransferError) -> JSONResponse:
-        # PD protocol: a decode engine could not get the KV (policy fail), or its layout
-        # differs from the prefill engine's (a deployment error: 500, never retried silently)
-        status = 500 if exc.reason == "incompatible" else 503
-        return error_response(
-            status,
-            f"KV transfer failed (reason={exc.reason}): {exc}",
-            code=exc.reason,
-            type_=KV_TRANSFER_ERROR_TYPE,
-            param="kv_transfer_params",
-        )
-
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+    async def _failed(_: Request, exc: Exception) -> JSONResponse:
+        status, body = _failure(exc)
+        return JSONResponse(body, status_code=status)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
