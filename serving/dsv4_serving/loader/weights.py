@@ -194,7 +194,7 @@ def load_weights(
             f = names[name]
             if f not in handles:
                 handles[f] = safe_open(str(root / f), framework="pt", device=str(device))
-            return handles[f].get_tensor(name)  # type: ignore[attr-defined]
+            return handles[f].get_tensor(name)  # type: ignore[attr-defined,no-any-return]
 
         for name in keys:
             if name in scales or name in offsets:
