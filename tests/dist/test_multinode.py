@@ -88,6 +88,8 @@ def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Pa
         for s in (ref, node0, node1):
             s.wait_ready(240)
         assert node1.metric("dsv4_headless_ranks_alive", node_rank="1") == 2
+        assert httpx.get(node1.url + "/ready").status_code == 200
+        assert httpx.get(node1.url + "/v1/models").status_code == 404  # the API is node 0's
         with ThreadPoolExecutor(6) as pool:
             want = list(pool.map(lambda it: _tokens(ref.url, *it), ITEMS))
             wave = pool.map(lambda it: _tokens(node0.url, *it, rank=1), ITEMS[:3])

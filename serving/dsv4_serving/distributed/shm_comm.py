@@ -25,6 +25,7 @@ import platform
 import secrets
 import struct
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,62 +185,64 @@ class ShmChannel:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self._data[start : start + nbytes].view(dtype)
 
-    def _per_round(self, dtype: torch.dtype) -> int:
-        return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
+    def _rounds(
+        self, flat: torch.Tensor, send: bool = True
+    ) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
+        """Slot-sized pieces of ``flat``: each round copies this member's piece into its slot
+        (when ``send``), waits for every member and yields (offset, piece, every member's
+        slot view of it)."""
+        per = self.slot_bytes // flat.element_size()
+        for a in range(0, max(1, flat.numel()), per):
+            piece = flat[a : a + per]
+            seq = self._arrive()
+            views = [self._view(j, seq, piece.dtype, piece.numel()) for j in range(self.size)]
+            if send:
+                views[self.index].copy_(piece)
+            self._publish_and_wait(seq)
+            yield a, piece, views
+
+    @staticmethod
+    def _in_place(x: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """``fn`` on a flat contiguous view of ``x``, written back into ``x`` (returned)."""
+        work = x if x.is_contiguous() else x.contiguous()
+        fn(work.view(-1))
+        if work is not x:
+            x.copy_(work)
+        return x
 
     # --- collectives -------------------------------------------------------------------
     @torch.no_grad()  # a collective is not differentiable (as gloo's)
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the members, in place on ``x`` (returned)."""
-        work = x if x.is_contiguous() else x.contiguous()
-        flat = work.view(-1)
-        per = self._per_round(flat.dtype)
-        for a in range(0, max(1, flat.numel()), per):
-            piece = flat[a : a + per]
-            seq = self._arrive()
-            self._view(self.index, seq, piece.dtype, piece.numel()).copy_(piece)
-            self._publish_and_wait(seq)
-            views = [self._view(j, seq, piece.dtype, piece.numel()) for j in range(self.size)]
-            torch.add(views[0], views[1], out=piece)
-            for v in views[2:]:
-                piece.add_(v)
-        if work is not x:
-            x.copy_(work)
-        return x
+
+        def run(flat: torch.Tensor) -> None:
+            for _, piece, views in self._rounds(flat):
+                torch.add(views[0], views[1], out=piece)
+                for v in views[2:]:
+                    piece.add_(v)
+
+        return self._in_place(x, run)
 
     @torch.no_grad()
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every member's ``x`` (equal shapes) concatenated along ``dim`` in member order."""
         flat = x.contiguous().view(-1)
-        n = flat.numel()
-        out = flat.new_empty((self.size, n))
-        per = self._per_round(flat.dtype)
-        for a in range(0, max(1, n), per):
-            piece = flat[a : a + per]
-            seq = self._arrive()
-            self._view(self.index, seq, piece.dtype, piece.numel()).copy_(piece)
-            self._publish_and_wait(seq)
-            for j in range(self.size):
-                out[j, a : a + piece.numel()] = self._view(j, seq, piece.dtype, piece.numel())
+        out = flat.new_empty((self.size, flat.numel()))
+        for a, piece, views in self._rounds(flat):
+            for j, v in enumerate(views):
+                out[j, a : a + piece.numel()] = v
         return torch.cat([out[j].view(x.shape) for j in range(self.size)], dim=dim)
 
     @torch.no_grad()
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Member ``src``'s ``x`` on every member, in place (returned)."""
-        work = x if x.is_contiguous() else x.contiguous()
-        flat = work.view(-1)
-        per = self._per_round(flat.dtype)
-        for a in range(0, max(1, flat.numel()), per):
-            piece = flat[a : a + per]
-            seq = self._arrive()
-            if self.index == src:
-                self._view(src, seq, piece.dtype, piece.numel()).copy_(piece)
-            self._publish_and_wait(seq)
-            if self.index != src:
-                piece.copy_(self._view(src, seq, piece.dtype, piece.numel()))
-        if work is not x:
-            x.copy_(work)
-        return x
+
+        def run(flat: torch.Tensor) -> None:
+            for _, piece, views in self._rounds(flat, send=self.index == src):
+                if self.index != src:
+                    piece.copy_(views[src])
+
+        return self._in_place(x, run)
 
     def exchange(self, data: bytes) -> list[bytes]:
         """Every member's bytes, in member order (a member with nothing to say sends b"")."""

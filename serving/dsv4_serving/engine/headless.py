@@ -2,8 +2,9 @@
 
 The ranks join the instance's rendezvous on node 0 and take their steps from the cores there
 (TP followers, DP cores in lockstep), exactly as node 0's own ranks do. This process only
-watches them and answers ``/health`` (200 while every local rank lives, else 503) and
-``/metrics`` (how many of its ranks live), the probes a pod needs. It exits 0 when the
+watches them and answers ``/health`` and ``/ready`` (200 while every local rank lives, else
+503) and ``/metrics`` (how many of its ranks live), the probes a pod needs; the API is node
+0's alone. It exits 0 when the
 leader stopped every rank (each exits 0), and 1 as soon as one rank fails (the others are
 killed: the instance is broken either way, and node 0 sees its collectives fail).
 """
@@ -30,7 +31,7 @@ def _handler(ranks: list[int], procs: LocalRanks, node: int) -> type[BaseHTTPReq
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             alive = sum(p.is_alive() for p in procs.procs)
-            if self.path == "/health":
+            if self.path in ("/health", "/ready"):
                 ok = alive == len(ranks)
                 body = json.dumps({"status": "ok" if ok else "rank exited", "node_rank": node})
                 self._send(200 if ok else 503, "application/json", body)
