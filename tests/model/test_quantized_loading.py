@@ -151,3 +151,47 @@ def test_dummy_quantized_weights_of_a_shard_are_the_single_process_values_sliced
         want = whole[name] if name not in specs else specs[name].narrow(whole[name])
         assert torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,
                            want.view(torch.uint8) if want.element_size() == 1 else want), name  # fmt: skip
+
+
+def _hf_name(native: str) -> str:
+    """Our native checkpoint name -> transformers' (ModelSlim writes these), scales included."""
+    import re
+
+    from dsv4_serving.loader.names import to_transformers_state_dict
+
+    m = re.match(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(.+)$", native)
+    if m:
+        part = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[m.group(3)]
+        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(2)}.{part}.{m.group(4)}"
+    arch = "DeepseekV3ForCausalLM"
+    return next(iter(to_transformers_state_dict({native: torch.zeros(1)}, arch)))
+
+
+def test_modelslim_w8a8_in_transformers_names_loads_as_the_native_one(tmp_path: Path) -> None:
+    """ModelSlim's layout: transformers' names, per-expert tensors, ``weight_scale`` [O, 1]
+    and ``weight_offset`` beside each int8 weight, the description file beside the shards."""
+    from safetensors.torch import save_file
+
+    from dsv4_serving.engine.config import EngineConfig
+    from dsv4_serving.engine.model_loader import load_model
+    from dsv4_serving.models.config import DeepseekV3Config
+    from dsv4_serving.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    from .quant_checkpoint import quantized_checkpoint
+
+    cfg = preset_config("dsv3-small") | {"num_nextn_predict_layers": 0}
+    src = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(cfg))
+    init_dummy_weights(src, seed=7)
+    native = write_checkpoint(tmp_path / "native", cfg, src.state_dict(), "w8a8")
+    tensors, extra = quantized_checkpoint(src.state_dict(), "w8a8", v4=False)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({_hf_name(n): t for n, t in tensors.items()}, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps(cfg))
+    desc = {_hf_name(k) if k != "model_quant_type" else k: v
+            for k, v in extra["__description__"].items()}  # fmt: skip
+    (hf / "quant_model_description.json").write_text(json.dumps(desc))
+    a = load_model(EngineConfig(model=str(native))).model.state_dict()
+    b = load_model(EngineConfig(model=str(hf))).model.state_dict()
+    assert a.keys() == b.keys() and a["layers.1.ffn.experts.w1"].dtype == torch.int8
+    assert all(torch.equal(a[k], b[k]) for k in a)
