@@ -10,7 +10,7 @@
 # For CPU-only development images use BASE_IMAGE=python:3.11-slim and leave TORCH_NPU_VERSION empty
 # (scripts/node-images builds this same file with buildah, on a Debian base, for the node tier).
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
+FROM ${BASE_IMAGE} AS deps
 
 # the torch the tests ran with (requirements.lock); Ascend images pass the one torch_npu needs
 ARG TORCH_VERSION=2.15.0
@@ -50,6 +50,9 @@ RUN printf '%s\n' '#!/bin/sh' \
       '[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ] && . /usr/local/Ascend/ascend-toolkit/set_env.sh' \
       'exec "$@"' > /usr/local/bin/dsv4-entry && chmod 0755 /usr/local/bin/dsv4-entry
 
+FROM deps
+# (a build argument is per stage)
+ARG PIP_CERT
 # Layer 2, per commit: the project itself, its dependencies already in place (a few MB).
 COPY README.md ./
 COPY common ./common

@@ -4,7 +4,7 @@
 #
 # (scripts/node-images builds this same file with buildah, on a Debian base, for the node tier.)
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
+FROM ${BASE_IMAGE} AS deps
 
 # a CA bundle for pip behind a TLS-inspecting proxy (a path visible to RUN, e.g. a build volume)
 ARG PIP_CERT
@@ -19,6 +19,9 @@ RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["p
  && rm /tmp/deps.txt \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4
 
+FROM deps
+# (a build argument is per stage)
+ARG PIP_CERT
 # Layer 2, per commit: the project itself.
 COPY README.md ./
 COPY common ./common
