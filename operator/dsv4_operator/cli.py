@@ -46,6 +46,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render features.privileged (otherwise such a deployment is Degraded)",
     )
+    p.add_argument(
+        "--autoscaler-metrics-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="tests only: read every gateway, engine and sidecar /metrics the autoscaler needs "
+        "from this one address instead of the pods' IPs (kwok pods have none that answer)",
+    )
+    p.add_argument(
+        "--autoscaler-blocked-after",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="an instance whose pod is Unschedulable this long blocks further scale-up",
+    )
 
 
 def _port(value: int, flag: str) -> int:
@@ -62,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from dsv4_operator import handlers
+    from dsv4_operator.autoscaling.loop import LoopOptions
     from dsv4_operator.reconcile.host_access import HostAccess
 
     health, metrics = (
@@ -78,8 +93,17 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if metrics:
         start_http_server(metrics, addr="0.0.0.0")
+    if args.autoscaler_blocked_after <= 0:
+        raise SystemExit(
+            "dsv4 operator: error: --autoscaler-blocked-after must be a positive number of "
+            f"seconds, got {args.autoscaler_blocked_after:g}"
+        )
     stop = threading.Event()
     memo = handlers.OperatorMemo(
+        autoscaler_options=LoopOptions(
+            metrics_address=args.autoscaler_metrics_address,
+            blocked_after_s=args.autoscaler_blocked_after,
+        ),
         kubeconfig=args.kubeconfig,
         host_access=HostAccess(
             model_path=args.allow_host_path_models, privileged=args.allow_privileged

@@ -16,6 +16,7 @@ from prometheus_client import Counter, Histogram
 
 from dsv4_operator.api import KIND
 from dsv4_operator.api.spec import DeploymentSpec, parse
+from dsv4_operator.autoscaling.plan import PlanBook, ScalePlan, effective_spec, routing_configmap
 from dsv4_operator.children import (
     ApplyResult,
     ChildView,
@@ -65,13 +66,18 @@ def announce(kube: KubeApi, body: dict[str, Any], result: ApplyResult) -> None:
 
 
 def update_status(
-    kube: KubeApi, body: dict[str, Any], spec: DeploymentSpec, observed: Observed, at: str
+    kube: KubeApi,
+    body: dict[str, Any],
+    spec: DeploymentSpec,
+    observed: Observed,
+    at: str,
+    plan: ScalePlan | None = None,
 ) -> dict[str, Any] | None:
     """Patch the status subresource when it changed (not for a new timestamp alone), with an
     event when the phase changed; the API server's answer (the deployment with its new status),
     or None when nothing was written."""
     previous = body.get("status") or {}
-    status = compute_status(spec, observed, previous, at)
+    status = compute_status(spec, observed, previous, at, plan)
     if _strip_times(status) == _strip_times({k: previous.get(k) for k in status}):
         return None
     meta = body["metadata"]
@@ -94,12 +100,17 @@ def _message(status: dict[str, Any], ctype: str) -> str | None:
 
 class Controller:
     def __init__(
-        self, kube: KubeApi, view: ChildView | None = None, host_access: HostAccess | None = None
+        self,
+        kube: KubeApi,
+        view: ChildView | None = None,
+        host_access: HostAccess | None = None,
+        plans: PlanBook | None = None,
     ) -> None:
         """``view``: where children and pods are read (the operator's watch cache; default a
         LIST per kind); ``host_access``: what of the node deployments may reach (default
-        nothing)."""
+        nothing); ``plans``: the autoscaler's instance counts and drains."""
         self.kube = kube
+        self.plans = plans or PlanBook()
         self.host_access = host_access or HostAccess()
         self.view = view or ListedChildren(kube)
         self._lws: tuple[float, bool] = (0.0, False)
@@ -145,6 +156,8 @@ class Controller:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # children go with it through their owner references
         spec = parse(body)
+        plan = self.plans.plan_for(spec, body.get("status"))
+        spec = effective_spec(spec, plan)  # autoscaled: the plan's counts, not spec's
         lws = self.lws_available()
         live = self.view.children(spec, lws)
         self._read_kv_secret(spec, live)
@@ -155,6 +168,8 @@ class Controller:
         try:
             check_host_access(spec, self.host_access)
             desired = desired_children(spec, seen.facts)
+            if plan is not None:
+                desired.append(routing_configmap(spec, plan))
         except ReconcileError as e:
             # nothing is applied or pruned while the spec cannot be built
             observed = observed.with_problems([str(e)], e.reason)
@@ -171,7 +186,7 @@ class Controller:
             observed = observed.with_problems(result.foreign, "InvalidChild")
             observed = observed.with_problems(result.refused, "ChildRejected")
             refused = result.refused
-        written = update_status(self.kube, body, spec, observed, now())
+        written = update_status(self.kube, body, spec, observed, now(), plan)
         if written is not None and _inputs(written) == _inputs(body):
             # recorded, so the watch's echo of this patch syncs nothing; not when someone edited
             # the deployment between our read and our patch: that edit's event must be news

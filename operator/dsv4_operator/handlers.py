@@ -17,6 +17,8 @@ from typing import Any
 import kopf
 
 from dsv4_operator.api import GROUP, PLURAL, VERSION
+from dsv4_operator.autoscaling.loop import Autoscalers, LoopOptions
+from dsv4_operator.autoscaling.plan import PlanBook
 from dsv4_operator.cache import WatchCache, owner_of
 from dsv4_operator.controller import Controller
 from dsv4_operator.kube import Kube, load_api_client
@@ -55,6 +57,9 @@ class OperatorMemo:
     cache: WatchCache = field(default_factory=WatchCache)
     controller: Controller | None = None
     queue: SyncQueue | None = None
+    autoscaler_options: LoopOptions = field(default_factory=LoopOptions)
+    plans: PlanBook = field(default_factory=PlanBook)
+    autoscalers: Autoscalers | None = None
 
     def idle(self) -> bool:
         """No sync is running (nothing holds the process's exit)."""
@@ -73,15 +78,19 @@ async def startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
-    memo.controller = Controller(
-        Kube(load_api_client(memo.kubeconfig)), memo.cache, memo.host_access
-    )
+    kube = Kube(load_api_client(memo.kubeconfig))
+    memo.controller = Controller(kube, memo.cache, memo.host_access, memo.plans)
     memo.queue = SyncQueue(memo.controller.sync)
+    memo.autoscalers = Autoscalers(
+        kube, memo.cache, memo.plans, memo.queue.enqueue, memo.autoscaler_options
+    )
     logger.info("dsv4 operator started")
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: OperatorMemo, **_: Any) -> None:
+    if memo.autoscalers is not None:
+        await memo.autoscalers.close()
     if memo.queue is not None:
         # bounded: a sync waiting on an unreachable API server must not hold the exit
         with contextlib.suppress(TimeoutError):
@@ -97,9 +106,14 @@ async def deployment_event(
     if event["type"] == "DELETED":
         memo.cache.forget_deployment(namespace, name)
         memo.sync_queue().forget((namespace, name))
+        if memo.autoscalers is not None:
+            memo.autoscalers.stop((namespace, name))
         return
-    if memo.cache.record_deployment(dict(event["object"])):  # not the echo of our status patch
+    body = dict(event["object"])
+    if memo.cache.record_deployment(body):  # not the echo of our status patch
         memo.sync_queue().enqueue((namespace, name))
+    if memo.autoscalers is not None:
+        memo.autoscalers.ensure(body)
 
 
 def _cache_child(kind: str) -> Callable[..., Awaitable[None]]:

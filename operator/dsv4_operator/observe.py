@@ -84,7 +84,7 @@ def _instance_of(pod: dict[str, Any]) -> tuple[Role, int] | None:
     return role, int(idx)
 
 
-def _workload_ready(obj: dict[str, Any]) -> bool:
+def workload_ready(obj: dict[str, Any]) -> bool:
     spec, status = obj.get("spec") or {}, obj.get("status") or {}
     want = int(spec.get("replicas", 1))
     return (
@@ -124,7 +124,7 @@ def observe(
             continue
         if kind == "LeaderWorkerSet" and spec.scheduling.use_lws:
             ready[role] = int((obj.get("status") or {}).get("readyReplicas") or 0)
-        elif kind == "StatefulSet" and not spec.scheduling.use_lws and _workload_ready(obj):
+        elif kind == "StatefulSet" and not spec.scheduling.use_lws and workload_ready(obj):
             ready[role] += 1
 
     gw = live.get(("Deployment", names.gateway_name(spec)))

@@ -174,9 +174,39 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),
     # no knob without behaviour: accepted only at their defaults until something acts on them
     (
-        "autoscaling enabled",
-        _cr(autoscaling={"enabled": True}),
-        "autoscaling.enabled is not supported yet (no controller scales instances)",
+        "autoscaling mode External",
+        _cr(autoscaling={"enabled": True, "mode": "External"}),
+        "autoscaling.mode External is not supported yet (no per-role scale object is served)",
+    ),
+    (
+        "autoscaling from Prometheus without its URL",
+        _cr(autoscaling={"enabled": True, "metrics": {"source": "Prometheus"}}),
+        "autoscaling.metrics.prometheusURL is required when source is Prometheus",
+    ),
+    (
+        "autoscaling KV target above 1",
+        _cr(autoscaling={"decode": {"kvCacheTarget": 1.5}}),
+        "autoscaling.decode.kvCacheTarget must be in (0, 1]",
+    ),
+    (
+        "autoscaling prefill capacity zero",
+        _cr(autoscaling={"prefill": {"tokensPerSecond": 0}}),
+        "autoscaling.prefill.tokensPerSecond must be positive",
+    ),
+    (
+        "autoscaling prefill queue zero",
+        _cr(autoscaling={"prefill": {"waitingPerInstance": 0}}),
+        "autoscaling.prefill.waitingPerInstance must be positive",
+    ),
+    (
+        "autoscaling ratio inverted",
+        _cr(autoscaling={"prefillDecodeRatio": {"min": 2, "max": 1}}),
+        "autoscaling.prefillDecodeRatio needs 0 < min <= max",
+    ),
+    (
+        "autoscaling interval zero",
+        _cr(autoscaling={"intervalSeconds": 0}),
+        "spec.autoscaling.intervalSeconds: Invalid value: 0",
     ),
     (
         "EPLB enabled",
@@ -211,14 +241,21 @@ def test_invalid_deployment_is_rejected(
     assert message in res.stderr, res.stderr
 
 
-def test_knobs_at_their_defaults_are_accepted(k8s_control_plane, dsv4_crd) -> None:
+def test_knobs_at_their_defaults_or_acted_on_are_accepted(k8s_control_plane, dsv4_crd) -> None:
     cr = _cr(
         prefill={
             "engineArgs": ["--max-num-seqs=64", "--enable-prefix-caching", "-x", "--"],
             "env": {"HCCL_BUFFSIZE": "400", "my.var-1": "x"},
             "resources": {"requests": {"cpu": 4, "memory": "64Gi"}, "limits": {"cpu": "500m"}},
         },
-        autoscaling={"enabled": False, "decode": {"min": 1, "max": 8}},
+        autoscaling={
+            "enabled": True,
+            "intervalSeconds": 5,
+            "metrics": {"source": "Prometheus", "prometheusURL": "http://prom.monitoring:9090"},
+            "prefill": {"min": 1, "max": 2, "tokensPerSecond": 20000},
+            "decode": {"min": 1, "max": 8, "kvCacheTarget": 0.9},
+            "prefillDecodeRatio": {"min": 0.25, "max": 1},
+        },
         features={
             "eplb": {"enabled": False},
             "mlapo": True,

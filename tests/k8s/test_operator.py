@@ -102,7 +102,7 @@ def test_tiny_example_becomes_ready_with_its_printer_columns(tiny: tuple[Any, st
     assert [p["status"]["phase"] for p in pods["items"]] == ["Running"]
     assert [c["name"] for c in pods["items"][0]["spec"]["containers"]] == ["engine", "kv-sidecar"]
     table = cluster.kubectl("get", "dsv4", "-n", ns).splitlines()
-    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "PHASE", "AGE"]
+    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "PHASE", "TTFT", "TPOT", "AGE"]
     assert table[1].split()[:4] == ["tiny", "1/1", "1/1", "Ready"]
 
 

@@ -127,13 +127,28 @@ class Bounds:
 
 @dataclass(frozen=True)
 class AutoscalingSpec:
-    """Accepted by the CRD only while disabled (nothing scales yet)."""
+    """``spec.autoscaling``; ``autoscaling.from_spec.policy_of`` turns it into the core's Policy."""
 
     enabled: bool
     ttft_seconds: float
     tpot_seconds: float
     prefill: Bounds
     decode: Bounds
+    mode: str = "Builtin"
+    interval_s: int = 15
+    window_s: int = 60
+    stabilization_s: int = 300
+    drain_timeout_s: int = 600
+    source: str = "Gateway"
+    prometheus_url: str | None = None
+    prefill_tokens_per_s: float | None = None
+    waiting_per_instance: float = 2.0
+    running_per_instance: int = 16
+    kv_cache_target: float = 0.8
+    ratio: tuple[float, float] | None = None
+
+    def bounds(self, role: Role) -> Bounds:
+        return self.prefill if role == "prefill" else self.decode
 
 
 @dataclass(frozen=True)
@@ -251,12 +266,27 @@ def _autoscaling(raw: dict[str, Any]) -> AutoscalingSpec:
     def bounds(b: dict[str, Any]) -> Bounds:
         return Bounds(min=int(b["min"]), max=int(b["max"]))
 
+    p, d, metrics = raw["prefill"], raw["decode"], raw["metrics"]
+    ratio = raw.get("prefillDecodeRatio")
+    tps = p.get("tokensPerSecond")
     return AutoscalingSpec(
         enabled=bool(raw["enabled"]),
         ttft_seconds=float(raw["ttftSeconds"]),
         tpot_seconds=float(raw["tpotSeconds"]),
-        prefill=bounds(raw["prefill"]),
-        decode=bounds(raw["decode"]),
+        prefill=bounds(p),
+        decode=bounds(d),
+        mode=raw["mode"],
+        interval_s=int(raw["intervalSeconds"]),
+        window_s=int(raw["windowSeconds"]),
+        stabilization_s=int(raw["scaleDownStabilizationSeconds"]),
+        drain_timeout_s=int(raw["drainTimeoutSeconds"]),
+        source=metrics["source"],
+        prometheus_url=metrics.get("prometheusURL"),
+        prefill_tokens_per_s=float(tps) if tps is not None else None,
+        waiting_per_instance=float(p["waitingPerInstance"]),
+        running_per_instance=int(d["runningPerInstance"]),
+        kv_cache_target=float(d["kvCacheTarget"]),
+        ratio=(float(ratio["min"]), float(ratio["max"])) if ratio else None,
     )
 
 

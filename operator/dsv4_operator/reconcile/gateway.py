@@ -102,7 +102,14 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
                 "apiGroups": ["discovery.k8s.io"],
                 "resources": ["endpointslices"],
                 "verbs": ["get", "list", "watch"],
-            }
+            },
+            {
+                # the instances the autoscaler drains (watch with fieldSelector metadata.name)
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [names.routing_name(spec)],
+                "verbs": ["get", "list", "watch"],
+            },
         ],
     }
     binding = {

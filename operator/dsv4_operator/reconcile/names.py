@@ -99,6 +99,11 @@ def kv_secret_name(spec: DeploymentSpec) -> str:
     return f"{spec.name}-kv-auth"
 
 
+def routing_name(spec: DeploymentSpec) -> str:
+    """The ConfigMap listing the instances being drained (every gateway replica reads it)."""
+    return f"{spec.name}-routing"
+
+
 def gateway_name(spec: DeploymentSpec) -> str:
     return f"{spec.name}-gateway"
 

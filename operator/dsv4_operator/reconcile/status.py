@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
+from dsv4_operator.autoscaling.plan import ScalePlan, status_conditions
 from dsv4_operator.reconcile import names
 
 
@@ -51,16 +52,26 @@ def _condition(
 
 
 def compute_status(
-    spec: DeploymentSpec, observed: Observed, previous: dict[str, Any], now: str
+    spec: DeploymentSpec,
+    observed: Observed,
+    previous: dict[str, Any],
+    now: str,
+    plan: ScalePlan | None = None,
 ) -> dict[str, Any]:
-    """The status subresource; ``previous`` keeps lastTransitionTime of unchanged conditions."""
+    """The status subresource; ``previous`` keeps lastTransitionTime of unchanged conditions.
+    ``plan``: the autoscaler's (None when autoscaling is off): its targets are the desired
+    counts (what a restarted operator resumes from), its drains and report are written along."""
     prev_conditions = {c["type"]: c for c in previous.get("conditions") or []}
     status: dict[str, Any] = {"observedGeneration": spec.generation}
     all_ready = True
     for r in ROLES:
-        desired = spec.role(r).instances
+        desired = plan.targets[r] if plan is not None else spec.role(r).instances
         ready = min(observed.ready_instances.get(r, 0), desired)
         status[r] = {"desired": desired, "ready": ready, "summary": f"{ready}/{desired}"}
+        if plan is not None:
+            status[r]["draining"] = list(plan.draining[r])
+            # a draining instance is on its way out: the role is not done until it is gone
+            all_ready &= not plan.draining[r]
         all_ready &= ready == desired
     gw_desired = spec.gateway.replicas
     gw_ready = min(observed.gateway_ready, gw_desired)
@@ -119,5 +130,14 @@ def compute_status(
             prev_conditions,
             now,
         ),
+        *(
+            _condition(t, st == "True", reason, msg, g, prev_conditions, now)
+            for t, st, reason, msg in status_conditions(plan)
+        ),
     ]
+    if plan is not None:
+        if plan.autoscaling is not None:
+            status["autoscaling"] = plan.autoscaling
+        if plan.metrics:
+            status["metrics"] = plan.metrics
     return status

@@ -1,0 +1,24 @@
+"""``spec.autoscaling`` as the core's ``Policy``: the one place the CRD's names meet the core's."""
+
+from __future__ import annotations
+
+from dsv4_operator.api.spec import AutoscalingSpec
+from dsv4_operator.autoscaling.policy import ROLES, Policy, RoleBounds
+
+
+def policy_of(a: AutoscalingSpec) -> Policy:
+    return Policy(
+        ttft_s=a.ttft_seconds,
+        tpot_s=a.tpot_seconds,
+        bounds={r: RoleBounds(a.bounds(r).min, a.bounds(r).max) for r in ROLES},
+        interval_s=float(a.interval_s),
+        window_s=float(a.window_s),
+        stabilization_s=float(a.stabilization_s),
+        # older than two ticks (and never under the window's own span of staleness) is stale
+        max_age_s=max(2.0 * a.interval_s, 30.0),
+        kv_target=a.kv_cache_target,
+        waiting_per_instance=a.waiting_per_instance,
+        running_per_instance=a.running_per_instance,
+        prefill_tokens_per_s=a.prefill_tokens_per_s,
+        ratio=a.ratio,
+    )

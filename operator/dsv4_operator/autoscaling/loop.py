@@ -1,0 +1,352 @@
+"""The autoscaler's loop: one asyncio task per DeepSeekV4Deployment with autoscaling on, in the
+operator's event loop (design study section 6.1).
+
+Every ``intervalSeconds``: count the instances (watch cache), observe (the gateway pods'
+``/metrics`` and ``/instances``, or Prometheus), ``decide``, start / step / cancel the drain of a
+scaled-down instance (its engine's and sidecar's ``/metrics`` read directly), then hand the sync
+a ``ScalePlan`` and ask for a sync: the sync is the one writer of children and status. The
+decide ``State`` lives here, in memory: a restarted operator starts a fresh one
+(``State(started_at=now)``: no scale-down for one window) and resumes the targets and drains
+from the status (``plan.from_status``).
+
+Tasks are started from the deployment's watch events, which only the active replica receives
+(kopf pauses a standby's watches), and stopped when autoscaling is turned off, the deployment
+is deleted, or the operator stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+
+from dsv4_common.process import metric_value
+from dsv4_operator.api.spec import DeploymentSpec, parse
+from dsv4_operator.autoscaling import drain as drains
+from dsv4_operator.autoscaling.counts import BLOCKED_AFTER_S, role_counts
+from dsv4_operator.autoscaling.decide import Event, State, decide
+from dsv4_operator.autoscaling.from_spec import policy_of
+from dsv4_operator.autoscaling.gateway_source import (
+    GatewayWindow,
+    RoleCounts,
+    Snapshot,
+    parse_histograms,
+    parse_instances,
+)
+from dsv4_operator.autoscaling.plan import PlanBook, ScalePlan
+from dsv4_operator.autoscaling.policy import ROLES, Role
+from dsv4_operator.autoscaling.prometheus_source import Queries, observations, scalar
+from dsv4_operator.autoscaling.report import (
+    autoscaling_status,
+    conditions,
+    latency_status,
+    record_metrics,
+)
+from dsv4_operator.autoscaling.signals import Observations
+from dsv4_operator.cache import Owner, WatchCache
+from dsv4_operator.events import now as iso_now
+from dsv4_operator.events import post_event
+from dsv4_operator.kube import KubeApi
+from dsv4_operator.reconcile import names
+
+log = logging.getLogger("dsv4.autoscaler")
+
+EVENT_DEDUP_S = 300.0
+DRAIN_MIN_GAP_S = 2.0
+"""Two idle reads of a victim at least this far apart (the gateway's health interval): a request
+routed just before every gateway saw the drain shows up between them."""
+HTTP_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    metrics_address: str | None = None
+    """host:port that replaces every pod address (gateway, engine, sidecar): tests only, where
+    kwok pods have no reachable IP and one stub serves them all."""
+    blocked_after_s: float = BLOCKED_AFTER_S
+
+
+class Autoscalers:
+    def __init__(
+        self,
+        kube: KubeApi,
+        cache: WatchCache,
+        plans: PlanBook,
+        enqueue: Callable[[Owner], None],
+        options: LoopOptions | None = None,
+    ) -> None:
+        self.kube, self.cache, self.plans, self.enqueue = kube, cache, plans, enqueue
+        self.options = options or LoopOptions()
+        self._tasks: dict[Owner, asyncio.Task[None]] = {}
+
+    def ensure(self, body: Mapping[str, Any]) -> None:
+        """Start or stop the deployment's loop as its spec says (call on every event)."""
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        try:
+            a = parse(dict(body)).autoscaling
+            on = a.enabled and a.mode == "Builtin" and not meta.get("deletionTimestamp")
+        except (KeyError, ValueError, TypeError):
+            on = False  # a spec the sync reports as broken
+        if on and key not in self._tasks:
+            self._tasks[key] = asyncio.create_task(self._run(key), name=f"autoscaler {key}")
+        elif not on and key in self._tasks:
+            self.stop(key)
+
+    def stop(self, key: Owner) -> None:
+        task = self._tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+        self.plans.forget(*key)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    async def _run(self, key: Owner) -> None:
+        tick = _Tick(self, key)
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+        ) as http:
+            while True:
+                try:
+                    interval = await tick.run(http)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("autoscaler tick of %s/%s failed", *key)
+                    interval = 5.0
+                if interval is None:
+                    return
+                await asyncio.sleep(interval)
+
+
+class _Tick:
+    """The loop's memory for one deployment, and one tick's work (``run``)."""
+
+    def __init__(self, owner: Autoscalers, key: Owner) -> None:
+        self.o, self.key = owner, key
+        self.state: State | None = None
+        self.window: GatewayWindow | None = None
+        self.drains: dict[Role, drains.Drain] = {}
+        self.resumed = False
+        self.posted: dict[tuple[str, str], float] = {}
+        self.last_scale: str | None = None
+
+    async def run(self, http: aiohttp.ClientSession) -> float | None:
+        """One tick; the seconds to the next, or None when the loop should end."""
+        body = self.o.cache.deployment(*self.key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        spec = parse(body)
+        a = spec.autoscaling
+        if not a.enabled:
+            return None
+        policy = policy_of(a)
+        now = time.time()
+        if self.state is None:
+            self.state = State(started_at=now)
+        if self.window is None or self.window.window_s != a.window_s:
+            self.window = GatewayWindow(float(a.window_s))
+        base = self.o.plans.plan_for(spec, body.get("status"))
+        assert base is not None
+        if not self.resumed:
+            # a restarted operator takes up the drains its predecessor left in the status
+            for r in ROLES:
+                for inst in base.draining[r][:1]:
+                    self.drains[r] = drains.Drain(inst, r, now)
+                    log.info("resuming the drain of %s", inst)
+            self.resumed = True
+        counts = self._counts(spec, base, now)
+        obs = await self._observe(http, spec, counts)
+        decision, self.state = decide(obs, self.state, policy, now)
+        targets = dict(base.targets)
+        events: list[Event] = list(decision.events)
+        for r in ROLES:
+            d = decision.roles[r]
+            if d.direction == "up":
+                dr = self.drains.pop(r, None)
+                if dr is not None:
+                    events.append(drains.cancel(dr, f"{r} scales up again"))
+                targets[r] = max(targets[r], d.target)
+                self.last_scale = iso_now()
+            elif d.direction == "down" and r not in self.drains and targets[r] > 0:
+                targets[r] -= 1
+                victim = names.instance_name(spec, r, targets[r])
+                read = await self._read_victim(http, spec, r, victim)
+                self.drains[r], started = drains.start(victim, r, now, read)
+                events.append(started)
+        for r, dr in list(self.drains.items()):
+            read = await self._read_victim(http, spec, r, dr.instance)
+            dr, outcome, stepped = drains.step(dr, read, now, a.drain_timeout_s, DRAIN_MIN_GAP_S)
+            self.drains[r] = dr
+            if stepped is not None:
+                events.append(stepped)
+            if outcome != "draining":
+                del self.drains[r]
+                self.last_scale = iso_now()
+                events.append(
+                    Event(
+                        "Normal",
+                        "ScaledDown",
+                        f"{r} -> {targets[r]}: {dr.instance} removed after "
+                        f"{now - dr.started_at:.0f}s of drain",
+                    )
+                )
+        plan = ScalePlan(
+            targets,
+            {r: tuple(x.instance for x in self.drains.values() if x.role == r) for r in ROLES},
+            autoscaling=autoscaling_status(
+                decision,
+                list(self.drains.values()),
+                source=a.source,
+                observed_at=_iso(obs.observed_at) if obs is not None else None,
+                last_scale_time=self.last_scale,
+            ),
+            metrics=latency_status(decision) or dict(base.metrics),
+            conditions=tuple(conditions(decision)),
+        )
+        self.o.plans.put(*self.key, plan)
+        self.o.enqueue(self.key)
+        record_metrics(
+            spec.namespace,
+            spec.name,
+            decision,
+            now - obs.observed_at if obs is not None else None,
+        )
+        await self._post(body, events, now)
+        return float(a.interval_s)
+
+    def _counts(self, spec: DeploymentSpec, base: ScalePlan, now: float) -> dict[Role, RoleCounts]:
+        live = self.o.cache.children(spec, False)
+        workloads = [obj for (kind, _), obj in live.items() if kind == "StatefulSet"]
+        pods = self.o.cache.pods(spec)
+        draining = {r: {d.instance for d in self.drains.values() if d.role == r} for r in ROLES}
+        counts = role_counts(workloads, pods, draining, now, self.o.options.blocked_after_s)
+        out: dict[Role, RoleCounts] = {}
+        for r, c in counts.items():
+            # instances asked for but not yet in the cache are on their way: starting
+            missing = max(0, base.targets[r] - c.ready - c.starting)
+            out[r] = replace(c, starting=c.starting + missing)
+        return out
+
+    def _address(self, pod: Mapping[str, Any] | None, port: int) -> str | None:
+        if self.o.options.metrics_address:
+            return self.o.options.metrics_address
+        ip = ((pod or {}).get("status") or {}).get("podIP")
+        return f"{ip}:{port}" if ip else None
+
+    async def _observe(
+        self, http: aiohttp.ClientSession, spec: DeploymentSpec, counts: dict[Role, RoleCounts]
+    ) -> Observations | None:
+        if spec.autoscaling.source == "Prometheus":
+            return await self._observe_prometheus(http, spec, counts)
+        assert self.window is not None
+        gateways = [
+            p
+            for p in self.o.cache.pods(spec)
+            if (p["metadata"].get("labels") or {}).get(names.ROLE_LABEL) == "gateway"
+            and (p.get("status") or {}).get("phase") == "Running"
+        ]
+        if self.o.options.metrics_address:
+            gateways = gateways[:1] or [{"metadata": {"name": "override"}}]
+        live = []
+        for pod in gateways:
+            pod_name = pod["metadata"]["name"]
+            addr = self._address(pod, names.GATEWAY_PORT)
+            if addr is None:
+                continue
+            live.append(pod_name)
+            try:
+                text = await _get_text(http, f"http://{addr}/metrics")
+                doc = await _get_json(http, f"http://{addr}/instances")
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                log.warning("gateway %s unreadable: %s", pod_name, e)
+                continue  # its older snapshots make the window stale: the tick holds
+            instances = doc if isinstance(doc, list) else doc.get("instances", [])
+            self.window.add(
+                pod_name, Snapshot(time.time(), parse_histograms(text), parse_instances(instances))
+            )
+        self.window.forget(live)
+        return self.window.observations(counts)
+
+    async def _observe_prometheus(
+        self, http: aiohttp.ClientSession, spec: DeploymentSpec, counts: dict[Role, RoleCounts]
+    ) -> Observations | None:
+        url = (spec.autoscaling.prometheus_url or "").rstrip("/")
+        q = Queries(spec.name, spec.namespace, float(spec.autoscaling.window_s))
+        values: dict[str, float | None] = {}
+        try:
+            for key, promql in q.all().items():
+                async with http.get(f"{url}/api/v1/query", params={"query": promql}) as resp:
+                    values[key] = scalar(await resp.json(content_type=None))
+        except Exception as e:  # unreachable, or an answer we cannot read: the tick holds
+            log.warning("prometheus %s unreadable: %s", url, e)
+            return None
+        return observations(values, counts)
+
+    async def _read_victim(
+        self, http: aiohttp.ClientSession, spec: DeploymentSpec, role: Role, instance: str
+    ) -> drains.IdleRead | None:
+        """The victim's rank-0 engine queue and (prefill) its sidecar's held KV exports."""
+        pod = next(
+            (p for p in self.o.cache.pods(spec) if p["metadata"]["name"] == f"{instance}-0"),
+            None,
+        )
+        engine = self._address(pod, names.ENGINE_PORT)
+        if engine is None:
+            return None
+        try:
+            text = await _get_text(http, f"http://{engine}/metrics")
+            exports = 0.0
+            if role == "prefill":
+                sidecar = self._address(pod, spec.kv.metrics_port)
+                side = await _get_text(http, f"http://{sidecar}/metrics")
+                exports = metric_value(side, "dsv4_kv_active_exports")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.warning("drain read of %s failed: %s", instance, e)
+            return None
+        return drains.IdleRead(
+            time.time(),
+            running=metric_value(text, "vllm:num_requests_running"),
+            waiting=metric_value(text, "vllm:num_requests_waiting"),
+            exports=exports,
+        )
+
+    async def _post(self, body: dict[str, Any], events: list[Event], now: float) -> None:
+        """Each event once per ``EVENT_DEDUP_S`` (Warnings per reason, others per message)."""
+        for e in events:
+            key = (e.reason, "" if e.type == "Warning" else e.message)
+            if now - self.posted.get(key, -EVENT_DEDUP_S) < EVENT_DEDUP_S:
+                continue
+            self.posted[key] = now
+            await asyncio.to_thread(
+                post_event, self.o.kube, body, e.reason, e.message, e.type == "Warning"
+            )
+
+
+def _iso(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+async def _get_text(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.json(content_type=None)
