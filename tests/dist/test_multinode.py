@@ -3,7 +3,8 @@
 follower pod (``DSV4_NODE_RANK``, ``DSV4_NODES_PER_INSTANCE``, ``DSV4_MASTER_ADDR`` and the
 rendezvous port). TP 2 x DP 2 (EP 4): each node holds one DP rank's TP group (shared-memory
 collectives inside a node, gloo across). The greedy tokens equal one process's, requests pinned
-to DP rank 1 run on node 1, and stopping node 0 ends node 1 cleanly."""
+to DP rank 1 run on node 1, and stopping node 0 ends node 1 cleanly. Losing node 1 mid-
+generation ends node 0 within 30 s: 503s, exit 1, no process left."""
 
 from __future__ import annotations
 
@@ -119,4 +120,45 @@ def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Pa
         raise
     finally:
         for s in (ref, node0, node1):
+            s.stop()
+
+
+def test_a_lost_follower_node_ends_the_instance_with_503s(tmp_path: Path) -> None:
+    port = free_port()
+    node0 = start_engine(
+        "node0", tmp_path, *COMMON, *SHAPE, "--nnodes", "2", "--master-port", str(port)
+    )
+    node1 = _follower(tmp_path, port)
+    try:
+        for s in (node0, node1):
+            s.wait_ready(240)
+        body = {"model": "dsv4-tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            answers = [
+                pool.submit(httpx.post, node0.url + "/v1/completions", json=body, timeout=60)
+                for _ in range(2)
+            ]
+            deadline = time.monotonic() + 60
+            while node0.metric("vllm:num_requests_running") < 2:
+                assert time.monotonic() < deadline, "the requests never ran"
+                time.sleep(0.05)
+            assert node1.pid is not None
+            os.killpg(node1.pid, signal.SIGKILL)  # the whole node: its headless process and ranks
+            killed = time.monotonic()
+            codes = [a.result().status_code for a in answers]
+        while node0.running() and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        print(f"node 0 ended {time.monotonic() - killed:.1f} s after node 1 was killed")
+        assert codes == [503, 503]
+        assert not node0.running() and node0.exit_code() == 1
+        assert node0.pid is not None
+        while _alive(node0.pid) and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        assert _alive(node0.pid) == []
+    except BaseException:
+        for s in (node0, node1):
+            print(f"--- {s.name} ---\n{s.tail(60)}")
+        raise
+    finally:
+        for s in (node0, node1):
             s.stop()
