@@ -226,33 +226,30 @@ def main() -> int:
     try:
         up.start_in_order(children, stack.startup_timeout)
         print(f"up: {gateway.url}; {args.duration:.0f}s of load and chaos", flush=True)
-        stop, chaos_stop = threading.Event(), threading.Event()
+        stop = threading.Event()
         chaos = Chaos()
         t0 = time.monotonic()
-        killer = threading.Thread(
-            target=chaos_loop,
-            args=(
-                victims,
-                random.Random(args.seed),
-                args.kill_every,
-                args.down,
-                signal.SIGKILL if args.signal == "kill" else signal.SIGTERM,
-                chaos_stop,
-                t0,
-                chaos,
-            ),
+        # the chaos runs on this thread: processes die with the thread that started them
+        # (PR_SET_PDEATHSIG), so restarts must come from one that lives to the end
+        sent: list[Sent] = []
+        loader = threading.Thread(
+            target=lambda: sent.extend(asyncio.run(load(gateway.url, args, t0, stop))),
             daemon=True,
         )
-        killer.start()
-
-        def times_up() -> None:
-            stop.set()
-            chaos_stop.set()
-
-        timer = threading.Timer(args.duration, times_up)
+        loader.start()
+        timer = threading.Timer(args.duration, stop.set)
         timer.start()
-        sent = asyncio.run(load(gateway.url, args, t0, stop))
-        killer.join(240)
+        chaos_loop(
+            victims,
+            random.Random(args.seed),
+            args.kill_every,
+            args.down,
+            signal.SIGKILL if args.signal == "kill" else signal.SIGTERM,
+            stop,
+            t0,
+            chaos,
+        )
+        loader.join(args.hung_s + 60)
         for c in victims:  # whatever was down when the chaos stopped
             if not c.running():
                 up.restart(c, 180)

@@ -65,6 +65,15 @@ class _Stream(threading.Thread):
             self.started.set()
 
 
+def _streaming(server: Service, max_tokens: int) -> _Stream:
+    """A long stream from ``server``, started and past its first token."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    stream = _Stream(client, max_tokens)
+    stream.start()
+    assert stream.started.wait(60)
+    return stream
+
+
 def _status(url: str) -> int:
     return httpx.get(url, timeout=5).status_code
 
@@ -119,10 +128,7 @@ def test_sigterm_lets_a_long_stream_finish(tmp_path: Path) -> None:
 def test_past_the_shutdown_timeout_the_rest_ends_with_an_error(tmp_path: Path) -> None:
     server = _engine(tmp_path, "1")
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        stream = _Stream(client, max_tokens=1900)
-        stream.start()
-        assert stream.started.wait(60)
+        stream = _streaming(server, max_tokens=1900)
         t = time.monotonic()
         _sigterm(server)
         stream.join(30)
@@ -139,10 +145,7 @@ def test_past_the_shutdown_timeout_the_rest_ends_with_an_error(tmp_path: Path) -
 def test_a_core_dying_mid_stream_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
     server = _engine(tmp_path, "30")
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        stream = _Stream(client, max_tokens=1900)
-        stream.start()
-        assert stream.started.wait(60)
+        stream = _streaming(server, max_tokens=1900)
         children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
         assert children, "the engine core process"
         for pid in children:
