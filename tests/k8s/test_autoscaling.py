@@ -1,0 +1,252 @@
+"""The autoscaler end to end on the real control plane (kwok nodes): the operator reads its
+metrics from a stub that stands in for the gateway, engine and sidecar (kwok pods run no
+process), scales, drains and reports (design study section 7, A6 and A8)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.k8s.autoscaling_stub import MetricsStub
+from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
+from tests.k8s.test_operator import _children, _status
+
+FAST = {
+    "enabled": True,
+    "intervalSeconds": 1,
+    "windowSeconds": 3,
+    "scaleDownStabilizationSeconds": 5,
+    "drainTimeoutSeconds": 300,
+    "prefill": {"min": 1, "max": 2},
+    "decode": {"min": 1, "max": 1},
+}
+
+
+def _cr(name: str, autoscaling: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    cpu = {"npusPerNode": 0, "parallelism": {"tp": 1}}
+    return {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"preset": "dsv4-tiny", "servedName": "tiny"},
+            "prefill": dict(cpu, **spec.pop("prefill", {})),
+            "decode": cpu,
+            "kvTransfer": {"transport": "tcp"},
+            "autoscaling": autoscaling,
+            **spec,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[MetricsStub]:
+    with MetricsStub() as s:
+        yield s
+
+
+def _launch(k8s_cluster: Any, kubeconfig: Any, stub: MetricsStub) -> OperatorService:
+    extra = ("--autoscaler-metrics-address", stub.address, "--autoscaler-blocked-after", "3")
+    return OperatorService(kubeconfig, k8s_cluster.log_dir, extra).launch()
+
+
+@pytest.fixture(scope="module")
+def scaler(k8s_cluster: Any, operator_kubeconfig: Any, stub: MetricsStub) -> Iterator[list[Any]]:
+    """The operator, pointed at the stub; a list so a test can replace it (restart)."""
+    procs = [_launch(k8s_cluster, operator_kubeconfig, stub)]
+    yield procs
+    procs[-1].stop()
+
+
+def _events(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = kubectl_json(
+        cluster, "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
+    )["items"]
+    return sorted(items, key=lambda e: int(e["metadata"]["resourceVersion"]))
+
+
+def _reasons(cluster: Any, ns: str, name: str) -> list[str]:
+    return [e["reason"] for e in _events(cluster, ns, name)]
+
+
+def _cond(st: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions") or [] if c["type"] == ctype), {})
+
+
+def _routing(cluster: Any, ns: str, name: str) -> list[str]:
+    cm = kubectl_json(cluster, "get", "configmap", f"{name}-routing", "-n", ns)
+    draining: list[str] = json.loads(cm["data"]["routing.json"])["draining"]
+    return draining
+
+
+def _stays(what: str, fn: Any, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert fn(), f"{what} no longer holds"
+        time.sleep(0.5)
+
+
+def test_scale_up_drain_restart_and_timeout(
+    k8s_cluster: Any, operator_kubeconfig: Any, scaler: list[Any], stub: MetricsStub, namespace: str
+) -> None:
+    cluster, ns, name = k8s_cluster, namespace, "auto"
+    stub.set(prefill_waiting=0, decode_waiting=0, running=0, waiting=0, exports=0)
+    apply_yaml(cluster, json.dumps(_cr(name, FAST)), ns)
+
+    # active, reporting: TTFT/TPOT columns filled from the window's p90
+    st = wait_for(
+        "status.autoscaling and metrics",
+        lambda: (s := _status(cluster, ns, name)).get("metrics", {}).get("tpot") and s,
+        timeout_s=60,
+    )
+    # p90 interpolated inside the bucket holding every sample: 0.05 + 0.9 x 0.05 s for TTFT
+    # (samples of 0.08 s), 10 + 0.9 x 15 ms for TPOT (samples of 20 ms)
+    assert st["metrics"] == {"ttft": "0.095s", "tpot": "23.5ms"}
+    assert _cond(st, "AutoscalingActive")["status"] == "True"
+    assert st["autoscaling"]["source"] == "Gateway"
+    table = cluster.kubectl("get", "dsv4", name, "-n", ns).splitlines()
+    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "PHASE", "TTFT", "TPOT", "AGE"]
+    assert table[1].split()[4:6] == ["0.095s", "23.5ms"]
+
+    # prefill queue 10 per instance (>= 1.5 x 2: at once): 1 -> 2, a new StatefulSet, ScaledUp
+    stub.set(prefill_waiting=10)
+    wait_for("prefill desired 2", lambda: _status(cluster, ns, name)["prefill"]["desired"] == 2)
+    wait_for(
+        "StatefulSet auto-prefill-1",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+    )
+    assert "ScaledUp" in _reasons(cluster, ns, name)
+    wide = cluster.kubectl("get", "dsv4", name, "-n", ns, "-o", "wide").splitlines()
+    assert wide[0].split() == [
+        "NAME",
+        "PREFILL",
+        "DECODE",
+        "PHASE",
+        "TTFT",
+        "TPOT",
+        "SCALING",
+        "AGE",
+    ]
+
+    # max respected: still short, still 2, and the limit is said
+    def at_max() -> dict[str, Any] | None:
+        s = _status(cluster, ns, name)
+        return s if _cond(s, "ScalingLimited").get("reason") == "AtMax" else None
+
+    st = wait_for("ScalingLimited AtMax", at_max)
+    assert st["prefill"]["desired"] == 2 and st["decode"]["desired"] == 1
+    _stays(
+        "no third prefill instance",
+        lambda: f"StatefulSet/{name}-prefill-2" not in _children(cluster, ns, name),
+        3,
+    )
+
+    # load drops; the victim still has requests: listed draining, its StatefulSet stays
+    stub.set(prefill_waiting=0, running=3)
+    st = wait_for(
+        "prefill-1 draining",
+        lambda: (s := _status(cluster, ns, name))["prefill"].get("draining") and s,
+        timeout_s=60,
+    )
+    assert st["prefill"]["draining"] == [f"{name}-prefill-1"] and st["prefill"]["desired"] == 1
+    assert _routing(cluster, ns, name) == [f"{name}-prefill-1"]
+    assert "DrainStarted" in _reasons(cluster, ns, name)
+    _stays(
+        "the busy victim's StatefulSet",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+        4,
+    )
+
+    # the operator dies mid-drain; its successor resumes the drain from the status
+    scaler[-1].stop()
+    scaler.append(_launch(cluster, operator_kubeconfig, stub))
+    _stays(
+        "the drain across the restart",
+        lambda: (
+            _status(cluster, ns, name)["prefill"].get("draining") == [f"{name}-prefill-1"]
+            and f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name)
+        ),
+        4,
+    )
+
+    # idle: DrainCompleted, then the StatefulSet goes, then ScaledDown
+    stub.set(running=0)
+    wait_for(
+        "prefill-1 deleted",
+        lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
+        timeout_s=60,
+    )
+    reasons = _reasons(cluster, ns, name)
+    assert reasons.index("DrainCompleted") < reasons.index("ScaledDown"), reasons
+    wait_for(
+        "draining emptied", lambda: _status(cluster, ns, name)["prefill"].get("draining") == []
+    )
+    assert _routing(cluster, ns, name) == []
+
+    # a drain that does not finish in drainTimeoutSeconds: DrainTimedOut, deleted anyway
+    cluster.kubectl(
+        "patch",
+        "dsv4",
+        name,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"autoscaling": {"drainTimeoutSeconds": 3}}}),
+    )
+    stub.set(prefill_waiting=10, running=5)
+    wait_for(
+        "StatefulSet auto-prefill-1 again",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+    )
+    stub.set(prefill_waiting=0)
+    wait_for("DrainTimedOut", lambda: "DrainTimedOut" in _reasons(cluster, ns, name), timeout_s=60)
+    wait_for(
+        "prefill-1 deleted after the timeout",
+        lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
+        timeout_s=30,
+    )
+    cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
+
+
+def test_an_unschedulable_new_instance_blocks_further_scale_up(
+    k8s_cluster: Any, scaler: list[Any], stub: MetricsStub, namespace: str
+) -> None:
+    cluster, ns, name = k8s_cluster, namespace, f"blk-{uuid.uuid4().hex[:4]}"
+    stub.set(prefill_waiting=0, decode_waiting=0, running=0, waiting=0, exports=0)
+    # one node, and a prefill engine needing more than half of it: the second cannot be placed
+    cr = _cr(
+        name,
+        dict(FAST, prefill={"min": 1, "max": 4}),
+        prefill={"resources": {"requests": {"cpu": "100"}}},
+        scheduling={"nodeSelector": {"kubernetes.io/hostname": cluster.nodes[0]}},
+    )
+    apply_yaml(cluster, json.dumps(cr), ns)
+    wait_for(
+        "prefill 1/1",
+        lambda: _status(cluster, ns, name).get("prefill", {}).get("summary") == "1/1",
+        timeout_s=90,
+    )
+    stub.set(prefill_waiting=10)
+    wait_for(
+        "ScaleUpBlocked", lambda: "ScaleUpBlocked" in _reasons(cluster, ns, name), timeout_s=60
+    )
+    st = _status(cluster, ns, name)
+    assert st["prefill"]["desired"] == 2
+    assert _cond(st, "ScalingLimited")["reason"] == "ScaleUpBlocked"
+    _stays(
+        "no third prefill instance",
+        lambda: (
+            f"StatefulSet/{name}-prefill-2" not in _children(cluster, ns, name)
+            and _status(cluster, ns, name)["prefill"]["desired"] == 2
+        ),
+        4,
+    )
+    stub.set(prefill_waiting=0)
+    cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
