@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         autoscaler_options=LoopOptions(
             metrics_address=args.autoscaler_metrics_address,
             blocked_after_s=args.autoscaler_blocked_after,
+            peering=None if args.standalone else args.peering,
+            priority=args.priority,
+            clusterwide=not args.namespace,
         ),
         kubeconfig=args.kubeconfig,
         host_access=HostAccess(

@@ -25,10 +25,15 @@ API_REQUESTS = Counter(
 class ResourceKind:
     api_version: str
     plural: str
+    namespaced: bool = True
 
     def path(self, namespace: str, name: str | None = None, sub: str | None = None) -> str:
         base = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
-        p = f"{base}/namespaces/{namespace}/{self.plural}"
+        p = (
+            f"{base}/namespaces/{namespace}/{self.plural}"
+            if self.namespaced
+            else f"{base}/{self.plural}"
+        )
         if name:
             p += f"/{name}"
         if sub:
@@ -51,6 +56,9 @@ KINDS: dict[str, ResourceKind] = {
     "NetworkPolicy": ResourceKind("networking.k8s.io/v1", "networkpolicies"),
     "LeaderWorkerSet": ResourceKind("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "DeepSeekV4Deployment": ResourceKind(f"{GROUP}/{VERSION}", PLURAL),
+    # kopf's peering objects: the autoscaler runs only in the replica kopf lets run
+    "KopfPeering": ResourceKind("kopf.dev/v1", "kopfpeerings"),
+    "ClusterKopfPeering": ResourceKind("kopf.dev/v1", "clusterkopfpeerings", namespaced=False),
 }
 
 

@@ -79,6 +79,12 @@ def _cond(st: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next((c for c in st.get("conditions") or [] if c["type"] == ctype), {})
 
 
+def _limited(cluster: Any, ns: str, name: str, reason: str) -> dict[str, Any] | None:
+    """The status once its ScalingLimited condition has ``reason``."""
+    st = _status(cluster, ns, name)
+    return st if _cond(st, "ScalingLimited").get("reason") == reason else None
+
+
 def _routing(cluster: Any, ns: str, name: str) -> list[str]:
     cm = kubectl_json(cluster, "get", "configmap", f"{name}-routing", "-n", ns)
     draining: list[str] = json.loads(cm["data"]["routing.json"])["draining"]
@@ -135,11 +141,7 @@ def test_scale_up_drain_restart_and_timeout(
     ]
 
     # max respected: still short, still 2, and the limit is said
-    def at_max() -> dict[str, Any] | None:
-        s = _status(cluster, ns, name)
-        return s if _cond(s, "ScalingLimited").get("reason") == "AtMax" else None
-
-    st = wait_for("ScalingLimited AtMax", at_max)
+    st = wait_for("ScalingLimited AtMax", lambda: _limited(cluster, ns, name, "AtMax"))
     assert st["prefill"]["desired"] == 2 and st["decode"]["desired"] == 1
     _stays(
         "no third prefill instance",
@@ -237,9 +239,12 @@ def test_an_unschedulable_new_instance_blocks_further_scale_up(
     wait_for(
         "ScaleUpBlocked", lambda: "ScaleUpBlocked" in _reasons(cluster, ns, name), timeout_s=60
     )
-    st = _status(cluster, ns, name)
+    # the event is posted as the tick ends; the sync it asked for writes the status just after
+    st = wait_for(
+        "ScalingLimited ScaleUpBlocked",
+        lambda: _limited(cluster, ns, name, "ScaleUpBlocked"),
+    )
     assert st["prefill"]["desired"] == 2
-    assert _cond(st, "ScalingLimited")["reason"] == "ScaleUpBlocked"
     _stays(
         "no third prefill instance",
         lambda: (

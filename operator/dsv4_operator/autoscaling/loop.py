@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -39,6 +40,7 @@ from dsv4_operator.autoscaling.gateway_source import (
     parse_histograms,
     parse_instances,
 )
+from dsv4_operator.autoscaling.leader import is_active
 from dsv4_operator.autoscaling.plan import PlanBook, ScalePlan
 from dsv4_operator.autoscaling.policy import ROLES, Role
 from dsv4_operator.autoscaling.prometheus_source import Queries, observations, scalar
@@ -70,6 +72,10 @@ class LoopOptions:
     """host:port that replaces every pod address (gateway, engine, sidecar): tests only, where
     kwok pods have no reachable IP and one stub serves them all."""
     blocked_after_s: float = BLOCKED_AFTER_S
+    peering: str | None = None
+    """kopf's peering object name (None: standalone, always active)."""
+    priority: int = 0
+    clusterwide: bool = True
 
 
 class Autoscalers:
@@ -153,6 +159,10 @@ class _Tick:
         a = spec.autoscaling
         if not a.enabled:
             return None
+        if not await self._active():
+            # a standby: its successor's State starts fresh when it takes over
+            self.state, self.resumed, self.drains = None, False, {}
+            return float(a.interval_s)
         policy = policy_of(a)
         now = time.time()
         if self.state is None:
@@ -227,6 +237,14 @@ class _Tick:
         )
         await self._post(body, events, now)
         return float(a.interval_s)
+
+    async def _active(self) -> bool:
+        opts = self.o.options
+        if opts.peering is None:
+            return True
+        kind = "ClusterKopfPeering" if opts.clusterwide else "KopfPeering"
+        obj = await asyncio.to_thread(self.o.kube.get, kind, self.key[0], opts.peering)
+        return is_active((obj or {}).get("status"), opts.priority, datetime.now(UTC))
 
     def _counts(self, spec: DeploymentSpec, base: ScalePlan, now: float) -> dict[Role, RoleCounts]:
         live = self.o.cache.children(spec, False)

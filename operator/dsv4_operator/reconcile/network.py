@@ -7,6 +7,9 @@ from typing import Any
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.reconcile import names
 
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/component": "operator"}
+"""The chart's operator pods (charts/dsv4/templates/_helpers.tpl, dsv4.selectorLabels)."""
+
 
 def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
     """Headless: stable DNS per pod, and EndpointSlices the gateway discovers engines from.
@@ -107,6 +110,26 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
                         {"protocol": "TCP", "port": spec.kv.metrics_port},
                     ],
                 },
+                # the autoscaler (the operator's pods, any namespace) reads a draining
+                # instance's queue and held KV exports directly
+                *(
+                    [
+                        {
+                            "from": [
+                                {
+                                    "namespaceSelector": {},
+                                    "podSelector": {"matchLabels": OPERATOR_POD_LABELS},
+                                }
+                            ],
+                            "ports": [
+                                {"protocol": "TCP", "port": names.ENGINE_PORT},
+                                {"protocol": "TCP", "port": spec.kv.metrics_port},
+                            ],
+                        }
+                    ]
+                    if spec.autoscaling.enabled
+                    else []
+                ),
                 # collectives inside a multi-node instance (rendezvous, HCCL host sockets)
                 *(
                     {

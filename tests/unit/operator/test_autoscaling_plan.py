@@ -210,3 +210,42 @@ def test_status_says_autoscaling_is_disabled() -> None:
         ("ScalingLimited", "False", "Disabled"),
     ]
     assert "autoscaling" not in st and "metrics" not in st and "draining" not in st["prefill"]
+
+
+def test_only_the_replica_kopf_lets_run_is_active() -> None:
+    from datetime import UTC, datetime
+
+    from dsv4_operator.autoscaling.leader import is_active
+
+    now = datetime(2026, 1, 1, 0, 1, 0, tzinfo=UTC)
+
+    def peer(prio: int, seen: str) -> dict[str, Any]:
+        return {"priority": prio, "lastseen": seen, "lifetime": 60}
+
+    fresh, dead = "2026-01-01T00:00:30+00:00", "2025-12-31T23:59:59+00:00"
+    assert is_active(None, 0, now)  # nothing written yet: no one competes
+    assert is_active({"me": peer(0, fresh)}, 0, now)
+    assert not is_active({"me": peer(0, fresh), "other": peer(100, fresh)}, 0, now)
+    assert is_active({"me": peer(100, fresh), "other": peer(0, fresh)}, 100, now)
+    assert is_active({"me": peer(0, fresh), "gone": peer(100, dead)}, 0, now)
+    # kopf pauses every replica while two live ones share a priority
+    assert not is_active({"me": peer(0, fresh), "twin": peer(0, fresh)}, 0, now)
+
+
+def test_engines_admit_the_operator_only_when_autoscaled() -> None:
+    from dsv4_operator.reconcile.network import OPERATOR_POD_LABELS, network_policies
+
+    def operator_ports(spec: Any) -> list[list[int]]:
+        engines = network_policies(spec)[1]["spec"]["ingress"]
+        return [
+            [p["port"] for p in rule["ports"]]
+            for rule in engines
+            if any(
+                (f.get("podSelector") or {}).get("matchLabels") == OPERATOR_POD_LABELS
+                for f in rule.get("from", [])
+            )
+        ]
+
+    spec = _spec(**AUTOSCALED)
+    assert operator_ports(spec) == [[8000, spec.kv.metrics_port]]
+    assert operator_ports(_spec()) == []
