@@ -18,6 +18,8 @@ _SCRAPED = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prefix_cache_hits_total": "cached_tokens",
 }
 
 

@@ -48,6 +48,9 @@ class RankLoad:
     waiting: float = 0.0  # vllm:num_requests_waiting, scraped
     running: float = 0.0  # vllm:num_requests_running, scraped
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, scraped (0..1)
+    # cumulative counters, scraped: the autoscaler's uncached prompt-token rate comes from them
+    prompt_tokens: float = 0.0  # vllm:prompt_tokens_total
+    cached_tokens: float = 0.0  # vllm:prefix_cache_hits_total
 
 
 @dataclass

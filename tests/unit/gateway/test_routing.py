@@ -115,6 +115,18 @@ def test_scrape_reads_vllm_gauges_per_dp_rank() -> None:
     assert inst.ranks[1].kv_usage == 0.5 and inst.ranks[0].running == 7.0
 
 
+def test_scrape_reads_the_prompt_and_prefix_cache_token_counters() -> None:
+    inst = Instance(url="http://x:1", role="prefill")
+    text = (
+        "# TYPE vllm:prompt_tokens counter\n"
+        'vllm:prompt_tokens_total{model_name="m"} 5000.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="m"} 1200.0\n'
+    )
+    apply_scrape(inst, text)
+    assert (inst.ranks[0].prompt_tokens, inst.ranks[0].cached_tokens) == (5000.0, 1200.0)
+
+
 def test_endpointslices_give_ready_leaders_per_role() -> None:
     slices: list[dict[str, Any]] = [
         {
