@@ -204,6 +204,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "autoscaling.prefillDecodeRatio needs 0 < min <= max",
     ),
     (
+        "autoscaling with LeaderWorkerSet",
+        _cr(autoscaling={"enabled": True}, scheduling={"workload": "LeaderWorkerSet"}),
+        "autoscaling with scheduling.workload LeaderWorkerSet is not supported yet",
+    ),
+    (
         "autoscaling interval zero",
         _cr(autoscaling={"intervalSeconds": 0}),
         "spec.autoscaling.intervalSeconds: Invalid value: 0",

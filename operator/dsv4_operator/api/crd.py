@@ -656,6 +656,14 @@ def spec_schema() -> Schema:
                 "(self.prefill.npusPerNode > 0 && self.decode.npusPerNode > 0)",
                 "kvTransfer.transport hccl needs NPUs on both roles (npusPerNode > 0); use tcp on CPU",
             ),
+            (
+                "!self.autoscaling.enabled || self.scheduling.workload != 'LeaderWorkerSet'",
+                _not_yet(
+                    "autoscaling with scheduling.workload LeaderWorkerSet",
+                    "the autoscaler counts and drains StatefulSet instances only",
+                    "use workload StatefulSet or size instances by hand",
+                ),
+            ),
         ],
     )
 
