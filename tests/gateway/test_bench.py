@@ -64,9 +64,41 @@ def test_bench_reports_latency_and_throughput(two_engines, tmp_path: Path) -> No
         assert res.returncode == 0, res.stderr
         assert "5/5 completed" in res.stdout and "TTFT" in res.stdout and "TPOT" in res.stdout
 
+        # a rate schedule: per-phase summaries and per-request records, phases in order
+        records = tmp_path / "records.jsonl"
+        res = _bench(
+            "--url",
+            g.url,
+            "--schedule",
+            "2s@3,2s@0,1s@6",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--records",
+            str(records),
+            "--seed",
+            "3",
+            "--json",
+        )
+        assert res.returncode == 0, res.stderr
+        s = json.loads(res.stdout)
+        rows = [json.loads(line) for line in records.read_text().splitlines()]
+        assert len(rows) == s["requests"] == sum(p["requests"] for p in s["phases"])
+        assert [p["phase"]["rate"] for p in s["phases"]] == [3.0, 0.0, 6.0]
+        assert s["phases"][1]["requests"] == 0
+        assert all(r["ok"] for r in rows) and s["failed"] == 0
+        for r in rows:  # each request was sent inside its phase
+            lo, hi = {0: (0.0, 2.0), 2: (4.0, 5.0)}[r["phase"]]
+            assert lo <= r["start"] < hi + 0.5, r
+
 
 def test_bench_flag_errors() -> None:
     res = _bench("--url", "http://127.0.0.1:1", "--model", "m", "--concurrency", "0")
     assert res.returncode == 2 and "--concurrency must be >= 1" in res.stderr
     res = _bench("--url", "http://127.0.0.1:1", "--model", "m", "--dataset", "/nonexistent.jsonl")
     assert res.returncode == 2 and "--dataset" in res.stderr
+    res = _bench("--url", "http://127.0.0.1:1", "--model", "m", "--schedule", "60@1")
+    assert res.returncode == 2 and "--schedule step '60@1' is not DURATION@RATE" in res.stderr
+    res = _bench("--url", "http://127.0.0.1:1", "--model", "m", "--schedule", "5s@0")
+    assert res.returncode == 2 and "--schedule produces no request" in res.stderr

@@ -37,6 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals per second"
     )
+    load.add_argument(
+        "--schedule",
+        default=None,
+        metavar="STEPS",
+        help='request-rate steps, e.g. "60s@0.5,120s@4,90s@0.5" (Poisson within each; the '
+        "number of requests follows from it); the summary is given per phase too",
+    )
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write one JSON line per request: send time, phase, TTFT, E2E, tokens, error",
+    )
     p.add_argument("--input-len", type=int, default=256, help="prompt length (words ~ tokens)")
     p.add_argument(
         "--input-range", type=float, default=0.0, help="prompt length spread, as a fraction"
@@ -69,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from dsv4_serving.bench.client import jsonl_prompts, random_prompts, run_load
-    from dsv4_serving.bench.stats import format_table, summarize
+    from dsv4_serving.bench.stats import (
+        format_table,
+        phase_summaries,
+        summarize,
+        write_records,
+    )
 
     for flag, value, lo in (
         ("--num-requests", args.num_requests, 1),
@@ -84,6 +103,18 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--request-rate must be > 0, got {args.request_rate}")
     if not 0 <= args.input_range < 1:
         return _fail(f"--input-range must be in [0, 1), got {args.input_range}")
+    schedule = None
+    if args.schedule is not None:
+        from dsv4_serving.bench.schedule import ScheduleError, arrivals, parse_schedule
+
+        try:
+            phases = parse_schedule(args.schedule)
+            schedule = arrivals(phases, args.seed)
+        except ScheduleError as e:
+            return _fail(str(e))
+        if not schedule:
+            return _fail("--schedule produces no request (every rate is 0)")
+        args.num_requests = len(schedule)
     base = args.url.rstrip("/")
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model
@@ -121,9 +152,14 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             args.timeout,
             not args.no_progress and not args.json,
+            schedule,
         )
     )
     summary = summarize(records, wall, args.ttft_slo, args.tpot_slo)
+    if schedule is not None:
+        summary["phases"] = phase_summaries(records, phases, args.ttft_slo, args.tpot_slo)
+    if args.records is not None:
+        write_records(args.records, records)
     summary["config"] = {
         k: (str(v) if isinstance(v, Path) else v)
         for k, v in vars(args).items()

@@ -191,9 +191,11 @@ async def run_load(
     seed: int,
     timeout_s: float,
     progress: bool,
+    schedule: list[tuple[float, int]] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """All prompts, at most ``concurrency`` at once, arriving as a Poisson process of ``rate``/s
-    (or all at once when no rate). Returns the records and the wall time."""
+    """All prompts, at most ``concurrency`` at once, arriving as a Poisson process of ``rate``/s,
+    at the ``schedule``'s (time, phase) arrivals (one per prompt), or all at once. Returns the
+    records (each with its send time and phase) and the wall time."""
     limits = httpx.Limits(
         max_connections=concurrency or len(prompts),
         max_keepalive_connections=concurrency or len(prompts),
@@ -206,15 +208,19 @@ async def run_load(
         limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0)
     ) as client:
 
-        async def send(i: int, p: Prompt) -> None:
+        async def send(i: int, p: Prompt, phase: int) -> None:
             async with gate:
+                sent = time.perf_counter() - start
                 records[i] = await one_request(client, url, p, headers, timeout_s)
+            records[i].start, records[i].phase = sent, phase
             bar.update(records[i].ok)
 
         start = time.perf_counter()
         tasks = []
         for i, p in enumerate(prompts):
-            tasks.append(asyncio.create_task(send(i, p)))
+            if schedule is not None:
+                await asyncio.sleep(max(0.0, start + schedule[i][0] - time.perf_counter()))
+            tasks.append(asyncio.create_task(send(i, p, schedule[i][1] if schedule else 0)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -16,6 +19,10 @@ class RequestRecord:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    """Seconds from the start of the run to the request's send (its arrival)."""
+    phase: int = 0
+    """Index of the --schedule phase it arrived in."""
 
     @property
     def tpot(self) -> float | None:
@@ -71,6 +78,7 @@ def summarize(
         "output_token_throughput": out_tokens / d,
         "total_token_throughput": (in_tokens + out_tokens) / d,
         "goodput": sum(1 for r in ok if good(r)) / d,
+        "good_requests": sum(1 for r in ok if good(r)),
         "prompt_tokens": in_tokens,
         "output_tokens": out_tokens,
         "ttft_s": _dist([r.ttft for r in ok]),
@@ -79,6 +87,41 @@ def summarize(
         "e2e_s": _dist([r.e2e for r in ok]),
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
     }
+
+
+def phase_summaries(
+    records: list[RequestRecord],
+    phases: Sequence[Any],
+    ttft_slo: float | None,
+    tpot_slo: float | None,
+) -> list[dict[str, Any]]:
+    """The summary of each --schedule phase over the requests that arrived in it, with the SLO
+    attainment (share of its requests that completed within both objectives)."""
+    out = []
+    for i, ph in enumerate(phases):
+        mine = [r for r in records if r.phase == i]
+        s = summarize(mine, ph.seconds, ttft_slo, tpot_slo)
+        s["phase"] = {"index": i, "seconds": ph.seconds, "rate": ph.rate}
+        s["slo_attainment"] = s["good_requests"] / len(mine) if mine else math.nan
+        out.append(s)
+    return out
+
+
+def write_records(path: Path, records: list[RequestRecord]) -> None:
+    with path.open("w") as f:
+        for r in records:
+            row = {
+                "start": r.start,
+                "phase": r.phase,
+                "ok": r.ok,
+                "ttft": r.ttft,
+                "e2e": r.e2e,
+                "tpot": r.tpot,
+                "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "error": r.error,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def format_table(s: dict[str, Any]) -> str:
@@ -101,4 +144,12 @@ def format_table(s: dict[str, Any]) -> str:
         )
     if s["errors"]:
         lines.append("\nerrors: " + "; ".join(s["errors"]))
+    for ph in s.get("phases", []):
+        p = ph["phase"]
+        lines.append(
+            f"phase {p['index']} ({p['seconds']:g}s @ {p['rate']:g}/s): "
+            f"{ph['completed']}/{ph['requests']} completed, TTFT p90 "
+            f"{ph['ttft_s']['p90'] * 1000:.1f} ms, TPOT p90 {ph['tpot_s']['p90'] * 1000:.1f} ms, "
+            f"SLO attainment {ph['slo_attainment']:.0%}"
+        )
     return "\n".join(lines)
