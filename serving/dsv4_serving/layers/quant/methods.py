@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_serving.distributed.comm import all_gather
+from dsv4_serving.distributed.groups import Group
 from dsv4_serving.layers.quant.scheme import NONE, QuantScheme
 from dsv4_serving.layers.shard import ShardSpec
 from dsv4_serving.loader.quant import (
@@ -298,7 +300,7 @@ class W8A8(QuantMethod):
         if x.device.type == "npu":
             y = _npu_quant_matmul(flat, w, s)
         else:
-            xq, xs = quantize_per_token(flat)
+            xq, xs = quantize_per_token(flat, _input_split_group(module, name))
             y = (int8_mm(xq, w.t()).float() * xs * s).to(x.dtype)
         return y.view(*x.shape[:-1], w.shape[0])
 
@@ -311,10 +313,27 @@ class W8A8(QuantMethod):
         return {name: q, name + "_scale": s}
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (``round(x / s)``, ``s`` [T, 1] float32), ``s = amax / 127``."""
+def _input_split_group(module: nn.Module, name: str) -> Group | None:
+    """The TP group a row-parallel linear splits its input over (None otherwise)."""
+    spec = getattr(module, "shards", {}).get(name)
+    group: Group | None = getattr(module, "group", None)
+    w = getattr(module, name)
+    if spec is None or group is None or group.size == 1 or spec.dim != w.dim() - 1:
+        return None
+    return group
+
+
+def quantize_per_token(
+    x: torch.Tensor, group: Group | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (``round(x / s)``, ``s`` [T, 1] float32), ``s = amax / 127``.
+    With ``group`` (a row split over TP ranks) the amax is the whole row's, so the ranks'
+    int32 partial sums add up to the single-process product (one all-gather of T floats)."""
     xf = x.float()
-    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if group is not None:
+        amax = all_gather(amax, group, dim=-1).amax(dim=-1, keepdim=True)
+    s = amax.clamp(min=1e-8) / 127.0
     return (xf / s).round_().clamp_(-127, 127).to(torch.int8), s
 
 
