@@ -81,6 +81,8 @@ def test_gateway_watches_endpointslices(k8s_control_plane, namespace) -> None:
         ns,
         "--selector",
         "app.kubernetes.io/instance=demo",
+        "--routing-configmap",
+        "demo-routing",
     )
     g.start(env={"PYTHONUNBUFFERED": "1"})
     try:
@@ -112,6 +114,21 @@ def test_gateway_watches_endpointslices(k8s_control_plane, namespace) -> None:
             )
         )
         wait_for("the second decode engine", lambda: len(_members(g.url).get("decode", ())) == 2)
+        # the autoscaler drains decode instance 1: no new requests to it, the other stays
+        routing = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "demo-routing"},
+            "data": {"routing.json": json.dumps({"draining": ["demo-decode-1"]})},
+        }
+        apply(routing)
+        wait_for(
+            "the draining instance to leave the routing",
+            lambda: _members(g.url).get("decode") == {"http://10.2.0.1:8000"},
+        )
+        routing["data"] = {"routing.json": json.dumps({"draining": []})}
+        apply(routing)
+        wait_for("the drain to be lifted", lambda: len(_members(g.url).get("decode", ())) == 2)
         cluster.kubectl("delete", "endpointslice", "demo-prefill-a", "-n", ns)
         wait_for("the prefill engine to go", lambda: not _members(g.url).get("prefill"))
         # the engines are not reachable from here, so health checks eject them; membership stays

@@ -30,6 +30,9 @@ class GatewayConfig:
     """Label selector of the EndpointSlices (role from their ``serving.dsv4.io/role`` label)."""
     kubeconfig: str | None = None
     """Kubernetes discovery: kubeconfig file (default: in-cluster, then ~/.kube/config)."""
+    routing_configmap: str | None = None
+    """Kubernetes discovery: ConfigMap (in ``namespace``) whose ``routing.json`` lists the
+    instances the autoscaler drains; they get no new requests (the operator sets it)."""
     policy: PolicyName = "dplb"
     """How an instance is chosen (see docs/gateway.md)."""
     served_model_name: str | None = None

@@ -9,6 +9,7 @@ find each other before they are ready), which makes ``ready`` always true.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -43,8 +44,30 @@ def routable(conditions: dict[str, Any]) -> bool:
     return serving is not False and conditions.get("terminating") is not True
 
 
-def members_from_slices(slices: list[dict[str, Any]]) -> dict[Role, set[str]]:
-    """Engine base URLs per role from EndpointSlice objects (as dicts)."""
+def instance_of(pod: str) -> str:
+    """The instance (its StatefulSet's name) of an engine pod ``<instance>-<node rank>``."""
+    return pod.rsplit("-", 1)[0]
+
+
+def draining_from_configmap(configmap: dict[str, Any] | None) -> frozenset[str]:
+    """The instances the routing ConfigMap's ``routing.json`` lists as draining; a missing or
+    unreadable ConfigMap drains nothing (routing must not stop on a bad document)."""
+    raw = ((configmap or {}).get("data") or {}).get("routing.json")
+    if not raw:
+        return frozenset()
+    try:
+        doc = json.loads(raw)
+        return frozenset(str(x) for x in doc.get("draining") or [])
+    except (ValueError, AttributeError, TypeError):
+        log.warning('routing ConfigMap: routing.json is not {"draining": [...]}: %.200s', raw)
+        return frozenset()
+
+
+def members_from_slices(
+    slices: list[dict[str, Any]], draining: frozenset[str] = frozenset()
+) -> dict[Role, set[str]]:
+    """Engine base URLs per role from EndpointSlice objects (as dicts), without the endpoints of
+    ``draining`` instances (their requests in flight finish; only membership changes)."""
     out: dict[Role, set[str]] = {r: set() for r in _ROLES}
     for s in slices:
         role = (s.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL)
@@ -57,7 +80,7 @@ def members_from_slices(slices: list[dict[str, Any]]) -> dict[Role, set[str]]:
             if not routable(ep.get("conditions") or {}):
                 continue
             pod = (ep.get("targetRef") or {}).get("name", "")
-            if _FOLLOWER.search(pod):
+            if _FOLLOWER.search(pod) or instance_of(pod) in draining:
                 continue
             for addr in ep.get("addresses") or []:
                 host = f"[{addr}]" if ":" in addr else addr
@@ -75,17 +98,25 @@ class KubernetesDiscovery:
         self.cfg, self.pool, self.loop = cfg, pool, loop
         self._stop = threading.Event()
         self._slices: dict[str, dict[str, Any]] = {}
+        self._draining: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
+        self._routing = threading.Thread(
+            target=self._run_routing, name="routing-configmap-watch", daemon=True
+        )
         self.synced = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
+        if self.cfg.routing_configmap:
+            self._routing.start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def _publish(self) -> None:
-        members = members_from_slices(list(self._slices.values()))
+        with self._lock:
+            members = members_from_slices(list(self._slices.values()), self._draining)
 
         def apply() -> None:
             for role, urls in members.items():
@@ -93,20 +124,70 @@ class KubernetesDiscovery:
 
         self.loop.call_soon_threadsafe(apply)
 
-    def _run(self) -> None:
-        from kubernetes import client, config, watch
+    def _api(self) -> Any:
+        from kubernetes import client, config
 
         try:
             if self.cfg.kubeconfig:
-                api = config.new_client_from_config(config_file=self.cfg.kubeconfig)
-            else:
-                try:
-                    config.load_incluster_config()
-                    api = client.ApiClient()
-                except config.ConfigException:
-                    api = config.new_client_from_config()
+                return config.new_client_from_config(config_file=self.cfg.kubeconfig)
+            try:
+                config.load_incluster_config()
+                return client.ApiClient()
+            except config.ConfigException:
+                return config.new_client_from_config()
         except Exception:
             log.exception("cannot reach the Kubernetes API for discovery")
+            return None
+
+    def _run_routing(self) -> None:
+        """Watch the one routing ConfigMap (the gateway's Role allows only that name)."""
+        from kubernetes import client, watch
+
+        api = self._api()
+        if api is None:
+            return
+        core = client.CoreV1Api(api)
+        field = f"metadata.name={self.cfg.routing_configmap}"
+        while not self._stop.is_set():
+            try:
+                lst = core.list_namespaced_config_map(self.cfg.namespace, field_selector=field)
+                self._set_draining(
+                    draining_from_configmap(
+                        api.sanitize_for_serialization(lst.items[0]) if lst.items else None
+                    )
+                )
+                w = watch.Watch()
+                for ev in w.stream(
+                    core.list_namespaced_config_map,
+                    self.cfg.namespace,
+                    field_selector=field,
+                    resource_version=lst.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    obj = api.sanitize_for_serialization(ev["object"])
+                    self._set_draining(
+                        frozenset() if ev["type"] == "DELETED" else draining_from_configmap(obj)
+                    )
+            except Exception as e:  # a broken watch is re-listed, never fatal
+                log.warning("routing ConfigMap watch restarting: %s", e)
+                self._stop.wait(1.0)
+
+    def _set_draining(self, draining: frozenset[str]) -> None:
+        with self._lock:
+            changed = draining != self._draining
+            self._draining = draining
+        if changed:
+            log.info("draining instances: %s", ", ".join(sorted(draining)) or "none")
+            self._publish()
+
+    def _run(self) -> None:
+        from kubernetes import client, watch
+
+        api = self._api()
+        if api is None:
             return
         discovery = client.DiscoveryV1Api(api)
         to_dict: Callable[[Any], dict[str, Any]] = api.sanitize_for_serialization
@@ -115,7 +196,9 @@ class KubernetesDiscovery:
                 lst = discovery.list_namespaced_endpoint_slice(
                     self.cfg.namespace, label_selector=self.cfg.selector
                 )
-                self._slices = {s.metadata.name: to_dict(s) for s in lst.items}
+                slices = {s.metadata.name: to_dict(s) for s in lst.items}
+                with self._lock:
+                    self._slices = slices
                 self._publish()
                 self.synced.set()
                 w = watch.Watch()
@@ -131,10 +214,11 @@ class KubernetesDiscovery:
                         break
                     obj = to_dict(ev["object"])
                     name = obj["metadata"]["name"]
-                    if ev["type"] == "DELETED":
-                        self._slices.pop(name, None)
-                    else:
-                        self._slices[name] = obj
+                    with self._lock:
+                        if ev["type"] == "DELETED":
+                            self._slices.pop(name, None)
+                        else:
+                            self._slices[name] = obj
                     self._publish()
             except Exception as e:  # a broken watch is re-listed, never fatal
                 log.warning("EndpointSlice watch restarting: %s", e)

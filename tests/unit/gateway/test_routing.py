@@ -10,7 +10,12 @@ import pytest
 
 from dsv4_serving.engine.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
-from dsv4_serving.gateway.discovery import members_from_slices, routable
+from dsv4_serving.gateway.discovery import (
+    draining_from_configmap,
+    instance_of,
+    members_from_slices,
+    routable,
+)
 from dsv4_serving.gateway.health import apply_scrape
 from dsv4_serving.gateway.instances import Instance, InstancePool, PrefixIndex
 from dsv4_serving.gateway.policies import RouteRequest, make_policy
@@ -171,6 +176,19 @@ def test_endpointslices_give_ready_leaders_per_role() -> None:
     assert m["prefill"] == {"http://10.0.0.1:8000"}
     assert m["decode"] == {"http://[fd00::5]:8000"}
     assert m["both"] == set()
+    # an instance the autoscaler drains gets no new requests
+    m = members_from_slices(slices, frozenset({"v4-prefill-0"}))
+    assert m["prefill"] == set() and m["decode"] == {"http://[fd00::5]:8000"}
+
+
+def test_routing_configmap_lists_draining_instances() -> None:
+    assert instance_of("v4-decode-12-0") == "v4-decode-12"
+    cm = {"data": {"routing.json": '{"draining": ["v4-decode-1", "v4-prefill-2"]}'}}
+    assert draining_from_configmap(cm) == {"v4-decode-1", "v4-prefill-2"}
+    assert draining_from_configmap({"data": {"routing.json": '{"draining": []}'}}) == set()
+    assert draining_from_configmap(None) == set()
+    assert draining_from_configmap({"data": {"routing.json": "not json"}}) == set()
+    assert draining_from_configmap({"data": {"routing.json": "[1, 2]"}}) == set()
 
 
 @pytest.mark.parametrize(
