@@ -22,13 +22,8 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 
 
 def expert_weights(e: int, dim: int, inter: int) -> tuple[Any, Any, Any]:
