@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from dsv4_common.process import metric_value
 from tests.helpers import wait_for
 from tests.k8s.autoscaling_stub import MetricsStub
 from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
@@ -191,6 +193,61 @@ def test_scale_up_drain_restart_and_timeout(
     )
     assert _routing(cluster, ns, name) == []
 
+    # the operator's own metrics say what it decided
+    metrics = urllib.request.urlopen(f"{scaler[-1].url}/metrics", timeout=10).read().decode()
+    assert (
+        metric_value(
+            metrics,
+            "dsv4_autoscaler_desired_instances",
+            namespace=ns,
+            deployment=name,
+            role="prefill",
+        )
+        == 1.0
+    )
+    assert (
+        metric_value(
+            metrics,
+            "dsv4_autoscaler_signal",
+            deployment=name,
+            role="prefill",
+            signal="waitingPerInstance",
+        )
+        == 0.0
+    )
+
+    # load returns during a drain: the victim is taken back (DrainCancelled), no new instance
+    stub.set(prefill_waiting=10, running=5)
+    wait_for(
+        "StatefulSet auto-prefill-1 again",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+    )
+    stub.set(prefill_waiting=0)
+    wait_for(
+        "prefill-1 draining again",
+        lambda: _status(cluster, ns, name)["prefill"].get("draining") == [f"{name}-prefill-1"],
+        timeout_s=60,
+    )
+    stub.set(prefill_waiting=10)
+    wait_for("DrainCancelled", lambda: "DrainCancelled" in _reasons(cluster, ns, name))
+    st = wait_for(
+        "draining emptied by the cancel",
+        lambda: (s := _status(cluster, ns, name))["prefill"].get("draining") == [] and s,
+    )
+    assert st["prefill"]["desired"] == 2
+    assert f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name)
+    metrics = urllib.request.urlopen(f"{scaler[-1].url}/metrics", timeout=10).read().decode()
+    assert (
+        metric_value(
+            metrics,
+            "dsv4_autoscaler_decisions_total",
+            deployment=name,
+            role="prefill",
+            direction="up",
+        )
+        >= 1.0
+    )
+
     # a drain that does not finish in drainTimeoutSeconds: DrainTimedOut, deleted anyway
     cluster.kubectl(
         "patch",
@@ -201,11 +258,6 @@ def test_scale_up_drain_restart_and_timeout(
         "--type=merge",
         "-p",
         json.dumps({"spec": {"autoscaling": {"drainTimeoutSeconds": 3}}}),
-    )
-    stub.set(prefill_waiting=10, running=5)
-    wait_for(
-        "StatefulSet auto-prefill-1 again",
-        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
     )
     stub.set(prefill_waiting=0)
     wait_for("DrainTimedOut", lambda: "DrainTimedOut" in _reasons(cluster, ns, name), timeout_s=60)
