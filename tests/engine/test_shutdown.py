@@ -85,12 +85,16 @@ def _wait_exit(server: Service, timeout_s: float) -> int | None:
     return server.exit_code()
 
 
-def _sigterm(server: Service) -> None:
+def _sigterm(server: Service, group: bool = False) -> None:
     assert server.pid is not None
-    os.kill(server.pid, signal.SIGTERM)
+    if group:  # the engine's session: its front end and every rank process
+        os.killpg(server.pid, signal.SIGTERM)
+    else:
+        os.kill(server.pid, signal.SIGTERM)
 
 
-def test_sigterm_lets_a_long_stream_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", [False, True], ids=["leader", "process-group"])
+def test_sigterm_lets_a_long_stream_finish(tmp_path: Path, group: bool) -> None:
     server = _engine(tmp_path, "60")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -100,7 +104,7 @@ def test_sigterm_lets_a_long_stream_finish(tmp_path: Path) -> None:
         stream = _Stream(client, max_tokens=min(1900, max(40, int(rate * 12))))
         stream.start()
         assert stream.started.wait(60)
-        _sigterm(server)
+        _sigterm(server, group)
         deadline = time.monotonic() + 2
         while _status(server.url + "/ready") != 503:
             assert time.monotonic() < deadline, "/ready still 200 after SIGTERM"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing as mp
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,11 @@ def _name_process(name: str) -> None:
 
 
 def _rank_entry(target: Callable[..., object], name: str, args: tuple[Any, ...]) -> None:
+    # The front end drains on SIGTERM and then stops its ranks itself (a Shutdown message, then
+    # a kill); a signal to the whole process group (Ctrl-C, a supervisor that signals the group,
+    # tini -g) must not kill the ranks under the requests it is draining.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     _name_process(name)
     target(*args)
