@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 REAL_NODE_SELECTOR = {"dsv4.io/real-node": "true"}
+BASE_IMAGES = ("pause", "busybox")
+APP_IMAGES = ("engine", "operator")
 
 
 class RealClusterHandle:
@@ -30,6 +32,9 @@ class RealClusterHandle:
         self.real: Any = None
         self.left: dict[str, list[str]] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._app_imported = False
+        self.timings: dict[str, float] = {}
+        self.notes: dict[str, list[str]] = {}
 
     def get(self) -> Any:
         import contextlib
@@ -48,9 +53,7 @@ class RealClusterHandle:
         reason = unavailable_reason(bin_dir)
         if reason:
             pytest.skip(f"node tier: {reason}")
-        images = sorted(
-            ensure_node_images(app=os.environ.get("DSV4_NODE_APP") == "1").glob("*.tar")
-        )
+        images = [ensure_node_images() / f"{n}.tar" for n in BASE_IMAGES]
         self._tmp = tempfile.TemporaryDirectory(prefix="dsv4-node-")
         work = Path(self._tmp.name)
         self.real = RealNodes(1, bin_dir, work / "real-nodes", images=images)
@@ -59,6 +62,20 @@ class RealClusterHandle:
             cluster_with_real_nodes(ClusterConfig(bin_dir=bin_dir, work_dir=work), self.real)
         )
         return self.cluster
+
+    def app_images(self) -> dict[str, str]:
+        """Build (cached) and import the engine and operator images; name -> image reference."""
+        from dsv4_operator.devcluster.binaries import ensure_node_images
+
+        self.get()
+        if not self._app_imported:
+            out = ensure_node_images(app=True)
+            for name in APP_IMAGES:
+                t0 = time.monotonic()
+                self.real.import_image(out / f"{name}.tar")
+                self.timings[f"import {name}"] = time.monotonic() - t0
+            self._app_imported = True
+        return {n: f"dsv4.local/{n}:dev" for n in APP_IMAGES}
 
     def close(self) -> dict[str, list[str]]:
         from dsv4_operator.devcluster import hoststate
@@ -79,6 +96,12 @@ def real_handle() -> Iterator[RealClusterHandle]:
         yield handle
     finally:
         left = handle.close()
+        # what the tier measured (import times, readiness, what a user saw): -s shows it, and
+        # DSV4_NODE_REPORT=path keeps it
+        report = json.dumps({"timings": handle.timings, "notes": handle.notes}, indent=1)
+        print(f"\nnode tier report: {report}")
+        if os.environ.get("DSV4_NODE_REPORT"):
+            Path(os.environ["DSV4_NODE_REPORT"]).write_text(report)
         assert not left, f"the node tier left host state behind: {left}"
 
 
@@ -86,6 +109,12 @@ def real_handle() -> Iterator[RealClusterHandle]:
 def real_cluster(real_handle: RealClusterHandle) -> Any:
     """A LocalCluster with one kwok node and one real node `real-0`."""
     return real_handle.get()
+
+
+@pytest.fixture(scope="session")
+def app_images(real_handle: RealClusterHandle) -> dict[str, str]:
+    """The engine and operator images, built from docker/*.Dockerfile and imported into the node."""
+    return real_handle.app_images()
 
 
 @pytest.fixture
@@ -100,7 +129,7 @@ def real_namespace(real_cluster: Any) -> Iterator[str]:
         assert time.monotonic() < deadline, "no default ServiceAccount"
         time.sleep(0.2)
     yield name
-    real_cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False)
+    real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def apply(cluster: Any, *objs: dict[str, Any]) -> None:
