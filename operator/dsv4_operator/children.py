@@ -26,6 +26,7 @@ DELETED = Counter("dsv4_operator_children_deleted", "Child objects deleted", ["k
 
 # Kinds the operator owns and prunes (LeaderWorkerSet only when its CRD exists).
 OWNED_KINDS = (
+    "DeepSeekV4RoleScale",
     "ConfigMap",
     "Secret",
     "Service",

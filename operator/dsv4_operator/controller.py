@@ -16,7 +16,13 @@ from prometheus_client import Counter, Histogram
 
 from dsv4_operator.api import KIND
 from dsv4_operator.api.spec import DeploymentSpec, parse
-from dsv4_operator.autoscaling.plan import PlanBook, ScalePlan, effective_spec, routing_configmap
+from dsv4_operator.autoscaling.plan import (
+    PlanBook,
+    ScalePlan,
+    effective_spec,
+    role_scales,
+    routing_configmap,
+)
 from dsv4_operator.children import (
     ApplyResult,
     ChildView,
@@ -170,6 +176,8 @@ class Controller:
             desired = desired_children(spec, seen.facts)
             if plan is not None:
                 desired.append(routing_configmap(spec, plan))
+                if spec.autoscaling.mode == "External":
+                    desired += role_scales(spec)
         except ReconcileError as e:
             # nothing is applied or pruned while the spec cannot be built
             observed = observed.with_problems([str(e)], e.reason)

@@ -41,6 +41,7 @@ CHILD_RESOURCES = [
     ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     # kopf skips a resource its cluster does not serve; the CRD watch below resyncs when it appears
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet"),
+    (GROUP, VERSION, "deepseekv4rolescales", "DeepSeekV4RoleScale"),
 ]
 
 

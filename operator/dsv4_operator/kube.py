@@ -56,6 +56,7 @@ KINDS: dict[str, ResourceKind] = {
     "NetworkPolicy": ResourceKind("networking.k8s.io/v1", "networkpolicies"),
     "LeaderWorkerSet": ResourceKind("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "DeepSeekV4Deployment": ResourceKind(f"{GROUP}/{VERSION}", PLURAL),
+    "DeepSeekV4RoleScale": ResourceKind(f"{GROUP}/{VERSION}", "deepseekv4rolescales"),
     # kopf's peering objects: the autoscaler runs only in the replica kopf lets run
     "KopfPeering": ResourceKind("kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": ResourceKind("kopf.dev/v1", "clusterkopfpeerings", namespaced=False),

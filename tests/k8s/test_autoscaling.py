@@ -307,3 +307,66 @@ def test_an_unschedulable_new_instance_blocks_further_scale_up(
     )
     stub.set(prefill_waiting=0)
     cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
+
+
+def test_external_mode_follows_the_role_scale_clamped_and_drains(
+    k8s_cluster: Any, scaler: list[Any], stub: MetricsStub, namespace: str
+) -> None:
+    cluster, ns, name = k8s_cluster, namespace, "ext"
+    stub.set(prefill_waiting=0, decode_waiting=0, running=0, waiting=0, exports=0)
+    apply_yaml(cluster, json.dumps(_cr(name, dict(FAST, mode="External"))), ns)
+    wait_for(
+        "the role scale objects",
+        lambda: (
+            {"DeepSeekV4RoleScale/ext-prefill", "DeepSeekV4RoleScale/ext-decode"}
+            <= set(_scales(cluster, ns))
+        ),
+    )
+    # what an HPA does: write replicas through the scale subresource
+    cluster.kubectl("scale", "dsv4rs", f"{name}-prefill", "-n", ns, "--replicas=2")
+    wait_for("prefill desired 2", lambda: _status(cluster, ns, name)["prefill"]["desired"] == 2)
+    wait_for(
+        "StatefulSet ext-prefill-1",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+    )
+    path = (
+        f"/apis/serving.dsv4.io/v1alpha1/namespaces/{ns}/deepseekv4rolescales/{name}-prefill/scale"
+    )
+    scale = wait_for(
+        "the scale's status",
+        lambda: (
+            (s := json.loads(cluster.kubectl("get", "--raw", path)))["status"].get("replicas") == 2
+            and s
+        ),
+    )
+    assert scale["status"]["selector"] == (
+        f"app.kubernetes.io/instance={name},apps.kubernetes.io/pod-index=0,"
+        "serving.dsv4.io/role=prefill"
+    )
+    # above max: clamped, and said
+    cluster.kubectl("scale", "dsv4rs", f"{name}-prefill", "-n", ns, "--replicas=5")
+    st = wait_for("ScalingLimited AtMax", lambda: _limited(cluster, ns, name, "AtMax"))
+    assert st["prefill"]["desired"] == 2
+    assert st["autoscaling"]["source"] == "External"
+    # down: through a drain, as the operator's own decisions
+    stub.set(running=2)
+    cluster.kubectl("scale", "dsv4rs", f"{name}-prefill", "-n", ns, "--replicas=1")
+    wait_for(
+        "prefill-1 draining",
+        lambda: _status(cluster, ns, name)["prefill"].get("draining") == [f"{name}-prefill-1"],
+    )
+    assert f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name)
+    stub.set(running=0)
+    wait_for(
+        "prefill-1 deleted",
+        lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
+        timeout_s=60,
+    )
+    reasons = _reasons(cluster, ns, name)
+    assert reasons.index("DrainCompleted") < reasons.index("ScaledDown"), reasons
+    cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
+
+
+def _scales(cluster: Any, ns: str) -> list[str]:
+    items = kubectl_json(cluster, "get", "dsv4rs", "-n", ns)["items"]
+    return [f"{o['kind']}/{o['metadata']['name']}" for o in items]

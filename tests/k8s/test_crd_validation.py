@@ -174,11 +174,6 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("misspelt field", _cr(prefil={"instances": 2}), 'unknown field "spec.prefil"'),
     # no knob without behaviour: accepted only at their defaults until something acts on them
     (
-        "autoscaling mode External",
-        _cr(autoscaling={"enabled": True, "mode": "External"}),
-        "autoscaling.mode External is not supported yet (no per-role scale object is served)",
-    ),
-    (
         "autoscaling from Prometheus without its URL",
         _cr(autoscaling={"enabled": True, "metrics": {"source": "Prometheus"}}),
         "autoscaling.metrics.prometheusURL is required when source is Prometheus",

@@ -426,8 +426,9 @@ def _autoscaling() -> Schema:
                 default=False,
             ),
             "mode": string(
-                "Builtin: the operator decides. External (an HPA/KEDA on a per-role scale "
-                "object) is not supported yet.",
+                "Builtin: the operator decides. External: an HPA or KEDA sets spec.replicas "
+                "of the DeepSeekV4RoleScale {name}-prefill / {name}-decode (scale "
+                "subresource); the operator clamps it and drains.",
                 default="Builtin",
                 enum=["Builtin", "External"],
             ),
@@ -504,14 +505,6 @@ def _autoscaling() -> Schema:
                 "self.tpotSeconds > 0.0",
                 "autoscaling.tpotSeconds must be a positive number of seconds (the p90 time "
                 "per output token objective, e.g. 0.05)",
-            ),
-            (
-                "self.mode != 'External'",
-                _not_yet(
-                    "autoscaling.mode External",
-                    "no per-role scale object is served",
-                    "use mode Builtin",
-                ),
             ),
         ],
         default={},

@@ -28,10 +28,12 @@ from typing import Any
 import aiohttp
 
 from dsv4_common.process import metric_value
+from dsv4_operator.api.rolescale import ROLE_SCALE_KIND
 from dsv4_operator.api.spec import DeploymentSpec, parse
 from dsv4_operator.autoscaling import drain as drains
 from dsv4_operator.autoscaling.counts import BLOCKED_AFTER_S, role_counts
 from dsv4_operator.autoscaling.decide import Event, State, decide
+from dsv4_operator.autoscaling.external import external_decision
 from dsv4_operator.autoscaling.from_spec import policy_of
 from dsv4_operator.autoscaling.gateway_source import (
     GatewayWindow,
@@ -41,7 +43,7 @@ from dsv4_operator.autoscaling.gateway_source import (
     parse_instances,
 )
 from dsv4_operator.autoscaling.leader import is_active
-from dsv4_operator.autoscaling.plan import PlanBook, ScalePlan
+from dsv4_operator.autoscaling.plan import PlanBook, ScalePlan, rank0_selector, role_scale_name
 from dsv4_operator.autoscaling.policy import ROLES, Role
 from dsv4_operator.autoscaling.prometheus_source import Queries, observations, scalar
 from dsv4_operator.autoscaling.report import (
@@ -97,7 +99,7 @@ class Autoscalers:
         key = (meta["namespace"], meta["name"])
         try:
             a = parse(dict(body)).autoscaling
-            on = a.enabled and a.mode == "Builtin" and not meta.get("deletionTimestamp")
+            on = a.enabled and not meta.get("deletionTimestamp")
         except (KeyError, ValueError, TypeError):
             on = False  # a spec the sync reports as broken
         if on and key not in self._tasks:
@@ -179,8 +181,12 @@ class _Tick:
                     log.info("resuming the drain of %s", inst)
             self.resumed = True
         counts = self._counts(spec, base, now)
-        obs = await self._observe(http, spec, counts)
-        decision, self.state = decide(obs, self.state, policy, now)
+        obs: Observations | None = None
+        if a.mode == "External":
+            decision = external_decision(spec, base, counts, self._wanted(spec))
+        else:
+            obs = await self._observe(http, spec, counts)
+            decision, self.state = decide(obs, self.state, policy, now)
         targets = dict(base.targets)
         events: list[Event] = list(decision.events)
         for r in ROLES:
@@ -220,7 +226,7 @@ class _Tick:
             autoscaling=autoscaling_status(
                 decision,
                 list(self.drains.values()),
-                source=a.source,
+                source="External" if a.mode == "External" else a.source,
                 observed_at=_iso(obs.observed_at) if obs is not None else None,
                 last_scale_time=self.last_scale,
             ),
@@ -236,7 +242,36 @@ class _Tick:
             now - obs.observed_at if obs is not None else None,
         )
         await self._post(body, events, now)
+        if a.mode == "External":
+            await self._report_scales(spec, counts)
         return float(a.interval_s)
+
+    def _wanted(self, spec: DeploymentSpec) -> dict[Role, int | None]:
+        live = self.o.cache.children(spec, False)
+        out: dict[Role, int | None] = {}
+        for r in ROLES:
+            obj = live.get((ROLE_SCALE_KIND, role_scale_name(spec, r))) or {}
+            value = (obj.get("spec") or {}).get("replicas")
+            out[r] = int(value) if isinstance(value, int) else None
+        return out
+
+    async def _report_scales(self, spec: DeploymentSpec, counts: dict[Role, RoleCounts]) -> None:
+        """``status`` of each role's scale object: what an HPA reads back."""
+        live = self.o.cache.children(spec, False)
+        for r in ROLES:
+            name = role_scale_name(spec, r)
+            obj = live.get((ROLE_SCALE_KIND, name))
+            if obj is None:
+                continue  # the sync creates it
+            status = {
+                "replicas": counts[r].ready + counts[r].starting,
+                "selector": rank0_selector(spec, r),
+            }
+            if obj.get("status") != status:
+                written = await asyncio.to_thread(
+                    self.o.kube.patch_status, ROLE_SCALE_KIND, spec.namespace, name, status
+                )
+                self.o.cache.record(ROLE_SCALE_KIND, written)
 
     async def _active(self) -> bool:
         opts = self.o.options

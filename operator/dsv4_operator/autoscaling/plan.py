@@ -16,9 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dsv4_operator.api import API_VERSION
+from dsv4_operator.api.rolescale import ROLE_SCALE_KIND
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.autoscaling.report import disabled_conditions
 from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.identity import STS_POD_INDEX
 
 ROUTING_KEY = "routing.json"
 """Key of the routing ConfigMap ``<name>-routing``: ``{"draining": [instance names]}``."""
@@ -137,3 +140,27 @@ class PlanBook:
         if not spec.autoscaling.enabled:
             return None
         return self.get(spec.namespace, spec.name) or from_status(spec, status)
+
+
+def role_scales(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """``mode: External``: one ``DeepSeekV4RoleScale`` per role. ``spec.replicas`` is left out of
+    what the operator applies, so the HPA's writes are never reverted by its forced apply."""
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": ROLE_SCALE_KIND,
+            "metadata": names.metadata(spec, role_scale_name(spec, r), names.role_labels(spec, r)),
+            "spec": {},
+        }
+        for r in ROLES
+    ]
+
+
+def role_scale_name(spec: DeploymentSpec, role: Role) -> str:
+    return f"{spec.name}-{role}"
+
+
+def rank0_selector(spec: DeploymentSpec, role: Role) -> str:
+    """The role's rank-0 engine pods: one per instance (``status.selector`` of its scale)."""
+    labels = {names.DEPLOYMENT_LABEL: spec.name, names.ROLE_LABEL: role, STS_POD_INDEX: "0"}
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

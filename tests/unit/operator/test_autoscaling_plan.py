@@ -249,3 +249,37 @@ def test_engines_admit_the_operator_only_when_autoscaled() -> None:
     spec = _spec(**AUTOSCALED)
     assert operator_ports(spec) == [[8000, spec.kv.metrics_port]]
     assert operator_ports(_spec()) == []
+
+
+def test_external_mode_follows_the_scale_objects_clamped_one_drain_at_a_time() -> None:
+    from dsv4_operator.autoscaling.external import external_decision
+
+    spec = _spec(**dict(AUTOSCALED, mode="External"))
+    base = ScalePlan({"prefill": 2, "decode": 3})
+    counts = {"prefill": RoleCounts(ready=2), "decode": RoleCounts(ready=3)}
+    d = external_decision(spec, base, counts, {"prefill": 9, "decode": 2})
+    p, dec = d.roles["prefill"], d.roles["decode"]
+    assert (p.direction, p.target) == ("up", 3)  # clamped to max 3
+    assert (dec.direction, dec.target) == ("down", 2)
+    assert (d.limited.status, d.limited.reason) == ("True", "AtMax")
+    assert [e.reason for e in d.events] == ["ScaledUp"]
+    assert d.active.reason == "External"
+    # below min: min; unset: hold where it is
+    d = external_decision(spec, base, counts, {"prefill": None, "decode": 0})
+    assert (d.roles["prefill"].direction, d.roles["prefill"].target) == ("hold", 2)
+    assert (d.roles["decode"].direction, d.roles["decode"].target) == ("down", 2)
+    assert d.limited.reason == "AtMin"
+
+
+def test_role_scale_objects_leave_replicas_to_the_external_autoscaler() -> None:
+    from dsv4_operator.autoscaling.plan import rank0_selector, role_scales
+
+    spec = _spec(**dict(AUTOSCALED, mode="External"))
+    objs = role_scales(spec)
+    assert [(o["kind"], o["metadata"]["name"], o["spec"]) for o in objs] == [
+        ("DeepSeekV4RoleScale", "v4-prefill", {}),
+        ("DeepSeekV4RoleScale", "v4-decode", {}),
+    ]
+    assert rank0_selector(spec, "decode") == (
+        "app.kubernetes.io/instance=v4,apps.kubernetes.io/pod-index=0,serving.dsv4.io/role=decode"
+    )

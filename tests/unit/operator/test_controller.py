@@ -77,8 +77,9 @@ def test_second_sync_of_an_unchanged_deployment_only_reads(cpu_cr: dict[str, Any
     kube.calls.clear()
     kube.events.clear()
     ctl.sync("ml", "v4")
-    # GET the CR; one LIST per owned kind (10) and one of the pods; the LWS CRD check is cached
-    assert dict(kube.calls) == {"get": 1, "list": 11}
+    # GET the CR; one LIST per owned kind (11, the role scales included) and one of the pods;
+    # the LWS CRD check is cached
+    assert dict(kube.calls) == {"get": 1, "list": 12}
     assert kube.writes() == 0 and kube.events == []
 
 
