@@ -12,11 +12,17 @@ from torch import nn
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.paged import gather_entries
 from dsv4_serving.distributed.groups import SOLO, Group
+from dsv4_serving.kernels.build import available
+from dsv4_serving.kernels.paged_mla import paged_mla_attention
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.quant.methods import QuantMethods
 from dsv4_serving.layers.rope import Rotary, rotate_halves, rotate_tail_interleaved
 from dsv4_serving.models.config import DeepseekV3Config
+
+KERNEL_MAX_QUERIES = 8
+"""Sequences with up to this many new tokens (decode, MTP verification) go through the paged
+kernel; longer prefill chunks keep the batched products (the kernel is not a GEMM)."""
 
 
 class MLAttention(nn.Module):
@@ -85,26 +91,30 @@ class MLAttention(nn.Module):
         # write every new latent first: one scatter into the flattened pool
         bs, width = latent_cache.shape[1], latent_cache.shape[2]
         flat = latent_cache.view(-1, width)
-        lens = torch.tensor(
-            [
-                q1 - q0
-                for q0, q1 in zip(meta.query_start_loc[:-1], meta.query_start_loc[1:], strict=True)
-            ],
-            device=x.device,
-        )
+        qsl = meta.query_start_loc
+        n_new = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
+        lens = torch.tensor(n_new, device=x.device)
         seq_of = torch.repeat_interleave(torch.arange(meta.num_seqs, device=x.device), lens)
         pos = meta.positions
         slots = meta.block_tables[seq_of, pos // bs] * bs + pos % bs
         flat[slots] = latent.to(flat.dtype)
-        single = [i for i in range(meta.num_seqs) if lens[i] == 1]
-        if single:
-            out[meta.query_start_loc_tensor(single)] = self._decode(
-                q_lat, meta, single, latent_cache, bs, w_uv
-            ).to(x.dtype)
+        if x.device.type == "cpu" and available("paged_mla"):
+            # decode and MTP verification read the cache in place (kernels/paged_mla.cpp)
+            done = [i for i in range(meta.num_seqs) if n_new[i] <= KERNEL_MAX_QUERIES]
+            if done:
+                rows, o_lat = self._paged(q_lat, meta, done, latent_cache)
+                out[rows] = torch.einsum("thl,hvl->thv", o_lat, w_uv).to(x.dtype)
+        else:
+            done = [i for i in range(meta.num_seqs) if n_new[i] == 1]
+            if done:
+                out[meta.query_start_loc_tensor(done)] = self._decode(
+                    q_lat, meta, done, latent_cache, bs, w_uv
+                ).to(x.dtype)
+        handled = set(done)
         for i in range(meta.num_seqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             ctx, n = meta.context_lens[i], b - a
-            if n == 1:
+            if i in handled:
                 continue
             lat = gather_entries(latent_cache, meta.block_tables[i], ctx + n).float()
             s = torch.einsum("nhl,kl->hnk", q_lat[a:b], lat)
@@ -115,6 +125,31 @@ class MLAttention(nn.Module):
             o_lat = torch.einsum("hnk,kl->nhl", p, lat)[..., : self.kv_lora]
             out[a:b] = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).to(x.dtype)
         return self.wo(out.flatten(1))
+
+    def _paged(
+        self, q_lat: torch.Tensor, meta: AttentionMetadata, seqs: list[int], pool: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query rows of ``seqs`` and their attention outputs in latent space."""
+        qsl = meta.query_start_loc
+        rows = [r for i in seqs for r in range(qsl[i], qsl[i + 1])]
+        sub_qsl = [0]
+        for i in seqs:
+            sub_qsl.append(sub_qsl[-1] + qsl[i + 1] - qsl[i])
+        dev = q_lat.device
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        o_lat = paged_mla_attention(
+            q_lat[rows_t].contiguous(),
+            pool,
+            meta.block_tables[torch.tensor(seqs, device=dev)].to(torch.int32),
+            torch.tensor(sub_qsl, dtype=torch.int32),
+            torch.tensor(
+                [meta.context_lens[i] + qsl[i + 1] - qsl[i] for i in seqs], dtype=torch.int32
+            ),
+            self.scale,
+            self.kv_lora,
+            use_kernel=True,
+        )
+        return rows_t, o_lat
 
     def _decode(
         self,
