@@ -14,6 +14,8 @@ from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.engine.model_loader import LoadedModel, load_model, num_kv_blocks
 from dsv4_serving.engine.model_runner import ModelRunner
+from dsv4_serving.kernels.build import available
+from dsv4_serving.layers.mla import MLAttention
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,9 @@ def setup_runner(
     """``reserve_dummy``: one block and one state slot more than the scheduler gets, for the
     dummy batch an idle DP rank runs."""
     lm = load_model(config, parallel, device_index)
+    if lm.device.type == "cpu" and any(isinstance(m, MLAttention) for m in lm.model.modules()):
+        # build (or load) the paged attention kernel now, not inside the first request
+        available("paged_mla")
     k = config.num_speculative_tokens
     if k < 0:
         k = 1 if lm.num_mtp_layers else 0
