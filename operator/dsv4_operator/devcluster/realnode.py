@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4_common.process import ManagedProcess, free_port
-from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster, _kubeconfig
+from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster, _http_ok, _kubeconfig
 from dsv4_operator.devcluster.hoststate import Ledger, hierarchies, revert_stale
 
 NODE_BRIDGE = "dsv4-nodes"
@@ -457,17 +457,6 @@ def _ip(*args: str) -> None:
     res = subprocess.run(["ip", *args], capture_output=True, text=True)
     if res.returncode != 0:
         raise RealNodeError(f"ip {' '.join(args)}: {res.stderr.strip()}")
-
-
-def _http_ok(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
 
 
 def _cni_config(node: RealNode, ipam_dir: Path) -> str:
