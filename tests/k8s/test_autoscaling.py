@@ -18,6 +18,7 @@ from tests.helpers import wait_for
 from tests.k8s.autoscaling_stub import MetricsStub
 from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
 from tests.k8s.test_operator import _children, _status
+from tests.k8s.test_operator_reliability import _cpu_cr
 
 FAST = {
     "enabled": True,
@@ -31,20 +32,9 @@ FAST = {
 
 
 def _cr(name: str, autoscaling: dict[str, Any], **spec: Any) -> dict[str, Any]:
-    cpu = {"npusPerNode": 0, "parallelism": {"tp": 1}}
-    return {
-        "apiVersion": "serving.dsv4.io/v1alpha1",
-        "kind": "DeepSeekV4Deployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"preset": "dsv4-tiny", "servedName": "tiny"},
-            "prefill": dict(cpu, **spec.pop("prefill", {})),
-            "decode": cpu,
-            "kvTransfer": {"transport": "tcp"},
-            "autoscaling": autoscaling,
-            **spec,
-        },
-    }
+    cr = _cpu_cr(name, autoscaling=autoscaling, **spec)
+    cr["spec"]["prefill"] = {"npusPerNode": 0, "parallelism": {"tp": 1}, **spec.get("prefill", {})}
+    return cr
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +81,18 @@ def _routing(cluster: Any, ns: str, name: str) -> list[str]:
     cm = kubectl_json(cluster, "get", "configmap", f"{name}-routing", "-n", ns)
     draining: list[str] = json.loads(cm["data"]["routing.json"])["draining"]
     return draining
+
+
+def _idle_then_removed(cluster: Any, stub: MetricsStub, ns: str, name: str, victim: str) -> None:
+    """The victim goes idle: its StatefulSet is deleted, DrainCompleted before ScaledDown."""
+    stub.set(running=0)
+    wait_for(
+        f"{victim} deleted",
+        lambda: f"StatefulSet/{victim}" not in _children(cluster, ns, name),
+        timeout_s=60,
+    )
+    reasons = _reasons(cluster, ns, name)
+    assert reasons.index("DrainCompleted") < reasons.index("ScaledDown"), reasons
 
 
 def _stays(what: str, fn: Any, seconds: float) -> None:
@@ -180,14 +182,7 @@ def test_scale_up_drain_restart_and_timeout(
     )
 
     # idle: DrainCompleted, then the StatefulSet goes, then ScaledDown
-    stub.set(running=0)
-    wait_for(
-        "prefill-1 deleted",
-        lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
-        timeout_s=60,
-    )
-    reasons = _reasons(cluster, ns, name)
-    assert reasons.index("DrainCompleted") < reasons.index("ScaledDown"), reasons
+    _idle_then_removed(cluster, stub, ns, name, f"{name}-prefill-1")
     wait_for(
         "draining emptied", lambda: _status(cluster, ns, name)["prefill"].get("draining") == []
     )
@@ -356,14 +351,7 @@ def test_external_mode_follows_the_role_scale_clamped_and_drains(
         lambda: _status(cluster, ns, name)["prefill"].get("draining") == [f"{name}-prefill-1"],
     )
     assert f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name)
-    stub.set(running=0)
-    wait_for(
-        "prefill-1 deleted",
-        lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
-        timeout_s=60,
-    )
-    reasons = _reasons(cluster, ns, name)
-    assert reasons.index("DrainCompleted") < reasons.index("ScaledDown"), reasons
+    _idle_then_removed(cluster, stub, ns, name, f"{name}-prefill-1")
     cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
 
 
