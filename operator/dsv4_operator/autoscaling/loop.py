@@ -102,7 +102,8 @@ class Autoscalers:
             on = a.enabled and not meta.get("deletionTimestamp")
         except (KeyError, ValueError, TypeError):
             on = False  # a spec the sync reports as broken
-        if on and key not in self._tasks:
+        task = self._tasks.get(key)
+        if on and (task is None or task.done()):  # a loop that ended on its own restarts
             self._tasks[key] = asyncio.create_task(self._run(key), name=f"autoscaler {key}")
         elif not on and key in self._tasks:
             self.stop(key)

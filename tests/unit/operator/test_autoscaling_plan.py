@@ -283,3 +283,32 @@ def test_role_scale_objects_leave_replicas_to_the_external_autoscaler() -> None:
     assert rank0_selector(spec, "decode") == (
         "app.kubernetes.io/instance=v4,apps.kubernetes.io/pod-index=0,serving.dsv4.io/role=decode"
     )
+
+
+def test_one_loop_per_autoscaled_deployment_started_and_stopped_by_its_events() -> None:
+    import asyncio
+
+    from dsv4_operator.autoscaling.loop import Autoscalers
+    from dsv4_operator.cache import WatchCache
+
+    on, off = make_cr(autoscaling=AUTOSCALED), make_cr()
+    enqueued: list[tuple[str, str]] = []
+
+    async def body() -> None:
+        book = PlanBook()
+        scalers = Autoscalers(None, WatchCache(), book, enqueued.append)  # type: ignore[arg-type]
+        scalers.ensure(on)
+        first = scalers._tasks[("ml", "v4")]
+        scalers.ensure(on)  # every event: still the one loop
+        assert scalers._tasks[("ml", "v4")] is first
+        await asyncio.sleep(0.05)  # the cache has no such deployment: the loop ends by itself
+        assert first.done()
+        scalers.ensure(on)  # and a later event starts it again
+        assert scalers._tasks[("ml", "v4")] is not first
+        book.put("ml", "v4", ScalePlan({"prefill": 1, "decode": 2}))
+        scalers.ensure(off)  # autoscaling turned off: no loop, no plan left to render
+        assert ("ml", "v4") not in scalers._tasks and book.get("ml", "v4") is None
+        await scalers.close()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+    assert enqueued == []
