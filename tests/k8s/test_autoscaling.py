@@ -17,6 +17,8 @@ from dsv4_common.process import metric_value
 from tests.helpers import wait_for
 from tests.k8s.autoscaling_stub import MetricsStub
 from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
+from tests.k8s.prometheus_server import PrometheusService
+from tests.k8s.prometheus_server import available as prometheus_available
 from tests.k8s.test_operator import _children, _status
 from tests.k8s.test_operator_reliability import _cpu_cr
 
@@ -358,3 +360,34 @@ def test_external_mode_follows_the_role_scale_clamped_and_drains(
 def _scales(cluster: Any, ns: str) -> list[str]:
     items = kubectl_json(cluster, "get", "dsv4rs", "-n", ns)["items"]
     return [f"{o['kind']}/{o['metadata']['name']}" for o in items]
+
+
+@pytest.mark.skipif(not prometheus_available(), reason="needs the prometheus binary")
+def test_prometheus_source_scales_and_reports(
+    k8s_cluster: Any, scaler: list[Any], stub: MetricsStub, namespace: str, tmp_path: Any
+) -> None:
+    cluster, ns, name = k8s_cluster, namespace, "prom"
+    stub.set(prefill_waiting=0, decode_waiting=0, running=0, waiting=0, exports=0)
+    prom = PrometheusService(tmp_path / "prometheus", stub.address, name, ns)
+    prom.start()
+    try:
+        prom.wait_ready(60)
+        source = {"source": "Prometheus", "prometheusURL": prom.url}
+        apply_yaml(cluster, json.dumps(_cr(name, dict(FAST, metrics=source))), ns)
+        st = wait_for(
+            "status.metrics from Prometheus",
+            lambda: (s := _status(cluster, ns, name)).get("metrics", {}).get("tpot") and s,
+            timeout_s=60,
+        )
+        # histogram_quantile interpolates inside the bucket as the gateway source does
+        assert st["metrics"] == {"ttft": "0.095s", "tpot": "23.5ms"}
+        assert st["autoscaling"]["source"] == "Prometheus"
+        assert _cond(st, "AutoscalingActive")["status"] == "True"
+        # the engines' queue (vllm:num_requests_waiting, role prefill) goes to 10: 1 -> 2
+        stub.set(waiting=10)
+        wait_for("prefill desired 2", lambda: _status(cluster, ns, name)["prefill"]["desired"] == 2)
+        assert "ScaledUp" in _reasons(cluster, ns, name)
+        stub.set(waiting=0)
+        cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
+    finally:
+        prom.stop()
