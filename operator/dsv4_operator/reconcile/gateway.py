@@ -29,6 +29,10 @@ def gateway_command(spec: DeploymentSpec) -> list[str]:
         f"{names.DEPLOYMENT_LABEL}={spec.name}",
         "--shutdown-timeout",
         str(gateway_shutdown(spec).drain_s),
+        # the autoscaler's drains (absent unless autoscaled: then nothing drains); always named,
+        # so turning autoscaling on does not roll the gateway
+        "--routing-configmap",
+        names.routing_name(spec),
     ]
 
 

@@ -312,3 +312,19 @@ def test_one_loop_per_autoscaled_deployment_started_and_stopped_by_its_events() 
 
     asyncio.run(asyncio.wait_for(body(), 10))
     assert enqueued == []
+
+
+def test_the_gateway_watches_the_routing_configmap_its_role_may_read() -> None:
+    from dsv4_operator.reconcile.gateway import gateway_command, gateway_objects
+
+    spec = _spec(**AUTOSCALED)
+    name = routing_configmap(spec, None)["metadata"]["name"]
+    argv = gateway_command(spec)
+    assert argv[argv.index("--routing-configmap") + 1] == name == "v4-routing"
+    role = next(o for o in gateway_objects(spec) if o["kind"] == "Role")
+    assert {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": [name],
+        "verbs": ["get", "list", "watch"],
+    } in role["rules"]
