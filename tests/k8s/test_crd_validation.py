@@ -225,9 +225,9 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("C8 on", _cr(features={"c8": "on"}), "features.c8 is not supported yet"),
     (
-        "quantized checkpoint",
-        _cr(model={"path": "/data/v4", "servedName": "v4", "quantization": "fp8"}),
-        "model.quantization is not supported yet (the engine loads unquantized checkpoints only)",
+        "unknown weight format",
+        _cr(model={"path": "/data/v4", "servedName": "v4", "quantization": "int4"}),
+        'spec.model.quantization: Unsupported value: "int4"',
     ),
 ]
 

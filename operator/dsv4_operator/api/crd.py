@@ -57,6 +57,7 @@ OWNED_ENGINE_FLAGS = (
     "--model",
     "--num-speculative-tokens",
     "--port",
+    "--quantization",
     "--rank-table",
     "--role",
     "--served-model-name",
@@ -116,9 +117,12 @@ def _model() -> Schema:
                 enum=["auto", "bfloat16", "float16", "float32"],
             ),
             "quantization": string(
-                "Weight format of the checkpoint. Only none is supported yet.",
-                default="none",
-                enum=["none", "fp8", "fp4", "w8a8"],
+                "How the engine holds the weights: auto = as the checkpoint stores them (fp8 "
+                "128x128 blocks, fp4 experts and W8A8 int8 stay quantized); none = dequantized "
+                "to dtype at load; fp8, fp4 (fp8 linears + fp4 experts, DeepSeek-V4 as shipped) "
+                "or w8a8 must match the checkpoint, or the engine refuses to start.",
+                default="auto",
+                enum=["auto", "none", "fp8", "fp4", "w8a8"],
             ),
             "servedName": string(
                 "Model name clients send in requests.", min_length=1, max_length=253
@@ -130,14 +134,6 @@ def _model() -> Schema:
             (
                 "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.preset) ? 1 : 0) == 1",
                 "model: set exactly one of path, pvc or preset",
-            ),
-            (
-                "self.quantization == 'none'",
-                _not_yet(
-                    "model.quantization",
-                    "the engine loads unquantized checkpoints only",
-                    "use none",
-                ),
             ),
         ],
         description="What to serve and where the weights are.",

@@ -23,6 +23,7 @@ _FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
     "served_model_name": lambda s: s.model.served_name,
     "architecture": lambda s: s.model.architecture,
     "dtype": lambda s: s.model.dtype,
+    "quantization": lambda s: s.model.quantization,
     "max_model_len": lambda s: s.model.max_model_len,
     "kv_sidecar": lambda s: f"http://127.0.0.1:{s.kv.control_port}",
     "kv_failure_policy": lambda s: s.kv.failure_policy,

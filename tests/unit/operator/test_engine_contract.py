@@ -50,6 +50,7 @@ def test_engine_json_is_flat_and_names_the_model_source() -> None:
         "model": "dsv4-tiny",
         "served_model_name": "dsv4-tiny",
         "dtype": "float32",
+        "quantization": "auto",
         "max_model_len": 4096,
         "kv_sidecar": "http://127.0.0.1:14580",
         "kv_failure_policy": "recompute",
