@@ -3,6 +3,7 @@ and manifests/ is exactly what the generator makes from the single sources."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,50 @@ def test_service_monitor_only_with_prometheus_operator(k8s_control_plane) -> Non
     ).stdout
     assert "kind: ServiceMonitor" not in without
     assert "kind: ServiceMonitor" in with_api
+
+
+def test_pod_monitor_labels_what_the_dashboard_and_autoscaler_select(k8s_control_plane) -> None:
+    chart = str(REPO / "charts" / "dsv4")
+    assert "kind: PodMonitor" not in helm(k8s_control_plane, "template", "x", chart).stdout
+    out = helm(
+        k8s_control_plane,
+        "template",
+        "x",
+        chart,
+        "--api-versions",
+        "monitoring.coreos.com/v1/PodMonitor",
+    ).stdout
+    pm = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    assert pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == "dsv4-operator"
+    ports = {e["port"]: e["relabelings"] for e in pm["spec"]["podMetricsEndpoints"]}
+    assert set(ports) == {"http", "kv-metrics"}
+    for relabel in ports.values():
+        targets = {r["targetLabel"] for r in relabel}
+        assert targets == {"dsv4_deployment", "role", "component"}
+    assert {r.get("replacement") for r in ports["http"] if r["targetLabel"] == "component"} == {
+        "engine",
+        "gateway",
+    }
+
+
+def test_dashboards_ship_as_sidecar_configmaps(k8s_control_plane) -> None:
+    chart = str(REPO / "charts" / "dsv4")
+    out = helm(k8s_control_plane, "template", "x", chart, "-n", "mon").stdout
+    cms = [
+        d
+        for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "ConfigMap" and "dsv4-overview.json" in (d.get("data") or {})
+    ]
+    assert len(cms) == 1
+    assert cms[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(cms[0]["data"]["dsv4-overview.json"])
+    source = json.loads((REPO / "charts/dsv4/dashboards/dsv4-overview.json").read_text())
+    assert board == source
+    off = helm(
+        k8s_control_plane, "template", "x", chart, "--set", "grafanaDashboards.enabled=false"
+    )
+    assert "dsv4-overview.json" not in off.stdout
 
 
 def test_manifests_match_their_sources(k8s_control_plane, tmp_path: Path) -> None:
