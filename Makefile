@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install --upgrade pip >/dev/null
 	$(BIN)/pip install -r $(LOCK)
 	$(BIN)/pip install --no-deps -e .
+	@# the CPU kernels (g++ + ninja; cached in ~/.cache/torch_extensions): built here once, not
+	@# inside the first engine or test that needs them (they fall back to torch without a compiler)
+	$(BIN)/python -c 'from dsv4_serving.kernels.build import available; available("paged_mla")'
 	touch $@
 
 # Re-resolve every extra at today's newest versions (Linux x86-64, Python 3.11), then `make test`
@@ -50,7 +53,8 @@ node-prereqs:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy common/dsv4_common operator/dsv4_operator kvtransfer/dsv4_kvtransfer serving/dsv4_serving/distributed
+	$(BIN)/mypy common/dsv4_common operator/dsv4_operator kvtransfer/dsv4_kvtransfer \
+		serving/dsv4_serving/distributed serving/dsv4_serving/eplb serving/dsv4_serving/kernels
 	$(BIN)/lint-imports
 
 format: install
