@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,6 +34,34 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the OS hands out for a bind to port 0 (Linux's ip_local_port_range)."""
+    try:
+        lo, hi = (
+            int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        )
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_below_ephemeral() -> int:
+    """A free port below the ephemeral range, for a process that picks a port for itself while
+    others (tests, ``dsv4 up``) pick theirs with ``free_port`` and bind them only later: ports
+    from the two pickers can never be the same."""
+    lo, _ = ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def free_ports(n: int, taken: set[int]) -> int:

@@ -143,3 +143,12 @@ def test_service_that_exits_fails_with_its_log(tmp_path: Path) -> None:
     svc.start()
     with pytest.raises(RuntimeError, match=r"(?s)exited 3.*boom"):
         svc.wait_ready(timeout_s=20)
+
+
+def test_a_self_chosen_port_never_comes_from_the_ephemeral_range() -> None:
+    from dsv4_common.process import ephemeral_range, free_port_below_ephemeral
+
+    lo, hi = ephemeral_range()
+    assert 1024 <= lo < hi
+    ports = {free_port_below_ephemeral() for _ in range(20)}
+    assert all(max(1024, lo - 12000) <= p < lo for p in ports)

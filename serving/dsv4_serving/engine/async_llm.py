@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
-from dsv4_common.process import free_port
+from dsv4_common.process import free_port_below_ephemeral
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.distributed.launcher import LocalRanks
 from dsv4_serving.distributed.placement import Placement
@@ -129,7 +129,9 @@ class AsyncLLM:
             from dsv4_serving.engine.worker import rank_main  # torch: imported by the ranks
 
             if not placement.master_port:
-                placement = replace(placement, master_port=free_port())
+                # not free_port(): a port the caller picked for another process (and has not
+                # bound yet) could come back from the same ephemeral range
+                placement = replace(placement, master_port=free_port_below_ephemeral())
             ranks = placement.ranks(topo)
             args = [(self.config, r, placement, self._in, self._out) for r in ranks]
             self._ranks = LocalRanks(rank_main, args, "dsv4-rank")
