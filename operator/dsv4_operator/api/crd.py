@@ -19,11 +19,11 @@ from dsv4_operator.api import (
     SINGULAR,
     VERSION,
 )
+from dsv4_operator.api.autoscaling_schema import autoscaling_schema
 from dsv4_operator.api.schema import (
     Schema,
     boolean,
     integer,
-    number,
     obj,
     opaque,
     resources,
@@ -31,6 +31,7 @@ from dsv4_operator.api.schema import (
     string_list,
     string_map,
 )
+from dsv4_operator.api.status_schema import printer_columns, status_schema
 
 DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
 DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (no torch)
@@ -353,160 +354,6 @@ def _gateway() -> Schema:
     )
 
 
-def _bounds(role: str, extra: dict[str, Schema]) -> Schema:
-    return obj(
-        {
-            "min": integer(f"Fewest {role} instances.", default=1, minimum=0, maximum=512),
-            "max": integer(f"Most {role} instances.", default=4, minimum=0, maximum=512),
-            **extra,
-        },
-        rules=[("self.min <= self.max", f"autoscaling.{role}: min must be <= max")],
-        default={},
-    )
-
-
-def _positive(path: str, what: str) -> tuple[str, str]:
-    field = path.rsplit(".", 1)[-1]
-    return (
-        f"!has(self.{field}) || self.{field} > 0.0",
-        f"autoscaling.{path} must be positive ({what})",
-    )
-
-
-def _autoscaling() -> Schema:
-    prefill = _bounds(
-        "prefill",
-        {
-            "tokensPerSecond": number(
-                "Uncached prompt tokens per second one prefill instance serves; unset: learned "
-                "from ticks where prefill was saturated."
-            ),
-            "waitingPerInstance": number(
-                "Mean prefill queue per instance above which prefill is short.", default=2.0
-            ),
-        },
-    )
-    prefill["x-kubernetes-validations"] += [
-        {"rule": r, "message": m}
-        for r, m in (
-            _positive("prefill.tokensPerSecond", "tokens per second, e.g. 20000"),
-            _positive("prefill.waitingPerInstance", "queued requests per instance, e.g. 2"),
-        )
-    ]
-    decode = _bounds(
-        "decode",
-        {
-            "runningPerInstance": integer(
-                "Running sequences per decode instance that meet the TPOT objective, until "
-                "enough samples are learned.",
-                default=16,
-                minimum=1,
-            ),
-            "kvCacheTarget": number(
-                "KV-cache usage per decode instance to plan for (0..1].", default=0.8
-            ),
-        },
-    )
-    decode["x-kubernetes-validations"].append(
-        {
-            "rule": "self.kvCacheTarget > 0.0 && self.kvCacheTarget <= 1.0",
-            "message": "autoscaling.decode.kvCacheTarget must be in (0, 1] (a fraction of the KV "
-            "cache, e.g. 0.8)",
-        }
-    )
-    return obj(
-        {
-            "enabled": boolean(
-                "Scale prefill and decode instances from TTFT/TPOT and load (instances: the "
-                "initial count, clamped to min/max; the autoscaler owns it afterwards).",
-                default=False,
-            ),
-            "mode": string(
-                "Builtin: the operator decides. External: an HPA or KEDA sets spec.replicas "
-                "of the DeepSeekV4RoleScale {name}-prefill / {name}-decode (scale "
-                "subresource); the operator clamps it and drains.",
-                default="Builtin",
-                enum=["Builtin", "External"],
-            ),
-            "ttftSeconds": number("TTFT objective (p90, seconds).", default=2.0),
-            "tpotSeconds": number("TPOT objective (p90, seconds).", default=0.05),
-            "intervalSeconds": integer(
-                "Seconds between decisions.", default=15, minimum=1, maximum=3600
-            ),
-            "windowSeconds": integer(
-                "Seconds of metrics each decision looks at.", default=60, minimum=1, maximum=3600
-            ),
-            "scaleDownStabilizationSeconds": integer(
-                "Scale down only to the highest recommendation of this many seconds.",
-                default=300,
-                minimum=0,
-                maximum=86400,
-            ),
-            "drainTimeoutSeconds": integer(
-                "Longest wait for a scaled-down instance to finish its requests before it is "
-                "deleted anyway.",
-                default=600,
-                minimum=1,
-                maximum=86400,
-            ),
-            "metrics": obj(
-                {
-                    "source": string(
-                        "Gateway: the gateway pods' /metrics and /instances. Prometheus: PromQL "
-                        "at prometheusURL.",
-                        default="Gateway",
-                        enum=["Gateway", "Prometheus"],
-                    ),
-                    "prometheusURL": string(
-                        "Prometheus base URL (source Prometheus).",
-                        pattern="^https?://",
-                        max_length=1024,
-                    ),
-                },
-                rules=[
-                    (
-                        "self.source != 'Prometheus' || has(self.prometheusURL)",
-                        "autoscaling.metrics.prometheusURL is required when source is "
-                        "Prometheus (e.g. http://prometheus.monitoring.svc:9090)",
-                    )
-                ],
-                default={},
-            ),
-            "prefillDecodeRatio": obj(
-                {
-                    "min": number("Fewest prefill instances per decode instance."),
-                    "max": number("Most prefill instances per decode instance."),
-                },
-                required=["min", "max"],
-                rules=[
-                    (
-                        "self.min > 0.0 && self.min <= self.max",
-                        "autoscaling.prefillDecodeRatio needs 0 < min <= max (prefill instances "
-                        "per decode instance, e.g. min 0.5, max 2)",
-                    )
-                ],
-                description="Optional bounds on prefill:decode instances, kept by raising the "
-                "smaller role.",
-            ),
-            "prefill": prefill,
-            "decode": decode,
-        },
-        rules=[
-            (
-                "self.ttftSeconds > 0.0",
-                "autoscaling.ttftSeconds must be a positive number of seconds (the p90 "
-                "time-to-first-token objective, e.g. 2)",
-            ),
-            (
-                "self.tpotSeconds > 0.0",
-                "autoscaling.tpotSeconds must be a positive number of seconds (the p90 time "
-                "per output token objective, e.g. 0.05)",
-            ),
-        ],
-        default={},
-    )
-
-
 def _scheduling() -> Schema:
     return obj(
         {
@@ -629,7 +476,7 @@ def spec_schema() -> Schema:
             "decode": _role("decode"),
             "kvTransfer": _kv_transfer(),
             "gateway": _gateway(),
-            "autoscaling": _autoscaling(),
+            "autoscaling": autoscaling_schema(),
             "scheduling": _scheduling(),
             "features": _features(),
         },
@@ -655,105 +502,6 @@ def spec_schema() -> Schema:
             ),
         ],
     )
-
-
-def _role_status() -> Schema:
-    return obj(
-        {
-            "desired": integer("Instances wanted."),
-            "ready": integer("Instances whose every pod is ready."),
-            "summary": string("ready/desired, for kubectl get."),
-            "draining": string_list(
-                "Instances being drained before deletion (autoscaler scale-down): the gateway "
-                "routes them no new requests."
-            ),
-        }
-    )
-
-
-def status_schema() -> Schema:
-    condition = obj(
-        {
-            "type": string("Ready, Progressing or Degraded."),
-            "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-            "reason": string("CamelCase reason."),
-            "message": string("Human-readable detail."),
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer", "format": "int64"},
-        },
-        required=["type", "status"],
-    )
-    return obj(
-        {
-            "observedGeneration": {"type": "integer", "format": "int64"},
-            "phase": string("Pending, Progressing, Ready or Degraded."),
-            "prefill": _role_status(),
-            "decode": _role_status(),
-            "gateway": obj(
-                {
-                    "endpoint": string("In-cluster URL of the gateway."),
-                    "ready": integer("Ready gateway replicas."),
-                }
-            ),
-            "autoscaling": {
-                "type": "object",
-                "description": "What the autoscaler saw and decided (per role: current, "
-                "recommended, target, reason, draining, signals).",
-                "x-kubernetes-preserve-unknown-fields": True,
-            },
-            "metrics": obj(
-                {
-                    "ttft": string("p90 time to first token over the autoscaler's window."),
-                    "tpot": string("p90 time per output token over the autoscaler's window."),
-                }
-            ),
-            "conditions": {
-                "type": "array",
-                "items": condition,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-        },
-        description="Observed state, written by the operator.",
-    )
-
-
-def printer_columns() -> list[dict[str, Any]]:
-    return [
-        {
-            "name": "Prefill",
-            "type": "string",
-            "jsonPath": ".status.prefill.summary",
-            "description": "ready/desired prefill instances",
-        },
-        {
-            "name": "Decode",
-            "type": "string",
-            "jsonPath": ".status.decode.summary",
-            "description": "ready/desired decode instances",
-        },
-        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {
-            "name": "TTFT",
-            "type": "string",
-            "jsonPath": ".status.metrics.ttft",
-            "description": "p90 time to first token (autoscaler window)",
-        },
-        {
-            "name": "TPOT",
-            "type": "string",
-            "jsonPath": ".status.metrics.tpot",
-            "description": "p90 time per output token (autoscaler window)",
-        },
-        {
-            "name": "Scaling",
-            "type": "string",
-            "jsonPath": ".status.autoscaling.lastDecision",
-            "description": "the autoscaler's last decision",
-            "priority": 1,
-        },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    ]
 
 
 def crd() -> dict[str, Any]:

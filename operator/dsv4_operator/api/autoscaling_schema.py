@@ -1,0 +1,166 @@
+"""The CRD's ``spec.autoscaling``: SLO targets, bounds per role, loop timing, metrics source."""
+
+from __future__ import annotations
+
+from dsv4_operator.api.schema import (
+    Schema,
+    boolean,
+    integer,
+    number,
+    obj,
+    string,
+)
+
+
+def _bounds(role: str, extra: dict[str, Schema]) -> Schema:
+    return obj(
+        {
+            "min": integer(f"Fewest {role} instances.", default=1, minimum=0, maximum=512),
+            "max": integer(f"Most {role} instances.", default=4, minimum=0, maximum=512),
+            **extra,
+        },
+        rules=[("self.min <= self.max", f"autoscaling.{role}: min must be <= max")],
+        default={},
+    )
+
+
+def _positive(path: str, what: str) -> tuple[str, str]:
+    field = path.rsplit(".", 1)[-1]
+    return (
+        f"!has(self.{field}) || self.{field} > 0.0",
+        f"autoscaling.{path} must be positive ({what})",
+    )
+
+
+def autoscaling_schema() -> Schema:
+    prefill = _bounds(
+        "prefill",
+        {
+            "tokensPerSecond": number(
+                "Uncached prompt tokens per second one prefill instance serves; unset: learned "
+                "from ticks where prefill was saturated."
+            ),
+            "waitingPerInstance": number(
+                "Mean prefill queue per instance above which prefill is short.", default=2.0
+            ),
+        },
+    )
+    prefill["x-kubernetes-validations"] += [
+        {"rule": r, "message": m}
+        for r, m in (
+            _positive("prefill.tokensPerSecond", "tokens per second, e.g. 20000"),
+            _positive("prefill.waitingPerInstance", "queued requests per instance, e.g. 2"),
+        )
+    ]
+    decode = _bounds(
+        "decode",
+        {
+            "runningPerInstance": integer(
+                "Running sequences per decode instance that meet the TPOT objective, until "
+                "enough samples are learned.",
+                default=16,
+                minimum=1,
+            ),
+            "kvCacheTarget": number(
+                "KV-cache usage per decode instance to plan for (0..1].", default=0.8
+            ),
+        },
+    )
+    decode["x-kubernetes-validations"].append(
+        {
+            "rule": "self.kvCacheTarget > 0.0 && self.kvCacheTarget <= 1.0",
+            "message": "autoscaling.decode.kvCacheTarget must be in (0, 1] (a fraction of the KV "
+            "cache, e.g. 0.8)",
+        }
+    )
+    return obj(
+        {
+            "enabled": boolean(
+                "Scale prefill and decode instances from TTFT/TPOT and load (instances: the "
+                "initial count, clamped to min/max; the autoscaler owns it afterwards).",
+                default=False,
+            ),
+            "mode": string(
+                "Builtin: the operator decides. External: an HPA or KEDA sets spec.replicas "
+                "of the DeepSeekV4RoleScale {name}-prefill / {name}-decode (scale "
+                "subresource); the operator clamps it and drains.",
+                default="Builtin",
+                enum=["Builtin", "External"],
+            ),
+            "ttftSeconds": number("TTFT objective (p90, seconds).", default=2.0),
+            "tpotSeconds": number("TPOT objective (p90, seconds).", default=0.05),
+            "intervalSeconds": integer(
+                "Seconds between decisions.", default=15, minimum=1, maximum=3600
+            ),
+            "windowSeconds": integer(
+                "Seconds of metrics each decision looks at.", default=60, minimum=1, maximum=3600
+            ),
+            "scaleDownStabilizationSeconds": integer(
+                "Scale down only to the highest recommendation of this many seconds.",
+                default=300,
+                minimum=0,
+                maximum=86400,
+            ),
+            "drainTimeoutSeconds": integer(
+                "Longest wait for a scaled-down instance to finish its requests before it is "
+                "deleted anyway.",
+                default=600,
+                minimum=1,
+                maximum=86400,
+            ),
+            "metrics": obj(
+                {
+                    "source": string(
+                        "Gateway: the gateway pods' /metrics and /instances. Prometheus: PromQL "
+                        "at prometheusURL.",
+                        default="Gateway",
+                        enum=["Gateway", "Prometheus"],
+                    ),
+                    "prometheusURL": string(
+                        "Prometheus base URL (source Prometheus).",
+                        pattern="^https?://",
+                        max_length=1024,
+                    ),
+                },
+                rules=[
+                    (
+                        "self.source != 'Prometheus' || has(self.prometheusURL)",
+                        "autoscaling.metrics.prometheusURL is required when source is "
+                        "Prometheus (e.g. http://prometheus.monitoring.svc:9090)",
+                    )
+                ],
+                default={},
+            ),
+            "prefillDecodeRatio": obj(
+                {
+                    "min": number("Fewest prefill instances per decode instance."),
+                    "max": number("Most prefill instances per decode instance."),
+                },
+                required=["min", "max"],
+                rules=[
+                    (
+                        "self.min > 0.0 && self.min <= self.max",
+                        "autoscaling.prefillDecodeRatio needs 0 < min <= max (prefill instances "
+                        "per decode instance, e.g. min 0.5, max 2)",
+                    )
+                ],
+                description="Optional bounds on prefill:decode instances, kept by raising the "
+                "smaller role.",
+            ),
+            "prefill": prefill,
+            "decode": decode,
+        },
+        rules=[
+            (
+                "self.ttftSeconds > 0.0",
+                "autoscaling.ttftSeconds must be a positive number of seconds (the p90 "
+                "time-to-first-token objective, e.g. 2)",
+            ),
+            (
+                "self.tpotSeconds > 0.0",
+                "autoscaling.tpotSeconds must be a positive number of seconds (the p90 time "
+                "per output token objective, e.g. 0.05)",
+            ),
+        ],
+        default={},
+    )
