@@ -85,9 +85,19 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "prefill.parallelism.tp must be >= decode.parallelism.tp and a multiple of it",
     ),
     (
-        "EP does not divide TP*DP",
-        _cr(prefill={"parallelism": {"tp": 8, "ep": 3}}),
-        "parallelism.ep must divide tp * dp",
+        "EP neither 1 nor TP*DP",
+        _cr(prefill={"nodesPerInstance": 2, "parallelism": {"tp": 8, "dp": 2, "ep": 8}}),
+        "parallelism.ep must be 1 (every rank holds every expert) or tp * dp",
+    ),
+    (
+        "CPU ranks that do not split evenly over the pods",
+        _cr(
+            prefill={"npusPerNode": 0, "nodesPerInstance": 2, "parallelism": {"tp": 3}},
+            decode={"npusPerNode": 0, "parallelism": {"tp": 1}},
+            kvTransfer={"transport": "tcp"},
+        ),
+        "prefill: on CPU (npusPerNode 0) parallelism.tp * parallelism.dp must be a multiple of "
+        "nodesPerInstance",
     ),
     (
         "HCCL without NPUs",
@@ -265,6 +275,24 @@ def test_knobs_at_their_defaults_or_acted_on_are_accepted(k8s_control_plane, dsv
         model={"path": "/data/v4", "servedName": "v4", "quantization": "none"},
     )
     res = _apply(k8s_control_plane, cr)
+    assert res.returncode == 0, res.stderr
+
+
+def test_cpu_instances_may_run_several_ranks_per_pod(k8s_control_plane, dsv4_crd) -> None:
+    """On CPU the ranks are processes on the pod's CPUs: tp/dp need not equal the pod count."""
+    cr = _cr(
+        prefill={"npusPerNode": 0, "parallelism": {"tp": 2}},
+        decode={"npusPerNode": 0, "nodesPerInstance": 2, "parallelism": {"tp": 2, "dp": 2}},
+        kvTransfer={"transport": "tcp"},
+    )
+    res = _apply(k8s_control_plane, cr)
+    assert res.returncode == 0, res.stderr
+    one = _cr(
+        prefill={"npusPerNode": 0, "parallelism": {"tp": 2, "dp": 2, "ep": 1}},
+        decode={"npusPerNode": 0, "nodesPerInstance": 2, "parallelism": {"tp": 2}},
+        kvTransfer={"transport": "tcp"},
+    )
+    res = _apply(k8s_control_plane, one)
     assert res.returncode == 0, res.stderr
 
 

@@ -64,6 +64,7 @@ OWNED_ENGINE_FLAGS = (
     "--served-model-name",
     "--shutdown-timeout",
     "--tensor-parallel-size",
+    "--threads-per-rank",
 )
 # Models built into the engine image (dsv4_serving.presets; a unit test keeps them in step).
 PRESETS = ("dsv3-small", "dsv4-tiny")
@@ -156,12 +157,15 @@ def _parallelism() -> Schema:
                 minimum=1,
                 maximum=256,
             ),
-            "ep": integer("Expert-parallel size; default tp*dp.", minimum=1, maximum=1024),
+            "ep": integer(
+                "Expert-parallel size: 1 or tp*dp (the default).", minimum=1, maximum=1024
+            ),
         },
         rules=[
             (
-                "!has(self.ep) || (self.tp * self.dp) % self.ep == 0",
-                "parallelism.ep must divide tp * dp",
+                "!has(self.ep) || self.ep == 1 || self.ep == self.tp * self.dp",
+                "parallelism.ep must be 1 (every rank holds every expert) or tp * dp "
+                "(experts spread over every rank; the default)",
             )
         ],
         default={},
@@ -210,7 +214,8 @@ def _role(role: str) -> Schema:
                 "Nodes (pods) one instance spans.", default=1, minimum=1, maximum=64
             ),
             "npusPerNode": integer(
-                "NPUs each pod requests; 0 runs on CPU (development only).",
+                "NPUs each pod requests; 0 runs on CPU: each pod runs tp * dp / "
+                "nodesPerInstance rank processes on its CPUs (development and tests).",
                 default=8,
                 minimum=0,
                 maximum=16,
@@ -269,10 +274,17 @@ def _role(role: str) -> Schema:
                 "64Mi) plus 256Mi for the engine's own shared memory",
             ),
             (
-                "self.npusPerNode == 0 ? self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance"
-                " : self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance * self.npusPerNode",
+                "self.npusPerNode == 0 || "
+                "self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance * self.npusPerNode",
                 f"{role}: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode "
-                "(one rank per NPU; with npusPerNode 0, one rank per pod)",
+                "(one rank per NPU)",
+            ),
+            (
+                # CPU: each pod runs tp*dp/nodesPerInstance rank processes on its own CPUs
+                "self.npusPerNode > 0 || "
+                "(self.parallelism.tp * self.parallelism.dp) % self.nodesPerInstance == 0",
+                f"{role}: on CPU (npusPerNode 0) parallelism.tp * parallelism.dp must be a multiple "
+                "of nodesPerInstance (each pod runs tp * dp / nodesPerInstance rank processes)",
             ),
         ],
         default={},

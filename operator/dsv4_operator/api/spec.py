@@ -59,6 +59,13 @@ class RoleSpec:
     def on_npu(self) -> bool:
         return self.npus_per_node > 0
 
+    @property
+    def ranks_per_node(self) -> int:
+        """Rank processes in each pod of an instance: one per NPU, or on CPU the tp x dp ranks
+        split evenly over the pods (the CRD refuses a split that is not even)."""
+        par = self.parallelism
+        return par.tp * par.dp // self.nodes_per_instance
+
 
 @dataclass(frozen=True)
 class ModelSpec:

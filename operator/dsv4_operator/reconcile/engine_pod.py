@@ -11,6 +11,7 @@ from typing import Any
 
 from dsv4_operator.api.spec import DeploymentSpec, RoleSpec
 from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.cpu_ranks import rank_threads
 from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
 from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
 from dsv4_operator.reconcile.shm import staging_bytes
@@ -77,6 +78,9 @@ def engine_command(role: RoleSpec) -> list[str]:
     ]
     if role.on_npu:
         cmd += ["--rank-table", "$(RANK_TABLE_FILE)"]
+    else:
+        # the pod's CPUs split over its rank processes (reconcile/cpu_ranks.py)
+        cmd += ["--threads-per-rank", str(rank_threads(role))]
     return cmd + role.engine_args
 
 

@@ -40,13 +40,18 @@ _QUANTITY = re.compile(
 )
 
 
-def quantity_bytes(text: str) -> int:
-    """A non-negative Kubernetes quantity (``1Gi``, ``512M``, ``1e9``) in bytes, rounded down."""
+def quantity(text: str) -> Decimal:
+    """A non-negative Kubernetes quantity (``1Gi``, ``500m``, ``1e9``) as an exact number."""
     m = _QUANTITY.fullmatch(text)
     if m is None:
         raise ReconcileError(f"{text!r} is not a Kubernetes quantity (e.g. 1Gi)")
     number, suffix = m.groups()
-    return int(Decimal(number) * Decimal(_SUFFIXES[suffix] if suffix else 1))
+    return Decimal(number) * Decimal(_SUFFIXES[suffix] if suffix else 1)
+
+
+def quantity_bytes(text: str) -> int:
+    """A non-negative Kubernetes quantity (``1Gi``, ``512M``, ``1e9``) in bytes, rounded down."""
+    return int(quantity(text))
 
 
 def staging_bytes(role: str, shm_size: str) -> int:
