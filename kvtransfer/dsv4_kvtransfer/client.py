@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from dsv4_common.tracing import TRACEPARENT
 from dsv4_kvtransfer.buffers import BufferSpec
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.staging import StagingRegion
@@ -147,10 +148,17 @@ class SidecarClient:
         return conn
 
     def request(
-        self, method: str, path: str, body: Mapping[str, Any] | None = None, timeout: float = 0
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        timeout: float = 0,
+        traceparent: str | None = None,
     ) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        if traceparent is not None:  # tracing on: the sidecar's span joins the engine's trace
+            headers[TRACEPARENT] = traceparent
         for attempt in (0, 1):
             conn = self._conn(timeout or self.timeout_s)
             try:
@@ -224,6 +232,7 @@ class SidecarClient:
         engine_id: str | None = None,
         lease_seconds: float | None = None,
         params_extra: Mapping[str, Any] | None = None,
+        traceparent: str | None = None,
     ) -> Reservation:
         """An extent for ``buffers``. ``params_extra``: fields to add to the ``kv_transfer_params``
         that ``commit_export`` returns (what the decode side checks before it pulls)."""
@@ -242,7 +251,7 @@ class SidecarClient:
             body["lease_seconds"] = lease_seconds
         if params_extra:
             body["params_extra"] = dict(params_extra)
-        r = self.request("POST", "/v1/exports", body)
+        r = self.request("POST", "/v1/exports", body, traceparent=traceparent)
         self.region(str(r["shm_tag"]))
         return Reservation(
             r["transfer_id"], int(r["total_bytes"]), _placed(r["buffers"]), r["lease_expires_at"]
@@ -265,6 +274,7 @@ class SidecarClient:
         *,
         timeout_s: float | None = None,
         wait_s: float = 0.0,
+        traceparent: str | None = None,
     ) -> PullStatus:
         """Start pulling the KV the params name, and wait up to ``wait_s`` for it in the same
         request (one round trip fewer for small KV). ``PullFailed`` if it failed already."""
@@ -276,7 +286,11 @@ class SidecarClient:
         body: dict[str, Any] = {"kv_transfer_params": params, "wait_s": wait_s}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        return self._typed(self.request("POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s))
+        return self._typed(
+            self.request(
+                "POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s, traceparent=traceparent
+            )
+        )
 
     def poll_pull(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:
         """The pull's status, waiting up to ``wait_s`` while it is pending; ``PullFailed`` once

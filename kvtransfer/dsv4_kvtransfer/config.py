@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dsv4_common.ports import KV_PORT, sidecar_control_port
+from dsv4_common.tracing import check_endpoint
 
 TransportName = Literal["tcp", "shm", "hccl", "rdma", "gloo"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -100,6 +101,9 @@ class SidecarConfig:
     shutdown_timeout: float = 30.0
     """After SIGTERM: new exports are refused (/ready fails) and the sidecar stays up to this
     many seconds until every export it holds was pulled or its lease ran out."""
+    otlp_traces_endpoint: str | None = None
+    """OpenTelemetry traces of each request to this OTLP/HTTP endpoint (e.g.
+    http://127.0.0.1:4318; /v1/traces is added when no path is given); unset: tracing off."""
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_seconds <= MAX_LEASE_S:
@@ -118,6 +122,7 @@ class SidecarConfig:
             raise ValueError(
                 f"shutdown_timeout must be in [0, {MAX_LEASE_S:g}], not {self.shutdown_timeout}"
             )
+        check_endpoint(self.otlp_traces_endpoint)
         if self.send_rate < 0 or self.min_stream_bytes < 1:
             raise ValueError("send_rate must be >= 0 and min_stream_bytes >= 1")
         for name in ("port", "control_port", "metrics_port"):

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dsv4_common.errors import openai_error
+from dsv4_common.tracing import TRACEPARENT
 from dsv4_kvtransfer.control_requests import ExportRequest, PullRequest, parse_wait
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.sidecar import Sidecar
@@ -113,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
             if parts[:2] == ["v1", "exports"]:
                 if method == "POST" and len(parts) == 2:
                     req = ExportRequest.from_body(self._body())
-                    return self._json(200, sc.exports.reserve(req))
+                    return self._json(200, sc.exports.reserve(req, self.headers.get(TRACEPARENT)))
                 if method == "POST" and len(parts) == 4 and parts[3] == "commit":
                     return self._json(200, sc.exports.commit(parts[2]))
                 if method == "GET" and len(parts) == 3:
@@ -122,7 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._json(200, sc.exports.abort(parts[2]))
             if parts[:2] == ["v1", "pulls"]:
                 if method == "POST" and len(parts) == 2:
-                    return self._json(200, sc.puller.start(PullRequest.from_body(self._body())))
+                    pull = PullRequest.from_body(self._body())
+                    return self._json(200, sc.puller.start(pull, self.headers.get(TRACEPARENT)))
                 if method == "GET" and len(parts) == 3:
                     wait = parse_wait(parse_qs(url.query).get("wait", [None])[0])
                     return self._json(200, sc.puller.status(parts[2], wait))

@@ -10,6 +10,7 @@ from typing import Any
 from dsv4_kvtransfer.config import SidecarConfig
 from dsv4_kvtransfer.control_requests import ExportRequest
 from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.store import ExportView, StagingStore, wall_time
@@ -24,8 +25,9 @@ class Exports:
         # the peer port is known once the server listens (port 0 picks one)
         self._peer_port = peer_port
         self.draining = False  # shutting down: no new exports (the held ones stay pullable)
+        self.spans: SidecarSpans | None = None
 
-    def reserve(self, req: ExportRequest) -> dict[str, Any]:
+    def reserve(self, req: ExportRequest, traceparent: str | None = None) -> dict[str, Any]:
         if self.draining:
             raise ApiError(
                 503, "draining", "the KV sidecar is shutting down and takes no new exports"
@@ -47,6 +49,8 @@ class Exports:
             exp = self.store.reserve_export(tid, req.layout, meta, ttl)
         except LedgerError as e:
             raise ApiError(507, e.code, str(e)) from None
+        if self.spans is not None:
+            self.spans.export_reserved(tid, traceparent, exp.layout.total_bytes, req.request_id)
         region = self.store.region
         return {
             "transfer_id": tid,

@@ -23,6 +23,7 @@ from dsv4_kvtransfer.config import SidecarConfig
 from dsv4_kvtransfer.control_requests import PullRequest
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.frames import FrameError, FrameLimits, PeerClosed
+from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
@@ -52,6 +53,8 @@ class Pull:
     expires_at: float | None = None
     cancelled: bool = False
     finished: float | None = None
+    traceparent: str | None = None  # tracing on: the engine's pull span
+    started_ns: int = 0
 
 
 def classify(e: BaseException) -> str:
@@ -98,6 +101,7 @@ class Puller:
         self._pool: dict[tuple[str, int], list[tuple[float, PeerConnection]]] = {}
         self._pool_lock = threading.Lock()
         self._exec = ThreadPoolExecutor(self.cfg.max_concurrent_pulls, thread_name_prefix="kv-pull")
+        self.spans: SidecarSpans | None = None
 
     def stop(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
@@ -113,9 +117,11 @@ class Puller:
 
     # ---- engine API -------------------------------------------------------------------------
 
-    def start(self, req: PullRequest) -> dict[str, Any]:
+    def start(self, req: PullRequest, traceparent: str | None = None) -> dict[str, Any]:
         timeout = req.timeout_s or self.cfg.pull_timeout_s
         pull = Pull(secrets.token_hex(12), req.params, time.monotonic() + timeout)
+        if self.spans is not None:
+            pull.traceparent, pull.started_ns = traceparent, time.time_ns()
         pull.total_bytes = req.params.remote_total_bytes
         with self._cond:
             self.pulls[pull.pull_id] = pull
@@ -332,6 +338,12 @@ class Puller:
         self.metrics.bytes_moved.labels("received", name).inc(layout.total_bytes)
         self.metrics.transfer_seconds.labels(name).observe(time.monotonic() - t0)
         self.metrics.bandwidth.labels(name).observe(layout.total_bytes / data_s)
+        if self.spans is not None:
+            p = pull.params
+            remote = f"{p.remote_host}:{p.remote_port}"
+            self.spans.transfer(
+                pull.traceparent, pull.started_ns, layout.total_bytes, data_s, remote
+            )
 
     def _fail(self, pull: Pull, e: BaseException) -> None:
         reason = classify(e)
@@ -357,3 +369,8 @@ class Puller:
             self._cond.notify_all()
         self.metrics.pulls.labels("failed").inc()
         self.metrics.pull_failures.labels(reason).inc()
+        if self.spans is not None:
+            remote = f"{p.remote_host}:{p.remote_port}"
+            self.spans.transfer(
+                pull.traceparent, pull.started_ns, pull.bytes_done, None, remote, message, reason
+            )

@@ -16,10 +16,12 @@ import time
 import urllib.request
 from typing import Any
 
+from dsv4_common import tracing
 from dsv4_kvtransfer.allocator import ExtentAllocator
 from dsv4_kvtransfer.config import SidecarConfig
 from dsv4_kvtransfer.exports import Exports
 from dsv4_kvtransfer.frames import FrameLimits
+from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import Freed, Ledger
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.peer_server import PeerServer, PeerServerConfig
@@ -65,6 +67,12 @@ class Sidecar:
             self.metrics,
             self.log,
         )
+        tracer = tracing.setup(
+            cfg.otlp_traces_endpoint, "dsv4-kv-sidecar", {"service.instance.id": cfg.sidecar_id}
+        )
+        if tracer is not None:  # off: the parts keep None and make no spans
+            spans = SidecarSpans(tracer, cfg.sidecar_id, cfg.transport)
+            self.store.spans = self.exports.spans = self.puller.spans = spans
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.engine_status = "unknown"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_kvtransfer.buffers import Layout
+from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.staging import StagingRegion
@@ -70,6 +71,7 @@ class StagingStore:
         self.clock = clock
         self._rdma_session = rdma_session
         self._lock = threading.Lock()
+        self.spans: SidecarSpans | None = None
         metrics.staging_total.set(ledger.alloc.size)
         self._gauges()
 
@@ -81,6 +83,8 @@ class StagingStore:
             self.metrics.releases.labels(f.kind, f.reason).inc()
             if f.reason == "expired":
                 self.metrics.lease_expiries.labels(f.kind).inc()
+            if self.spans is not None and f.kind == "export":
+                self.spans.export_freed(f.key, f.reason)
         self._gauges()
 
     def _gauges(self) -> None:

@@ -219,6 +219,7 @@ class AsyncLLM:
         request_id: str,
         kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
         data_parallel_rank: int | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Increments until the request finishes; closing the iterator early aborts it.
         ``data_parallel_rank``: the DP rank to run on (None: the least loaded)."""
@@ -233,6 +234,7 @@ class AsyncLLM:
             params,
             kv_transfer_params=kv_transfer_params,
             data_parallel_rank=data_parallel_rank,
+            traceparent=traceparent,
         )
         self._send(AddRequest(req))
         try:

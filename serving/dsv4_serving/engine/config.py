@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from dsv4_common.tracing import TracingConfigError, check_endpoint
 from dsv4_serving.distributed.topology import Topology, TopologyError
 
 Role = Literal["both", "prefill", "decode"]
@@ -94,6 +95,9 @@ class EngineConfig:
     machine's CPUs split evenly over the ranks."""
     distributed_timeout: float = 60.0
     """Seconds a rank waits in a rendezvous or collective before it gives up (a dead peer)."""
+    otlp_traces_endpoint: str | None = None
+    """OpenTelemetry traces of each request to this OTLP/HTTP endpoint (e.g.
+    http://127.0.0.1:4318; /v1/traces is added when no path is given); unset: tracing off."""
     shutdown_timeout: float = 30.0
     """Seconds in-flight requests get to finish after SIGTERM (readiness fails at once, new
     requests get 503 + X-DSV4-Draining); what is left then is stopped with an error."""
@@ -123,6 +127,10 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if self.threads_per_rank < 0 or self.distributed_timeout <= 0:
             raise ConfigError("threads_per_rank must be >= 0 and distributed_timeout > 0")
+        try:
+            check_endpoint(self.otlp_traces_endpoint)
+        except TracingConfigError as exc:
+            raise ConfigError(str(exc)) from None
         self.topology()
         if self.role != "both" and not self.kv_sidecar:
             raise ConfigError(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, assert_never
 
+from dsv4_common import tracing
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import EngineConfig
@@ -35,6 +36,7 @@ from dsv4_serving.engine.messages import (
     ToCore,
 )
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from dsv4_serving.engine.request_tracing import CoreTracing
 from dsv4_serving.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -110,6 +112,13 @@ class EngineCore:
                 config.kv_pull_timeout,
             )
             self.kv_worker.register_kv_caches(self.runner.cache)
+        # tracing off: None, and each step tests only that
+        self.tracing: CoreTracing | None = None
+        tracer = tracing.setup(config.otlp_traces_endpoint, f"dsv4-engine-{config.role}")
+        if tracer is not None:
+            self.tracing = CoreTracing(tracer, config.role)
+            if self.kv_worker is not None:
+                self.kv_worker.traceparent_of = self.tracing.traceparent
         # the last step ran nothing and produced nothing: every request waits for its KV
         self.idle_waiting_for_kv = False
         eos = lm.model_config.eos_token_id
@@ -139,9 +148,13 @@ class EngineCore:
         elif isinstance(p, RemotePrefillParams):
             assert self.config.role != "prefill"
         self.scheduler.add_request(Request(req, self.eos_token_id))
+        if self.tracing is not None:
+            self.tracing.add(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         aborted = self.scheduler.abort_requests(request_ids)
+        if self.tracing is not None:
+            self.tracing.aborted(aborted)
         self._start_kv_loads()  # their pulls let go now, not at the next step
         return aborted
 
@@ -171,12 +184,19 @@ class EngineCore:
         self._start_kv_loads()
         self._finish_kv_loads()
         out = self.scheduler.schedule(admit)
+        if self.tracing is not None:
+            self.tracing.scheduled(self.scheduler, out)
         self._start_kv_loads()
+        t0 = time.time_ns() if self.tracing is not None else 0
         batch, chain = self._agree(out)
         self._tell_followers(RunStep(batch, chain))
         results = self.runner.execute(batch, chain)
         outputs = self.scheduler.update_from_output(out, results)
+        if self.tracing is not None:
+            self.tracing.stepped(out, results, t0)
         self._save_kv(outputs)
+        if self.tracing is not None:
+            self.tracing.finished(outputs)
         self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
         return outputs
 
@@ -218,6 +238,8 @@ class EngineCore:
         The TP followers' replicated caches get the same blocks first."""
         if self.kv_worker is not None:
             done = self.kv_worker.get_finished()
+            if self.tracing is not None:
+                self.tracing.loaded(done)
             if done.loaded_kv and self.tp.size > 1:
                 from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
 
@@ -232,7 +254,10 @@ class EngineCore:
         assert self.kv_scheduler is not None
         saves = self.kv_scheduler.take_saves()
         if saves:
-            self.scheduler.saves_done(self.kv_worker.save_kv(saves), outputs)
+            traced = self.tracing.export(saves) if self.tracing else contextlib.nullcontext()
+            with traced:
+                done = self.kv_worker.save_kv(saves)
+            self.scheduler.saves_done(done, outputs)
 
     def wait_for_kv(self, timeout_s: float) -> None:
         """Nothing ran last step (every request waits for its KV): sleep until a pull ends."""

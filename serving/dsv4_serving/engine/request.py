@@ -44,6 +44,8 @@ class EngineCoreRequest:
     """vLLM's PD protocol, parsed and checked once at the API edge (the core only asserts)."""
     data_parallel_rank: int | None = None
     """The DP rank to run on (the ``X-data-parallel-rank`` header); None = least loaded."""
+    traceparent: str | None = None
+    """W3C trace context of the API server's span of this request (tracing on), else None."""
 
 
 @dataclass(slots=True)

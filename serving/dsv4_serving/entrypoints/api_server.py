@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from dsv4_common import tracing
 from dsv4_common.errors import openai_error
 from dsv4_kvtransfer.pd_protocol import (
     KV_TRANSFER_ERROR_TYPE,
@@ -42,6 +43,7 @@ from dsv4_serving.entrypoints.checks import (
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_serving.entrypoints.serving import OpenAIServing
+from dsv4_serving.entrypoints.tracing import answered, start_request_span
 from dsv4_serving.http_errors import draining_response, error_response
 
 log = logging.getLogger(__name__)
@@ -109,15 +111,18 @@ class _HeldStream(StreamingResponse):
     """A streamed answer that stays in flight (``Drain.held``) until it is sent, fails or its
     client leaves, even if it never starts."""
 
-    def __init__(self, content: AsyncIterator[str], drain: Drain) -> None:
+    def __init__(self, content: AsyncIterator[str], drain: Drain, span: Any = None) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.drain = drain
+        self.span = span  # tracing on: the request's span, ended with the stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.drain.held -= 1
+            if self.span is not None:
+                self.span.end()
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -143,6 +148,7 @@ def build_app(
     role, has_connector = engine.config.role, bool(engine.config.kv_sidecar)
     drain = Drain()
     grace = engine.config.shutdown_timeout
+    tracer = tracing.setup(engine.config.otlp_traces_endpoint, f"dsv4-engine-{role}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -195,6 +201,7 @@ def build_app(
         shutdown's grace period runs out)."""
         if drain.draining:
             return draining_response()
+        arrived_ns = time.time_ns()
         chat = isinstance(body, ChatCompletionRequest)
         kv = parse_kv_params(body.kv_transfer_params, role, has_connector)
         if kv is not None and body.n != 1:
@@ -217,6 +224,12 @@ def build_app(
             check_remote_kv(kv, ids)
         dp_rank = check_dp_rank(request.headers.get(DP_RANK_HEADER), info.data_parallel_size)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        span = None
+        if tracer is not None:
+            span = start_request_span(
+                tracer, request.headers, chat, model_name, role, len(ids), params.max_tokens,
+                arrived_ns,
+            )  # fmt: skip
         work = serving.completion(
             ids,
             params,
@@ -228,6 +241,7 @@ def build_app(
             dp_rank,
             n=body.n,
             tokens_as_ids=body.return_tokens_as_token_ids,
+            traceparent=tracing.traceparent(span) if span is not None else None,
         )
         drain.held += 1
         streaming = False
@@ -241,12 +255,20 @@ def build_app(
                     return _shutdown_error(grace)
                 return Response(status_code=499)  # client gone; nobody reads this
             if isinstance(result, dict):
+                if span is not None:
+                    answered(span, result)
                 return JSONResponse(result)
             streaming = True  # the stream is in flight until it is sent
-            return _HeldStream(_drained(result, drain, grace), drain)
+            return _HeldStream(_drained(result, drain, grace), drain, span)
+        except Exception as exc:
+            if span is not None:
+                tracing.fail(span, f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             if not streaming:
                 drain.held -= 1
+                if span is not None:
+                    span.end()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -120,6 +120,7 @@ class OpenAIServing:
         data_parallel_rank: int | None = None,
         n: int = 1,
         tokens_as_ids: bool = False,
+        traceparent: str | None = None,
     ) -> AsyncIterator[str] | dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
@@ -130,6 +131,7 @@ class OpenAIServing:
                 rid if n == 1 else f"{rid}-{i}",
                 kv_transfer_params,
                 data_parallel_rank,
+                traceparent,
             )
             for i in range(n)
         ]

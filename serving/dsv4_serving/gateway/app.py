@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from dsv4_common import tracing
 from dsv4_kvtransfer.pd_protocol import KVParamsError
 from dsv4_serving.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
 from dsv4_serving.gateway.config import GatewayConfig
@@ -32,6 +33,7 @@ from dsv4_serving.gateway.openapi import openapi_document
 from dsv4_serving.gateway.policies import RouteRequest, make_policy
 from dsv4_serving.gateway.prompt import load_encoder, routing_key
 from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
+from dsv4_serving.gateway.tracing import request_span, routing
 from dsv4_serving.http_errors import error_response
 
 log = logging.getLogger("dsv4.gateway")
@@ -46,6 +48,7 @@ class Gateway:
         self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
         self.encode = load_encoder(cfg.tokenizer)
         self.drain = Drain(lambda: self.admission.inflight)
+        self.proxy.tracer = tracing.setup(cfg.otlp_traces_endpoint, "dsv4-gateway")
 
     @property
     def pd(self) -> bool:
@@ -79,9 +82,17 @@ class Gateway:
                 headers={"retry-after": "1"},
             )
         with self.admission.admit() as ticket:
-            response = await cancel_on_disconnect(
-                request, self._route(path, body, chat, rid, ticket)
-            )
+            route = self._route(path, body, chat, rid, ticket)
+            if self.proxy.tracer is None:
+                response = await cancel_on_disconnect(request, route)
+            else:  # the span ends with the ticket; the attempts made while routing are its children
+                span = ticket.hold(
+                    request_span(
+                        self.proxy.tracer, request.headers, body, chat, rid, lambda: ticket.outcome
+                    )
+                )
+                with routing(span):
+                    response = await cancel_on_disconnect(request, route)
             if response is None:  # the client left; the upstream calls were cancelled and closed
                 ticket.outcome = "cancelled"
                 return Response(status_code=499)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dsv4_common.tracing import check_endpoint
 from dsv4_serving.gateway.policies import PolicyName
 
 
@@ -65,6 +66,9 @@ class GatewayConfig:
     """uvicorn's log level."""
     shutdown_timeout: float = 30.0
     """After SIGTERM: /ready fails and in-flight relays get up to this many seconds to finish."""
+    otlp_traces_endpoint: str | None = None
+    """OpenTelemetry traces of each request to this OTLP/HTTP endpoint (e.g.
+    http://127.0.0.1:4318; /v1/traces is added when no path is given); unset: tracing off."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -77,6 +81,7 @@ class GatewayConfig:
             raise ValueError("--block-size must be >= 1")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ValueError("--shutdown-timeout must be in [0, 3600]")
+        check_endpoint(self.otlp_traces_endpoint)
         if self.eject_after_failures < 1:
             raise ValueError("--eject-after-failures must be >= 1")
         for name in (

@@ -21,6 +21,7 @@ import aiohttp
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from dsv4_common import tracing
 from dsv4_common.errors import openai_error
 from dsv4_kvtransfer.pd_protocol import (
     KV_TRANSFER_ERROR_TYPE,
@@ -34,6 +35,7 @@ from dsv4_serving.gateway.instances import Instance, InstancePool, Role
 from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
+from dsv4_serving.gateway.tracing import attempt_span, upstream_status
 from dsv4_serving.http_errors import DRAINING_HEADER, error_response
 
 log = logging.getLogger("dsv4.gateway")
@@ -91,6 +93,7 @@ class Proxy:
     ) -> None:
         self.cfg, self.pool, self.policy, self.metrics = cfg, pool, policy, metrics
         self.client: aiohttp.ClientSession | None = None
+        self.tracer: Any = None  # tracing on: the gateway's Tracer (set by the app)
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -98,8 +101,10 @@ class Proxy:
         candidates = [i for i in self.pool.of_role(role) if i.url not in exclude]
         return self.policy.choose(candidates, req)
 
-    def _headers(self, request_id: str, choice: Choice) -> dict[str, str]:
+    def _headers(self, request_id: str, choice: Choice, span: Any = None) -> dict[str, str]:
         h = {"x-request-id": request_id, "content-type": "application/json"}
+        if span is not None:
+            h[tracing.TRACEPARENT] = tracing.traceparent(span)
         if choice.instance.dp_size > 1:
             h["x-data-parallel-rank"] = str(choice.rank)  # vLLM's header for DP-rank routing
         return h
@@ -152,11 +157,16 @@ class Proxy:
         for choice in self._attempts("prefill", req, tried):
             inst = choice.instance
             try:
-                with inst.held(choice.rank, req.prompt_tokens - choice.cached_tokens):
+                with (
+                    inst.held(choice.rank, req.prompt_tokens - choice.cached_tokens),
+                    attempt_span(
+                        self.tracer, "prefill", choice, len(tried) - 1, self.policy.name
+                    ) as span,
+                ):
                     async with self.client.post(
                         inst.url + path,
                         data=json.dumps(prefill_request(body)),
-                        headers=self._headers(request_id, choice),
+                        headers=self._headers(request_id, choice, span),
                         timeout=aiohttp.ClientTimeout(
                             total=self.cfg.prefill_timeout_s,
                             sock_connect=self.cfg.connect_timeout_s,
@@ -164,6 +174,7 @@ class Proxy:
                     ) as resp:
                         status, content = resp.status, await resp.read()
                         headers = resp.headers
+                        upstream_status(span, status)
                         if status != 200 and status < 500:  # the request is bad: tell the client
                             raise UpstreamFailed(_client_response(resp, content, request_id))
             except (aiohttp.ClientError, TimeoutError) as e:
@@ -206,12 +217,15 @@ class Proxy:
             # what this attempt holds, released however it ends (error, retry, cancellation) ...
             with ExitStack() as attempt:
                 attempt.enter_context(inst.held(choice.rank, req.prompt_tokens))
+                span = attempt.enter_context(
+                    attempt_span(self.tracer, role, choice, len(tried) - 1, self.policy.name)
+                )
                 try:
                     resp = await asyncio.wait_for(
                         self.client.post(
                             inst.url + path,
                             data=json.dumps(body),
-                            headers=self._headers(request_id, choice),
+                            headers=self._headers(request_id, choice, span),
                             timeout=aiohttp.ClientTimeout(
                                 total=None,
                                 sock_connect=self.cfg.connect_timeout_s,
@@ -223,9 +237,12 @@ class Proxy:
                 except (aiohttp.ClientError, TimeoutError) as e:
                     self._fail(inst)
                     last = f"{role} on {inst.url} failed: {type(e).__name__}: {e}"
+                    if span is not None:
+                        tracing.fail(span, last)
                     continue
                 # a response dropped before its end closes the connection: the engine aborts
                 attempt.callback(resp.close)
+                upstream_status(span, resp.status)
                 if resp.status >= 500:
                     try:
                         content = await resp.read()

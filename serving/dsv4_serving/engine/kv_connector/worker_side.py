@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class _Pull:
     spec: LoadSpec
     started: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    traceparent: str | None = None
 
 
 class SidecarConnectorWorker(KVConnectorWorker):
@@ -61,6 +63,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
         )
         self._event = threading.Event()
         self._closed = False
+        # tracing on: a request's current KV span, whose context goes with the sidecar call
+        self.traceparent_of: Callable[[str], str | None] | None = None
 
     def register_kv_caches(self, cache: Any) -> None:
         self.layout = KVLayout(cache)
@@ -74,6 +78,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
                 p.cancelled.set()
         for spec in meta.loads:
             p = _Pull(spec)
+            if self.traceparent_of is not None:
+                p.traceparent = self.traceparent_of(spec.request_id)
             self._pulls[spec.request_id] = p
             threading.Thread(
                 target=self._pull, args=(p,), name=f"kv-pull-{spec.request_id}", daemon=True
@@ -86,7 +92,12 @@ class SidecarConnectorWorker(KVConnectorWorker):
         # the sidecar gives up at pull_timeout_s; this bounds us if it stops answering
         deadline = p.started + self.pull_timeout_s + 5.0
         try:
-            st = c.start_pull(p.spec.params, timeout_s=self.pull_timeout_s, wait_s=POLL_S)
+            st = c.start_pull(
+                p.spec.params,
+                timeout_s=self.pull_timeout_s,
+                wait_s=POLL_S,
+                traceparent=p.traceparent,
+            )
             pull_id = st.pull_id
             while True:
                 if st.kv is not None:
@@ -202,6 +213,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
             cache_groups=lay.cache_groups(n),
             engine_meta={**extra, "first_token": s.first_token},
             params_extra=extra,
+            traceparent=self.traceparent_of(s.request_id) if self.traceparent_of else None,
         )
         try:
             lay.export(self.client, res.buffers, s.block_ids[:n], s.state_slot)
