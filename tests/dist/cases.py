@@ -170,6 +170,46 @@ def collectives(rank: int, world: int, port: int) -> dict[str, Any]:
         destroy_distributed()
 
 
+def all_to_all(rank: int, world: int, port: int, shm: bool) -> dict[str, Any]:
+    """``all_to_allv`` with uneven splits: over the shared-memory channel (an all-gather) or
+    over gloo's native ``all_to_all_single``; values name (sender, receiver, row)."""
+    import os
+
+    from dsv4_serving.distributed import comm
+    from dsv4_serving.distributed.shm_comm import DISABLE_ENV
+
+    if not shm:
+        os.environ[DISABLE_ENV] = "0"
+    join(rank, port, Topology(dp=2))
+    try:
+        w = get_world_group()
+        matrix = ([1, 2], [3, 0])  # rows member i sends member j
+        send, recv = matrix[rank], [matrix[j][rank] for j in range(2)]
+        rows = [100 * rank + 10 * dst + i for dst, n in enumerate(send) for i in range(n)]
+        x = torch.tensor(rows, dtype=torch.float32).unsqueeze(1).repeat(1, 3)
+        got = comm.all_to_allv(x, send, recv, w)
+        return {
+            "shm": w.shm is not None,
+            "rows": got[:, 0].tolist(),
+            "equal_cols": bool((got == got[:, :1]).all()),
+        }
+    finally:
+        destroy_distributed()
+
+
+def world_mismatch(rank: int, world: int, port: int) -> str:
+    """Rank 1 started with another shape than rank 0 (a node with other sizes)."""
+    from dsv4_serving.distributed.parallel_state import RendezvousError
+
+    topo = Topology(tp=2, nnodes=2) if rank == 0 else Topology(tp=2, dp=2, nnodes=2)
+    try:
+        join(rank, port, topo, timeout_s=30)
+    except RendezvousError as exc:
+        return str(exc)
+    destroy_distributed()
+    return "no error"
+
+
 def one_rank_fails(rank: int, world: int, port: int) -> None:
     if rank == 1:
         raise ValueError("boom on rank 1")

@@ -9,7 +9,7 @@ from dsv4_serving.distributed.parallel_state import RendezvousError, init_distri
 from dsv4_serving.distributed.topology import Topology
 from dsv4_serving.platform.device import PlatformError
 
-from .cases import collectives, fingerprint_mismatch
+from .cases import all_to_all, collectives, fingerprint_mismatch, world_mismatch
 from .harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -31,6 +31,25 @@ def test_collectives_on_two_ranks_give_exact_results() -> None:
 def test_a_rank_with_another_config_is_named_by_every_rank() -> None:
     messages = run_ranks(fingerprint_mismatch, world=2, timeout=60)
     assert messages == ["rank 1 disagrees with rank 0 on dp: 2 vs 1"] * 2
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo-native"])
+def test_all_to_allv_with_uneven_splits_gives_each_member_its_rows(shm: bool) -> None:
+    r0, r1 = run_ranks(all_to_all, world=2, timeout=60, args=(shm,))
+    assert r0["shm"] == r1["shm"] == shm
+    # member 0 gets its own 1 row then member 1's 3; member 1 gets member 0's 2 and none
+    assert r0["rows"] == [0.0, 100.0, 101.0, 102.0]
+    assert r1["rows"] == [10.0, 11.0]
+    assert r0["equal_cols"] and r1["equal_cols"]
+
+
+def test_a_node_with_another_world_size_is_named_by_every_rank() -> None:
+    messages = run_ranks(world_mismatch, world=2, timeout=60)
+    want = (
+        "rank 1 (node 0) runs world 4 (tp 2 x dp 2 over 2 node(s)) but rank 0 runs world 2 "
+        "(tp 2 x dp 1 over 2 node(s)); every node of an instance needs the same"
+    )
+    assert all(want in m for m in messages), messages
 
 
 def test_rendezvous_timeout_names_the_ranks_that_never_joined() -> None:

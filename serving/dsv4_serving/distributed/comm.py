@@ -4,9 +4,11 @@ A group whose members share a node carries a shared-memory channel (``shm_comm``
 and every object go through it (microseconds instead of gloo's ~0.8 ms per call); device tensors
 and groups without one use the torch backend.
 
-gloo (CPU) has no dependable reduce_scatter or uneven all_gather, so ``reduce_scatterv`` is an
-all-reduce plus a slice and ``all_gatherv`` pads to the longest share; the traffic is larger
-than nccl/hccl's native collectives would need, which do not change the results.
+gloo (CPU) has no dependable reduce_scatter or uneven all_gather, so there ``reduce_scatterv``
+is an all-reduce plus a slice and ``all_gatherv`` pads to the longest share. On nccl/hccl
+``reduce_scatterv`` is the native ``reduce_scatter_tensor`` (shares padded to the longest) and
+``all_to_allv`` the native ``all_to_all_single``; ``collective_path`` decides which, by backend
+and device. The results are the same: each output row is the same sum over the members.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as dist
 
+from dsv4_serving.distributed.collective_path import collective_path
 from dsv4_serving.distributed.groups import Group
 from dsv4_serving.distributed.shm_comm import ShmChannel
 
@@ -59,6 +62,8 @@ _broadcast = _timed(dist.broadcast)
 _broadcast_object_list = _timed(dist.broadcast_object_list)
 _gather_object = _timed(dist.gather_object)
 _all_gather_object = _timed(dist.all_gather_object)
+_reduce_scatter_tensor = _timed(dist.reduce_scatter_tensor)
+_all_to_all_single = _timed(dist.all_to_all_single)
 
 
 def _shm(group: Group, x: torch.Tensor | None = None) -> ShmChannel | None:
@@ -129,14 +134,70 @@ def all_gatherv(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor
     return torch.cat([full[i * longest : i * longest + n] for i, n in enumerate(sizes)])
 
 
+def pad_shares(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``x``'s rows (``sizes[i]`` for member ``i``, concatenated) with every share padded with
+    zero rows to the longest: the equal shares a native reduce-scatter takes."""
+    longest = max(sizes)
+    if all(n == longest for n in sizes):
+        return x.contiguous()
+    out = x.new_zeros((longest * len(sizes), *x.shape[1:]))
+    start = 0
+    for i, n in enumerate(sizes):
+        out[i * longest : i * longest + n] = x[start : start + n]
+        start += n
+    return out
+
+
 def reduce_scatterv(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
     """Sum of ``x`` (rows concatenated as ``all_gatherv`` made them) over the group, then this
     member's rows."""
     if group.size == 1:
         return x
+    if (
+        collective_path("reduce_scatter", group.backend, x.device.type, _shm(group, x) is not None)
+        == "native"
+    ):
+        padded = pad_shares(x, sizes)
+        out = padded.new_empty((padded.shape[0] // group.size, *x.shape[1:]))
+        _reduce_scatter_tensor(out, padded, group=group.device_group)
+        return out[: sizes[group.index]]
     total = all_reduce(x.contiguous(), group)
     start = sum(sizes[: group.index])
     return total[start : start + sizes[group.index]]
+
+
+def all_to_allv(
+    x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: Group
+) -> torch.Tensor:
+    """``x``'s rows split ``send_sizes[j]`` to member ``j``, in order; returns the rows every
+    member sent this one, ``recv_sizes[j]`` from member ``j``, concatenated in group order
+    (what an all-to-all MoE dispatch and its combine need)."""
+    if group.size == 1:
+        return x
+    path = collective_path("all_to_all", group.backend, x.device.type, _shm(group, x) is not None)
+    if path == "native":
+        out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+        _all_to_all_single(
+            out,
+            x.contiguous(),
+            output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes,
+            group=group.device_group,
+        )
+        return out
+    # every member's send sizes, then every member's rows: keep the chunks sent to this one
+    every = all_gather_object(list(send_sizes), group)
+    full = all_gatherv(x, [sum(s) for s in every], group)
+    parts, base, me = [], 0, group.index
+    for j, sent in enumerate(every):
+        if sent[me] != recv_sizes[j]:
+            raise ValueError(
+                f"member {j} sends {sent[me]} rows to member {me}, which expects {recv_sizes[j]}"
+            )
+        start = base + sum(sent[:me])
+        parts.append(full[start : start + sent[me]])
+        base += sum(sent)
+    return torch.cat(parts)
 
 
 def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:

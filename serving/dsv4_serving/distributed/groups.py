@@ -23,6 +23,8 @@ class Group:
     cpu_group: Any = field(default=None, compare=False, repr=False)
     # a node-local shared-memory channel (``shm_comm``) for CPU tensors and objects; None: gloo
     shm: Any = field(default=None, compare=False, repr=False)
+    # the device group's backend (gloo, nccl, hccl): which collectives are native
+    backend: str = field(default="gloo", compare=False)
 
     @property
     def size(self) -> int:

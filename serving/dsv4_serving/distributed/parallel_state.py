@@ -35,6 +35,33 @@ class FingerprintError(RuntimeError):
 _STATE: dict[str, Any] = {}
 
 
+SHAPE_KEY = "dsv4/shape"
+MISMATCH_KEY = "dsv4/mismatch"
+
+
+def describe(topo: Topology) -> str:
+    return f"world {topo.world} (tp {topo.tp} x dp {topo.dp} over {topo.nnodes} node(s))"
+
+
+def _check_shape(store: Store, topo: Topology, rank: int, where: str) -> None:
+    """Rank 0 publishes its world's shape; any other rank with another shape (a node started
+    with other sizes) fails, and posts why so that the ranks already waiting fail with it
+    instead of waiting out the timeout for ranks that will never come."""
+    mine = describe(topo)
+    if rank == 0:
+        store.set(SHAPE_KEY, mine)
+        return
+    master = store.get(SHAPE_KEY).decode()
+    if master != mine:
+        msg = (
+            f"world size mismatch at the rendezvous {where}: rank {rank} (node "
+            f"{topo.node_of(rank)}) runs {mine} but rank 0 runs {master}; every node of an "
+            "instance needs the same --tensor-parallel-size, --data-parallel-size and --nnodes"
+        )
+        store.set(MISMATCH_KEY, msg)
+        raise RendezvousError(msg)
+
+
 def _join(topo: Topology, rank: int, addr: str, port: int, timeout_s: float) -> Store:
     where = f"tcp://{addr}:{port}"
     try:
@@ -51,10 +78,13 @@ def _join(topo: Topology, rank: int, addr: str, port: int, timeout_s: float) -> 
             f"rank {rank} could not reach the rendezvous master at {where} within "
             f"{timeout_s:g} s (is node 0 / rank 0 started, and is the address right?): {exc}"
         ) from exc
+    _check_shape(store, topo, rank, where)
     store.set(f"dsv4/joined/{rank}", str(topo.node_of(rank)))
     keys = [f"dsv4/joined/{r}" for r in range(topo.world)]
     deadline = time.monotonic() + timeout_s
     while True:
+        if store.check([MISMATCH_KEY]):  # another node runs another shape: it said which
+            raise RendezvousError(store.get(MISMATCH_KEY).decode())
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing:
             return store
@@ -77,7 +107,7 @@ def _group(ranks: list[int], rank: int, backend: str, timeout: timedelta) -> Gro
     cpu = dev if backend == "gloo" else dist.new_group(ranks, timeout=timeout, backend="gloo")
     if rank not in ranks:
         return Group(tuple(ranks), -1)
-    return Group(tuple(ranks), ranks.index(rank), dev, cpu)
+    return Group(tuple(ranks), ranks.index(rank), dev, cpu, backend=backend)
 
 
 def _with_shm(group: Group, topo: Topology, timeout_s: float) -> Group:
@@ -130,7 +160,7 @@ def init_distributed(
         world_size=topo.world,
         timeout=timeout,
     )
-    world = Group(tuple(range(topo.world)), rank, dist.group.WORLD, None)
+    world = Group(tuple(range(topo.world)), rank, dist.group.WORLD, None, backend=backend)
     cpu_world = world.device_group
     if backend != "gloo":
         cpu_world = dist.new_group(list(range(topo.world)), timeout=timeout, backend="gloo")
