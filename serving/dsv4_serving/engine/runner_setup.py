@@ -64,4 +64,9 @@ def setup_runner(
     runner = ModelRunner(
         lm, n_blocks + extra, num_slots + extra, k, config.seed, parallel.tp, dummy
     )
+    if config.emulate_step_time is not None:
+        from dsv4_serving.engine.emulated_runner import EmulatedRunner
+        from dsv4_serving.engine.step_time import StepTime
+
+        runner = EmulatedRunner(runner, StepTime.parse(config.emulate_step_time))  # type: ignore[assignment]
     return RunnerSetup(lm, runner, k, n_blocks, has_state, snaps)

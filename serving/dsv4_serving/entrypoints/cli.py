@@ -164,6 +164,11 @@ def serve(config: EngineConfig, host: str, port: int, placement: Placement | Non
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 1
     metrics = EngineMetrics(config.model_name)
+    if config.emulate_step_time is not None:
+        from dsv4_serving.engine.emulated_runner import register_metric
+        from dsv4_serving.engine.step_time import StepTime
+
+        register_metric(metrics.registry, StepTime.parse(config.emulate_step_time))
     engine = AsyncLLM(config, tokenizer, metrics)
     try:
         info = engine.start(placement=placement)

@@ -1,0 +1,125 @@
+"""EMULATED engine steps (``--emulate-step-time``): capacity tests of the autoscaler on CPUs that
+cannot add real capacity, the way llm-d tests with its inference simulator.
+
+The emulated runner replaces only the forward: each step sleeps for a time that is a function
+of its batch (``StepTime``) and every sampled position gets a deterministic token. Everything
+else stays real: the scheduler and its batching, the paged KV blocks and their cache tensors
+(so a prefill engine exports, and a decode engine imports, real bytes over the real sidecars),
+the metrics, the HTTP front end and the PD protocol. Sleeping costs no CPU, so several emulated
+engines on two cores give several engines' worth of capacity.
+
+The token at position ``p`` after token ``t`` is ``emulated_token(p, t)``: it depends on the
+position and the previous token only, so a decode engine continuing a remote prefill produces
+exactly the tokens a single engine would, and MTP drafts (the next tokens of the same chain)
+are always accepted. Sampling parameters (temperature, seed) are ignored; logprobs are 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from dsv4_serving.engine.request import Logprob
+from dsv4_serving.engine.step_time import StepTime
+
+if TYPE_CHECKING:
+    from dsv4_serving.engine.model_runner import ModelRunner
+    from dsv4_serving.engine.scheduler import RunnerResult, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+EMULATED_METRIC = "dsv4_engine_emulated_step_time"
+_FIRST = 100  # emulated tokens avoid the low ids (special tokens of most vocabularies)
+
+
+def emulated_token(position: int, previous: int, vocab_size: int, eos: int | None) -> int:
+    """The token at ``position`` after ``previous``: never ``eos`` nor a low (special) id."""
+    span = vocab_size - _FIRST
+    t = _FIRST + (previous * 1_000_003 + position * 7_919) % span
+    return _FIRST + (t - _FIRST + 1) % span if t == eos else t
+
+
+class EmulatedRunner:
+    """``ModelRunner``'s interface over a real runner (its cache, dummy batch) whose forward is
+    never run: ``execute`` sleeps ``StepTime`` and returns deterministic tokens."""
+
+    def __init__(self, real: ModelRunner, step_time: StepTime, sleep: Any = time.sleep) -> None:
+        self.real = real
+        self.step_time = step_time
+        self.lm = real.lm
+        self.cache = real.cache
+        self.dummy = real.dummy
+        self.samples = real.samples
+        self.k = real.k
+        self.forwards = 0
+        self._sleep = sleep
+        cfg = real.lm.model_config
+        self.vocab_size = int(cfg.vocab_size)
+        eos = cfg.eos_token_id
+        self.eos: int | None = eos[0] if isinstance(eos, list) else eos
+        log.warning(
+            "EMULATED engine: steps sleep %s ms (base, per sequence, per token) instead of "
+            "running the model; tokens are synthetic",
+            step_time,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # anything else the engine asks of its runner is the real runner's (cache, EPLB, ...)
+        return getattr(self.real, name)
+
+    def dummy_step(self) -> SchedulerOutput:
+        return self.real.dummy_step()
+
+    def next_token(self, position: int, previous: int) -> int:
+        return emulated_token(position, previous, self.vocab_size, self.eos)
+
+    def execute(
+        self, out: SchedulerOutput, mtp_chain: bool | None = None
+    ) -> dict[str, RunnerResult]:
+        from dsv4_serving.engine.scheduler import RunnerResult
+
+        del mtp_chain  # no MoE calls to keep in step with other DP ranks
+        if not out.scheduled:
+            return {}
+        self.forwards += 1
+        self._sleep(self.step_time.seconds(len(out.scheduled), out.num_batched_tokens))
+        results: dict[str, RunnerResult] = {}
+        for s in out.scheduled if self.samples else ():
+            if not s.sample:
+                continue
+            # verify the drafts against the chain, as the sampler does against the logits
+            n = len(s.token_ids)
+            toks: list[int] = []
+            for j in range(n - s.num_spec - 1, n):
+                t = self.next_token(s.context_len + j + 1, s.token_ids[j])
+                toks.append(t)
+                if j + 1 >= n or s.token_ids[j + 1] != t:
+                    break
+            lp = None
+            if s.sampling_params.logprobs is not None:
+                lp = [Logprob(t, 0.0, [(t, 0.0)]) for t in toks]
+            drafts: list[int] = []
+            pos, prev = s.context_len + len(toks) + n - s.num_spec - 1, toks[-1]
+            for _ in range(self.k):
+                prev = self.next_token(pos + 1, prev)
+                drafts.append(prev)
+                pos += 1
+            results[s.request_id] = RunnerResult(toks, lp, drafts)
+        return results
+
+
+def register_metric(registry: Any, step_time: StepTime) -> None:
+    """``dsv4_engine_emulated_step_time{base_ms,per_seq_ms,per_token_ms} 1`` on the engine's
+    /metrics, so no dashboard or benchmark mistakes an emulated engine for a real one."""
+    from prometheus_client import Gauge
+
+    g = Gauge(
+        EMULATED_METRIC,
+        "1: this engine is EMULATED (steps sleep instead of running the model).",
+        ["base_ms", "per_seq_ms", "per_token_ms"],
+        registry=registry,
+    )
+    g.labels(
+        f"{step_time.base_ms:g}", f"{step_time.per_seq_ms:g}", f"{step_time.per_token_ms:g}"
+    ).set(1)

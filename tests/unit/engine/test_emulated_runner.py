@@ -1,0 +1,84 @@
+"""The emulated step-time engine mode's pure parts: the step-time model, the token chain, and
+the runner's step (sleep, tokens, draft verification) over a stand-in for the real runner."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dsv4_serving.engine.config import ConfigError, EngineConfig
+from dsv4_serving.engine.emulated_runner import EmulatedRunner, emulated_token
+from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dsv4_serving.engine.step_time import StepTime, StepTimeError
+
+
+def test_step_time_parses_and_is_linear_in_sequences_and_tokens() -> None:
+    st = StepTime.parse("5,0.5,0.25")
+    assert st == StepTime(5.0, 0.5, 0.25)
+    assert st.seconds(4, 100) == pytest.approx((5 + 2 + 25) / 1e3)
+    assert st.seconds(0, 0) == 0.0  # an empty step costs nothing
+    assert str(st) == "5,0.5,0.25"
+
+
+@pytest.mark.parametrize("bad", ["5,1", "a,b,c", "5,-1,0", "5,1,inf", "5,1,nan", ""])
+def test_step_time_rejects_bad_text_naming_the_flag(bad: str) -> None:
+    with pytest.raises(StepTimeError, match="--emulate-step-time"):
+        StepTime.parse(bad)
+    with pytest.raises(ConfigError, match="--emulate-step-time"):
+        EngineConfig(emulate_step_time=bad)
+
+
+def test_emulated_token_is_deterministic_and_never_eos_or_special() -> None:
+    toks = {emulated_token(p, t, 1000, eos=None) for p in range(50) for t in range(50)}
+    assert min(toks) >= 100 and max(toks) < 1000
+    assert emulated_token(7, 3, 1000, None) == emulated_token(7, 3, 1000, None)
+    hit = emulated_token(7, 3, 1000, None)
+    assert emulated_token(7, 3, 1000, eos=hit) != hit
+
+
+def _runner(k: int = 0) -> tuple[EmulatedRunner, list[float]]:
+    slept: list[float] = []
+    cfg = SimpleNamespace(vocab_size=1000, eos_token_id=[2])
+    real = SimpleNamespace(
+        lm=SimpleNamespace(model_config=cfg), cache="cache", dummy=None, samples=True, k=k
+    )
+    return EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=slept.append), slept  # type: ignore[arg-type]
+
+
+def _req(
+    rid: str, tokens: list[int], ctx: int, spec: int = 0, sample: bool = True
+) -> ScheduledRequest:
+    return ScheduledRequest(rid, tokens, ctx, spec, [0], 0, sample, None, SamplingParams(), 0)
+
+
+def test_a_step_sleeps_its_batch_time_and_samples_the_chain() -> None:
+    r, slept = _runner()
+    prompt = [11, 12, 13, 14]
+    chunk = _req("a", prompt[:2], 0, sample=False)  # a prefill chunk that does not sample yet
+    last = _req("b", prompt, 0)
+    out = r.execute(SchedulerOutput([chunk, last], [], [], 6))
+    assert slept == [pytest.approx((10 + 2 * 1 + 6 * 0.5) / 1e3)]
+    assert set(out) == {"b"}
+    first = emulated_token(4, 14, 1000, 2)
+    assert out["b"].token_ids == [first] and out["b"].draft_ids == []
+    # the decode step after it continues the same chain (what a remote decode engine does)
+    out2 = r.execute(SchedulerOutput([_req("b", [first], 4)], [], [], 1))
+    assert out2["b"].token_ids == [emulated_token(5, first, 1000, 2)]
+    assert r.execute(SchedulerOutput([], [], [], 0)) == {} and len(slept) == 2
+
+
+def test_drafts_of_the_chain_are_accepted_and_a_wrong_one_stops_verification() -> None:
+    r, _ = _runner(k=2)
+    t5 = emulated_token(5, 40, 1000, 2)
+    t6 = emulated_token(6, t5, 1000, 2)
+    t7 = emulated_token(7, t6, 1000, 2)
+    # inputs: the last token (position 4) then drafts for positions 5 and 6
+    ok = r.execute(SchedulerOutput([_req("a", [40, t5, t6], 4, spec=2)], [], [], 3))["a"]
+    assert ok.token_ids == [t5, t6, t7]
+    t8 = emulated_token(8, t7, 1000, 2)
+    assert ok.draft_ids == [t8, emulated_token(9, t8, 1000, 2)]
+    wrong = r.execute(SchedulerOutput([_req("a", [40, t5 + 1, t6], 4, spec=2)], [], [], 3))["a"]
+    assert wrong.token_ids == [t5]
+    assert wrong.draft_ids[0] == t6
