@@ -101,6 +101,12 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     """Seconds in-flight requests get to finish after SIGTERM (readiness fails at once, new
     requests get 503 + X-DSV4-Draining); what is left then is stopped with an error."""
+    emulate_step_time: str | None = None
+    """EMULATED engine, for capacity tests only: ``"base_ms,per_seq_ms,per_token_ms"`` makes
+    every step sleep ``base + per_seq x sequences + per_token x tokens`` ms instead of running
+    the model, with synthetic deterministic tokens; scheduler, KV blocks, metrics and the PD
+    protocol stay real (``engine/emulated_runner.py``). /metrics shows
+    ``dsv4_engine_emulated_step_time``."""
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
@@ -151,6 +157,13 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"shutdown_timeout must be in [0, 3600], got {self.shutdown_timeout}")
+        if self.emulate_step_time is not None:
+            from dsv4_serving.engine.step_time import StepTime, StepTimeError
+
+            try:
+                StepTime.parse(self.emulate_step_time)
+            except StepTimeError as exc:
+                raise ConfigError(str(exc)) from None
 
     @property
     def model_name(self) -> str:
