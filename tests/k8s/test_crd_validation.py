@@ -219,14 +219,14 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.autoscaling.intervalSeconds: Invalid value: 0",
     ),
     (
-        "EPLB enabled",
-        _cr(features={"eplb": {"enabled": True}}),
-        "features.eplb is not supported yet (the engine does not balance experts)",
+        "EPLB on a role without expert parallelism",
+        _cr(features={"eplb": {"enabled": True}}, decode={"parallelism": {"ep": 1}}),
+        "features.eplb needs expert parallelism > 1 on both roles",
     ),
     (
-        "EPLB redundant experts",
+        "EPLB redundant experts without EPLB",
         _cr(features={"eplb": {"redundantExperts": 16}}),
-        "features.eplb is not supported yet",
+        "features.eplb.redundantExperts needs features.eplb.enabled",
     ),
     (
         "MLAPO off",
@@ -267,7 +267,7 @@ def test_knobs_at_their_defaults_or_acted_on_are_accepted(k8s_control_plane, dsv
             "prefillDecodeRatio": {"min": 0.25, "max": 1},
         },
         features={
-            "eplb": {"enabled": False},
+            "eplb": {"enabled": True, "redundantExperts": 16, "intervalSteps": 100},
             "mlapo": True,
             "c8": "auto",
             "hccnConf": {"hostPath": "/opt/npu-1.2/hccn.conf"},

@@ -49,6 +49,10 @@ OWNED_ENGINE_FLAGS = (
     "--data-parallel-size",
     "--device",
     "--dtype",
+    "--enable-eplb",
+    "--eplb-interval",
+    "--eplb-redundant-experts",
+    "--eplb-window",
     "--expert-parallel-size",
     "--host",
     "--kv-failure-policy",
@@ -395,26 +399,37 @@ def _features() -> Schema:
         {
             "eplb": obj(
                 {
-                    "enabled": boolean("Expert-parallel load balancing.", default=False),
+                    "enabled": boolean(
+                        "Expert-parallel load balancing: engines count each MoE layer's expert "
+                        "load and every intervalSteps re-place experts over their EP ranks, "
+                        "live (needs expert parallelism > 1 on both roles).",
+                        default=False,
+                    ),
                     "redundantExperts": integer(
-                        "Extra expert replicas per rank.", default=0, minimum=0, maximum=64
+                        "Extra physical expert slots per MoE layer (in total over an "
+                        "instance's EP ranks) for replicas of hot experts; routed experts + "
+                        "redundant must split evenly over the EP ranks.",
+                        default=0,
+                        minimum=0,
+                        maximum=64,
                     ),
                     "intervalSteps": integer(
-                        "Steps between expert re-placements.", default=600, minimum=1
+                        "Forward steps between expert re-placements.", default=600, minimum=1
+                    ),
+                    "windowSteps": integer(
+                        "The last this many forward steps' expert load decide a re-placement.",
+                        default=600,
+                        minimum=1,
                     ),
                 },
                 rules=[
                     (
-                        "!self.enabled && self.redundantExperts == 0 && self.intervalSteps == 600",
-                        _not_yet(
-                            "features.eplb",
-                            "the engine does not balance experts",
-                            "remove it or leave its defaults",
-                        ),
+                        "self.enabled || self.redundantExperts == 0",
+                        "features.eplb.redundantExperts needs features.eplb.enabled",
                     )
                 ],
                 default={},
-                description="Expert-parallel load balancing. Not supported yet: defaults only.",
+                description="Expert-parallel load balancing (EPLB, docs/eplb.md).",
             ),
             "mlapo": boolean(
                 "Fused MLA preprocessing kernels (on Ascend). Not supported yet: must be true "
@@ -503,6 +518,17 @@ def spec_schema() -> Schema:
                 "self.kvTransfer.transport != 'hccl' || "
                 "(self.prefill.npusPerNode > 0 && self.decode.npusPerNode > 0)",
                 "kvTransfer.transport hccl needs NPUs on both roles (npusPerNode > 0); use tcp on CPU",
+            ),
+            (
+                "!self.features.eplb.enabled || ("
+                + " && ".join(
+                    f"(has(self.{r}.parallelism.ep) ? self.{r}.parallelism.ep : "
+                    f"self.{r}.parallelism.tp * self.{r}.parallelism.dp) > 1"
+                    for r in ("prefill", "decode")
+                )
+                + ")",
+                "features.eplb needs expert parallelism > 1 on both roles (parallelism.ep, "
+                "by default tp * dp): it balances experts over an instance's EP ranks",
             ),
             (
                 "!self.autoscaling.enabled || self.scheduling.workload != 'LeaderWorkerSet'",

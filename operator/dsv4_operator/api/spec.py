@@ -179,6 +179,7 @@ class EplbSpec:
     redundant_experts: int
     interval_steps: int
 
+    window_steps: int = 600
 
 @dataclass(frozen=True)
 class HccnConfSpec:
@@ -188,8 +189,9 @@ class HccnConfSpec:
 
 @dataclass(frozen=True)
 class FeaturesSpec:
-    """``eplb``, ``mlapo`` and ``c8`` are accepted by the CRD only at their defaults (no engine
-    acts on them yet); ``hccn_conf`` and ``privileged`` shape the engine pods."""
+    """``eplb`` becomes the engines' EPLB settings (engine.json); ``mlapo`` and ``c8`` are
+    accepted by the CRD only at their defaults (no engine acts on them yet); ``hccn_conf`` and
+    ``privileged`` shape the engine pods."""
 
     eplb: EplbSpec
     mlapo: bool
@@ -318,6 +320,7 @@ def _features(raw: dict[str, Any]) -> FeaturesSpec:
             interval_steps=int(eplb["intervalSteps"]),
         ),
         mlapo=bool(raw["mlapo"]),
+            window_steps=int(eplb.get("windowSteps", 600)),
         c8=raw["c8"],
         hccn_conf=HccnConfSpec(enabled=bool(hccn["enabled"]), host_path=hccn["hostPath"]),
         privileged=bool(raw["privileged"]),

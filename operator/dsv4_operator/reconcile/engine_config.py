@@ -17,6 +17,10 @@ from dsv4_operator.reconcile import names
 ENGINE_CONFIG_KEY = "engine.json"
 
 
+def _eplb(spec: DeploymentSpec, value: int) -> int | None:
+    return value if spec.features.eplb.enabled else None
+
+
 # engine.json's keys (EngineConfig fields) and how each is read from the deployment.
 _FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
     "model": lambda s: s.model.engine_model_arg,
@@ -28,6 +32,11 @@ _FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
     "kv_sidecar": lambda s: f"http://127.0.0.1:{s.kv.control_port}",
     "kv_failure_policy": lambda s: s.kv.failure_policy,
     "kv_pull_timeout": lambda s: s.kv.pull_timeout_s,
+    # EPLB: only when enabled (the engine's defaults otherwise; the CRD keeps both roles EP > 1)
+    "enable_eplb": lambda s: True if s.features.eplb.enabled else None,
+    "eplb_redundant_experts": lambda s: _eplb(s, s.features.eplb.redundant_experts),
+    "eplb_interval": lambda s: _eplb(s, s.features.eplb.interval_steps),
+    "eplb_window": lambda s: _eplb(s, s.features.eplb.window_steps),
 }
 ENGINE_CONFIG_FIELDS = tuple(_FIELDS)
 """Every key engine.json may hold: settings the operator owns (``engineArgs`` may not repeat

@@ -48,6 +48,10 @@ class ModelParallel:
     ep: Group = SOLO
     # MoE combine per (token, choice): EP results bitwise equal to one process (tests, CPU)
     exact_moe: bool = False
+    # EPLB (``eplb/``): experts live in physical slots through a per-layer logical -> physical
+    # map, ``redundant_experts`` more slots than experts per layer; off: fixed expert blocks
+    eplb: bool = False
+    redundant_experts: int = 0
 
     @property
     def moe_comm(self) -> MoECommKind:

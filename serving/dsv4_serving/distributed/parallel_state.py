@@ -142,6 +142,8 @@ def init_distributed(
     timeout_s: float = 60.0,
     fingerprint: dict[str, Any] | None = None,
     exact_moe: bool = False,
+    eplb: bool = False,
+    redundant_experts: int = 0,
 ) -> ModelParallel:
     """Join the instance's world as ``rank`` and build its groups over ``device``'s
     collective backend (a missing accelerator fails here, before any rendezvous); returns the
@@ -172,7 +174,9 @@ def init_distributed(
     if topo.world == 1:
         world = Group()
     _STATE.update(topology=topo, rank=rank, world=world, store=store)
-    _STATE["model"] = ModelParallel(tp=tp, dp=dp, ep=ep, exact_moe=exact_moe)
+    _STATE["model"] = ModelParallel(
+        tp=tp, dp=dp, ep=ep, exact_moe=exact_moe, eplb=eplb, redundant_experts=redundant_experts
+    )
     if fingerprint is not None:
         try:
             check_fingerprint(fingerprint, world)

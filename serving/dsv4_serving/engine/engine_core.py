@@ -271,7 +271,11 @@ class EngineCore:
             self.kv_worker.close()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.snapshot_stats()
+        out = self.scheduler.snapshot_stats()
+        eplb = getattr(self.runner, "eplb", None)  # an emulated runner has none
+        if eplb is not None:
+            out.eplb = eplb.stats
+        return out
 
 
 def run_engine_core(

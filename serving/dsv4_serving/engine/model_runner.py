@@ -11,6 +11,8 @@ tells the others the tokens only when the MTP layer needs them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
@@ -20,6 +22,11 @@ from dsv4_serving.engine.model_loader import LoadedModel
 from dsv4_serving.engine.sampler import compute_logprobs, sample_and_verify
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from dsv4_serving.eplb.balancer import Balancer
+
+DUMMY_REQUEST = "dsv4-dummy"  # an idle DP rank's batch: its tokens are not load
 
 
 class ModelRunner:
@@ -32,9 +39,11 @@ class ModelRunner:
         seed: int = 0,
         tp: Group = SOLO,
         dummy: tuple[int, int] | None = None,
+        eplb: Balancer | None = None,
     ) -> None:
         """``dummy``: the (block, state slot) kept from the scheduler for the dummy batch of an
-        idle DP rank."""
+        idle DP rank. ``eplb``: counts the real tokens' expert load and re-places experts at
+        the end of forward steps (every rank of the EP group runs the same steps)."""
         self.lm = lm
         self.tp = tp
         self.dummy = dummy
@@ -46,6 +55,7 @@ class ModelRunner:
         self.cache = self.model.allocate_cache(
             num_blocks, lm.block_size, num_slots, lm.dtype, lookahead=self.k
         )
+        self.eplb = eplb
         self.forwards = 0  # steps that ran the model (the benchmark's per-step figures)
         self._gens: dict[str, torch.Generator] = {}
         self._default_gen = torch.Generator().manual_seed(seed)
@@ -64,7 +74,7 @@ class ModelRunner:
         rank's share of a step's collectives (every EP rank runs every MoE layer)."""
         assert self.dummy is not None, "no block and slot reserved for a dummy batch"
         block, slot = self.dummy
-        s = ScheduledRequest("dsv4-dummy", [0], 0, 0, [block], slot, False, 0, SamplingParams(), 0)
+        s = ScheduledRequest(DUMMY_REQUEST, [0], 0, 0, [block], slot, False, 0, SamplingParams(), 0)
         return SchedulerOutput([s], [], [], 1)
 
     @torch.inference_mode()
@@ -81,6 +91,16 @@ class ModelRunner:
             return {}
         sched = out.scheduled
         self.forwards += 1
+        if self.eplb is not None:
+            self.eplb.begin(real=sched[0].request_id != DUMMY_REQUEST)
+        results = self._run(sched, mtp_chain)
+        if self.eplb is not None:
+            self.eplb.end_step()  # may move one MoE layer's experts: between two forwards
+        return results
+
+    def _run(
+        self, sched: list[ScheduledRequest], mtp_chain: bool | None
+    ) -> dict[str, RunnerResult]:
         ids: list[int] = []
         chunks = []
         for s in sched:
@@ -186,6 +206,8 @@ class ModelRunner:
         """The chained MTP calls on the dummy block and slot, results unused: this rank drafts
         nothing, another DP rank does, and every rank must make the same MoE calls."""
         assert self.dummy is not None, "no block and slot reserved for a dummy batch"
+        if self.eplb is not None:
+            self.eplb.begin(real=False)
         block, slot = self.dummy
         draft = torch.zeros(1, dtype=torch.long, device=self.device)
         for step in range(1, self.k):

@@ -8,6 +8,7 @@ shape: the block count is the minimum over the world, as each rank sizes its own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsv4_serving.distributed.comm import all_gather_object
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
@@ -16,6 +17,9 @@ from dsv4_serving.engine.model_loader import LoadedModel, load_model, num_kv_blo
 from dsv4_serving.engine.model_runner import ModelRunner
 from dsv4_serving.kernels.build import available
 from dsv4_serving.layers.mla import MLAttention
+
+if TYPE_CHECKING:
+    from dsv4_serving.eplb.balancer import Balancer
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +66,14 @@ def setup_runner(
     extra = 1 if reserve_dummy else 0
     dummy = (n_blocks, num_slots) if reserve_dummy else None
     runner = ModelRunner(
-        lm, n_blocks + extra, num_slots + extra, k, config.seed, parallel.tp, dummy
+        lm,
+        n_blocks + extra,
+        num_slots + extra,
+        k,
+        config.seed,
+        parallel.tp,
+        dummy,
+        _eplb(config, parallel, lm),
     )
     if config.emulate_step_time is not None:
         from dsv4_serving.engine.emulated_runner import EmulatedRunner
@@ -70,3 +81,20 @@ def setup_runner(
 
         runner = EmulatedRunner(runner, StepTime.parse(config.emulate_step_time))  # type: ignore[assignment]
     return RunnerSetup(lm, runner, k, n_blocks, has_state, snaps)
+
+
+def _eplb(config: EngineConfig, parallel: ModelParallel, lm: LoadedModel) -> Balancer | None:
+    """The expert balancer of a rank whose model was built with EPLB's slots."""
+    if not parallel.eplb:
+        return None
+    from dsv4_serving.distributed.parallel_state import get_topology
+    from dsv4_serving.eplb.balancer import Balancer
+
+    return Balancer.for_model(
+        lm.model,
+        parallel,
+        config.eplb_interval,
+        config.eplb_window,
+        groups=int(getattr(lm.model_config, "n_group", 1) or 1),
+        nodes=get_topology().nnodes,
+    )

@@ -25,6 +25,7 @@ from dsv4_serving.engine.kv_connector.metadata import (
 )
 from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.eplb.stats import EplbStats
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class SchedulerStats:
     spec_accepted_tokens: int = 0
     num_preemptions: int = 0
     kv_transfer: KVConnectorStats | None = None  # with a KV connector (PD roles)
+    eplb: EplbStats | None = None  # with EPLB (the same on every EP rank)
 
 
 class RemoteKV(enum.Enum):

@@ -59,6 +59,9 @@ def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, 
             device=device,
             timeout_s=config.distributed_timeout,
             fingerprint=dataclasses.asdict(config),
+            exact_moe=config.exact_moe,
+            eplb=config.enable_eplb,
+            redundant_experts=config.eplb_redundant_experts,
         )
     except Exception as exc:
         if rank == 0:

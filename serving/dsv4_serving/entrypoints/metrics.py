@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from dsv4_serving.engine.kv_connector.metadata import KVConnectorStats
 from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.eplb.stats import EplbStats
 
 # vLLM's latency buckets
 _LATENCY = (
@@ -106,6 +107,20 @@ class EngineMetrics:
             kv_labels,
             registry=r,
         )
+        # EPLB (the same on every EP rank, so counted once, not per DP rank)
+        self.eplb_imbalance = Gauge(
+            "dsv4_eplb_imbalance",
+            "EPLB: max / mean tokens per EP rank of a MoE layer over the load window, as the "
+            "placement before the last re-placement carried them (when=before) and as the "
+            "new one carries the same load (when=after); 1 is even.",
+            ["model_name", "layer", "when"],
+            registry=r,
+        )
+        self.eplb_rearrangements = c("dsv4_eplb_rearrangements", "EPLB re-placements finished.")
+        self.eplb_layers_moved = c(
+            "dsv4_eplb_layers_moved", "MoE layers whose experts EPLB re-placed."
+        )
+        self._eplb_last = EplbStats()
         self._last: dict[int, SchedulerStats] = {}  # by DP rank
 
     # ---- the engine's events (``engine.observer.EngineObserver``) -----------------------
@@ -155,6 +170,21 @@ class EngineMetrics:
             self.spec_rate.set(accepted / drafted)
         if s.kv_transfer is not None:
             self._kv(s.kv_transfer, last.kv_transfer)
+        if s.eplb is not None:
+            self._eplb(s.eplb)
+
+    def _eplb(self, e: EplbStats) -> None:
+        last = self._eplb_last
+        if e.rearrangements <= last.rearrangements:
+            return  # nothing new (or another DP rank's copy of the same)
+        self.eplb_rearrangements.inc(e.rearrangements - last.rearrangements)
+        self.eplb_layers_moved.inc(max(0, e.layers_moved - last.layers_moved))
+        for name, before, after in zip(
+            e.layers, e.imbalance_before, e.imbalance_after, strict=True
+        ):
+            for when, v in (("before", before), ("after", after)):
+                self.eplb_imbalance.labels(layer=name, when=when, **self._label).set(v)
+        self._eplb_last = e
 
     def _kv(self, k: KVConnectorStats, last: KVConnectorStats | None) -> None:
         last = last or KVConnectorStats()

@@ -49,6 +49,15 @@ class Placement:
         return tuple(tuple(s for _, s in sorted(x)) for x in slots)
 
 
+def initial_placement(num_logical: int, slots: int) -> tuple[int, ...]:
+    """The placement an engine starts with, before any load is known: slot ``s`` holds expert
+    ``s % num_logical`` (without redundant slots, the plain EP layout of contiguous blocks;
+    the redundant slots replicate experts 0, 1, ...)."""
+    if slots < num_logical:
+        raise PlacementError(f"{slots} physical slots cannot hold {num_logical} experts")
+    return tuple(s % num_logical for s in range(slots))
+
+
 def pack(weights: Sequence[float], packs: int) -> list[tuple[int, int]]:
     """Item -> (pack, position in pack): equal item counts per pack, loads as even as greedy
     gets them."""

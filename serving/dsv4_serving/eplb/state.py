@@ -68,6 +68,27 @@ class LoadWindow:
         self.pos = (self.pos + 1) % self.ring.shape[0]
         self.ring[self.pos].zero_()
 
+    def remap(self, layer: int, old: torch.Tensor, new: torch.Tensor, num_logical: int) -> None:
+        """``layer``'s experts moved from placement ``old`` to ``new`` (``phys_to_log`` rows):
+        its history becomes what the new slots would have counted, each step's logical load
+        split evenly over the new replicas (the remainder to the first ones), totals kept."""
+        rows = self.ring[:, layer]
+        w = rows.shape[0]
+        logical = torch.zeros(w, num_logical, dtype=rows.dtype, device=rows.device)
+        logical.scatter_add_(1, old.to(rows.device).expand(w, -1), rows)
+        new_l = new.tolist()
+        seen: dict[int, int] = {}
+        nth = []
+        for e in new_l:
+            nth.append(seen.get(e, 0))
+            seen[e] = nth[-1] + 1
+        dev = rows.device
+        idx = torch.tensor(new_l, dtype=torch.long, device=dev)
+        count = torch.tensor([seen[e] for e in new_l], dtype=rows.dtype, device=dev)
+        replica = torch.tensor(nth, dtype=rows.dtype, device=dev)
+        load = logical[:, idx]
+        self.ring[:, layer] = load // count + (replica < load % count).to(rows.dtype)
+
     def physical(self) -> torch.Tensor:
         """[layers, slots] tokens over the window."""
         return self.ring.sum(dim=0)

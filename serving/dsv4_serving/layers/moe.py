@@ -5,15 +5,25 @@ serves a batch; the loader maps per-expert checkpoint tensors into the stack. Un
 parallelism a rank stacks only its contiguous block of experts; with EP off and TP on, every
 rank holds every expert's slice of the intermediate dim. Shared experts and dense MLPs are
 TP-sharded (column/row), their partial sums reduced together with the routed output.
+
+With EPLB (``parallel.eplb``) the stack holds physical *slots* instead: ``num_experts`` +
+``redundant_experts`` per layer, an equal block per EP rank, each slot a copy of one logical
+expert (``slot_map``); the router's choices go through the map (``route``) and the balancer
+(``eplb/balancer.py``) moves slots between ranks and swaps the map.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
+from dsv4_serving.eplb.algorithm import initial_placement
+from dsv4_serving.eplb.state import ExpertMap
 from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsv4_serving.layers.moe_comm import make_moe_comm
 from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
@@ -45,10 +55,16 @@ class SwiGLU(nn.Module):
         if self.limit > 0:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
+        out: torch.Tensor = self.w2(F.silu(gate) * up)
+        return out
 
 
 class Experts(nn.Module):
+    Recorder = Callable[[torch.Tensor], None]
+    w1: torch.Tensor  # registered by the quant method (with their scales)
+    w2: torch.Tensor
+    w3: torch.Tensor
+
     def __init__(
         self,
         num_experts: int,
@@ -60,8 +76,17 @@ class Experts(nn.Module):
     ) -> None:
         super().__init__()
         self.shards: dict[str, ShardSpec] = {}
-        first, local = parallel.ep.split(num_experts)
-        if parallel.ep.size > 1:  # a block of whole experts
+        ep = parallel.ep
+        eplb = parallel.eplb and ep.size > 1
+        self.num_slots = num_experts + (parallel.redundant_experts if eplb else 0)
+        first, local = ep.split(self.num_slots)
+        # logical -> physical slots (EPLB), None: slot = expert; ``recorder`` counts the load
+        self.slot_map: ExpertMap | None = None
+        self.recorder: Experts.Recorder | None = None
+        self.ep, self.num_experts = ep, num_experts
+        if eplb:  # physical slots, each a copy of its logical expert
+            self.place(initial_placement(num_experts, self.num_slots))
+        elif ep.size > 1:  # a block of whole experts
             self.shards = {w: ShardSpec(0, first, local, num_experts) for w in ("w1", "w2", "w3")}
         elif parallel.tp.size > 1:  # every expert, a slice of its intermediate dim
             start, part = parallel.tp.split(inter)
@@ -77,8 +102,32 @@ class Experts(nn.Module):
         self.quant.create(self, "w3", (local, inter, dim))
         self.quant.create(self, "w2", (local, dim, inter))
         self.limit = limit
-        self.num_experts = num_experts
         self.first = first
+
+    def place(self, phys_to_log: Sequence[int]) -> None:
+        """Slot ``s`` now holds logical expert ``phys_to_log[s]`` (the loader fills a slot from
+        its expert; the balancer calls this after moving the weights)."""
+        first, local = self.ep.split(self.num_slots)
+        # built under the model's device context; later on the device the map is on
+        old = self.slot_map
+        device = old.phys_to_log.device if old is not None else torch.get_default_device()
+        self.slot_map = ExpertMap(phys_to_log, self.num_experts, device)
+        rows = tuple(phys_to_log[first : first + local])
+        spec = ShardSpec(0, first, local, self.num_experts, rows)
+        # the scales the quant method registered shard (and so move) with their weights
+        self.shards = {n: spec for n in ("w1", "w2", "w3")} | {
+            n: replace(s, rows=rows) for n, s in self.shards.items() if s.dim == 0
+        }
+
+    def route(self, idx: torch.Tensor) -> torch.Tensor:
+        """The router's logical choices [T, k] -> the slots that compute them (the same ids
+        without EPLB); the recorder, when set, counts them."""
+        if self.slot_map is None:
+            return idx
+        phys = self.slot_map.route(idx)
+        if self.recorder is not None:
+            self.recorder(phys)
+        return phys
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [T, D], ``idx``/``weights`` [T, k] -> [T, D]."""
@@ -90,7 +139,7 @@ class Experts(nn.Module):
         t, k = idx.shape
         flat_idx = idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_idx, minlength=self.num_slots).tolist()
         token_of = order // k
         w_flat = weights.reshape(-1)[order]
         # each (token, choice) pair's output in expert order, then back to [T, k] (summed over
@@ -98,7 +147,7 @@ class Experts(nn.Module):
         # order-dependent)
         local = self.w1.shape[0]
         mm = self.quant.matmul
-        every = local == self.num_experts
+        every = local == self.num_slots
         ys = x.new_empty((t * k, x.shape[1])) if every else x.new_zeros((t * k, x.shape[1]))
         start = 0
         for e, c in enumerate(counts):
@@ -124,6 +173,8 @@ class Experts(nn.Module):
 class V4Gate(nn.Module):
     """V4 router: ``sqrtsoftplus`` scores; the bias only steers selection; hash layers select
     by a frozen token -> experts table instead."""
+
+    tid2eid: torch.Tensor
 
     def __init__(
         self,
@@ -195,7 +246,7 @@ class V4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, input_ids)
-        d = self.comm.dispatch(x, idx, w)
+        d = self.comm.dispatch(x, self.experts.route(idx), w)
         routed = self.experts.per_choice(d.x, d.idx, d.weights)
         return self.comm.combine(routed, self.shared_experts(x), d)
 
@@ -262,6 +313,6 @@ class V3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
-        d = self.comm.dispatch(x, idx, w)
+        d = self.comm.dispatch(x, self.experts.route(idx), w)
         routed = self.experts.per_choice(d.x, d.idx, d.weights)
         return self.comm.combine(routed, self.shared_experts(x), d)

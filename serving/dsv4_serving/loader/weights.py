@@ -8,7 +8,8 @@ quantized (``layers/quant``), else dequantised to the compute dtype (``--quantiz
 the oracle). Every parameter must be filled and every checkpoint tensor
 used (MTP copies of the shared embedding/head excepted): a mismatch is an error naming it.
 A sharded model (tensor or expert parallel) takes its slice of each tensor (``ShardSpec``);
-per-expert tensors of experts another rank holds are skipped by name, never read.
+per-expert tensors of experts another rank holds are skipped by name, never read; with EPLB
+an expert fills every slot of this rank that holds it (its replicas).
 """
 
 from __future__ import annotations
@@ -75,15 +76,17 @@ def _held_experts(specs: dict[str, ShardSpec]) -> ShardSpec | None:
 
 def _local(
     t: torch.Tensor, expert: int | None, spec: ShardSpec | None
-) -> tuple[torch.Tensor | None, int | None]:
-    """(this rank's part of ``t`` or None if it holds none, row of a stacked parameter)."""
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """(this rank's part of ``t`` or None if it holds none, rows of a stacked parameter: one
+    per slot holding the expert, several for EPLB's replicas)."""
     if spec is None:
-        return t, expert
+        return t, None if expert is None else [expert]
     if expert is None:
         return spec.narrow(t), None
-    if spec.dim == 0:  # experts split over EP: a whole expert, or none
-        return (t, expert - spec.start) if spec.holds(expert) else (None, None)
-    return spec.narrow(t, dim_offset=-1), expert
+    if spec.dim == 0:  # experts split over EP: whole experts, or none
+        rows = spec.local_rows(expert)
+        return (t, rows) if rows else (None, None)
+    return spec.narrow(t, dim_offset=-1), [expert]
 
 
 def _checkpoint_block(root: Path) -> tuple[int, int]:
@@ -167,25 +170,27 @@ def load_weights(
 
     def place(name: str, param: str, tensor: torch.Tensor, expert: int | None) -> None:
         p = params[param]
-        part, row = _local(tensor, expert, specs.get(param))
+        part, rows = _local(tensor, expert, specs.get(param))
         if part is None:
             return
-        dst = p.data if row is None else p.data[row]
-        if tuple(dst.shape) != tuple(part.shape):
+        for row in rows or [None]:
+            dst = p.data if row is None else p.data[row]
+            if tuple(dst.shape) != tuple(part.shape):
+                with lock:
+                    errors.append(
+                        f"tensor {name}: shape {tuple(part.shape)}, {param} expects "
+                        f"{tuple(dst.shape)}"
+                    )
+                return
+            with torch.no_grad():
+                dst.copy_(part.to(dst.dtype))
             with lock:
-                errors.append(
-                    f"tensor {name}: shape {tuple(part.shape)}, {param} expects {tuple(dst.shape)}"
-                )
-            return
-        with torch.no_grad():
-            dst.copy_(part.to(dst.dtype))
-        with lock:
-            if row is None:
-                filled[param] = None
-            else:
-                rows = filled.setdefault(param, set())
-                if rows is not None:
-                    rows.add(row)
+                if row is None:
+                    filled[param] = None
+                else:
+                    got = filled.setdefault(param, set())
+                    if got is not None:
+                        got.add(row)
 
     def read(shard: str, keys: list[str]) -> None:
         handles: dict[str, object] = {}

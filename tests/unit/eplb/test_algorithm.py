@@ -9,6 +9,7 @@ import pytest
 from dsv4_serving.eplb.algorithm import (
     PlacementError,
     imbalance,
+    initial_placement,
     pack,
     rank_loads,
     rebalance,
@@ -115,3 +116,10 @@ def test_shapes_that_cannot_be_placed_are_refused(
 def test_idle_layer_has_no_imbalance() -> None:
     assert imbalance([0.0, 0.0]) == 1.0
     assert imbalance([3.0, 1.0]) == 1.5
+
+
+def test_the_initial_placement_is_the_plain_ep_layout_plus_replicas() -> None:
+    assert initial_placement(8, 8) == tuple(range(8))
+    assert initial_placement(8, 10) == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
+    with pytest.raises(PlacementError, match="cannot hold"):
+        initial_placement(8, 6)

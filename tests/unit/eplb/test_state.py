@@ -42,3 +42,18 @@ def test_logical_load_sums_replicas() -> None:
     assert w.logical(p2l, 3).tolist() == [[1, 2, 3]]
     with pytest.raises(ValueError, match="at least one step"):
         LoadWindow(1, 1, 0)
+
+
+def test_remapping_a_layer_splits_its_history_over_the_new_replicas() -> None:
+    w = LoadWindow(layers=2, slots=4, window=2)
+    old = torch.tensor([0, 1, 2, 0])  # expert 0 in slots 0 and 3; 3 experts
+    w.record(1, torch.tensor([[0, 3], [1, 2], [0, 0]]), real_tokens=3)  # e0: 4, e1: 1, e2: 1
+    w.step()
+    w.record(1, torch.tensor([[1, 1]]), real_tokens=1)  # e1: 2
+    new = torch.tensor([1, 0, 1, 2])  # expert 1 now has the replicas
+    w.remap(1, old, new, num_logical=3)
+    assert w.ring[:, 0].sum() == 0  # the other layer is untouched
+    assert w.logical(torch.stack([new, new]), 3)[1].tolist() == [4, 3, 1]  # totals kept
+    # step 0: e1's 1 token -> the first replica; step 1: e1's 2 tokens -> one each
+    assert w.ring[0, 1].tolist() == [1, 4, 0, 1]
+    assert w.ring[1, 1].tolist() == [1, 0, 1, 0]
