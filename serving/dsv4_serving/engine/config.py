@@ -85,6 +85,22 @@ class EngineConfig:
     """Replicas of the attention layers inside one engine."""
     expert_parallel_size: int = 1
     """Devices the MoE experts are spread over."""
+    exact_moe: bool = False
+    """Expert parallelism sums each (token, expert choice)'s row over the EP ranks and adds the
+    k choices locally in the single-process order: EP outputs are bitwise those of one process
+    (k times the combine traffic; tests and CPU)."""
+    enable_eplb: bool = False
+    """Expert-parallel load balancing (needs expert_parallel_size > 1): count each MoE
+    layer's tokens per expert and every ``eplb_interval`` steps re-place the experts over the
+    EP ranks (replicating the hottest into the redundant slots), moving one layer's weights
+    per step while serving; outputs do not change."""
+    eplb_redundant_experts: int = 0
+    """EPLB: physical expert slots per MoE layer beyond the routed experts, for replicas of hot
+    experts (experts + redundant must split evenly over the EP ranks)."""
+    eplb_interval: int = 600
+    """EPLB: forward steps between re-placements (dummy steps of idle DP ranks count)."""
+    eplb_window: int = 600
+    """EPLB: the last this many forward steps' expert load decide a re-placement."""
     rank_table: str | None = None
     """HCCL rank table (Ascend multi-node)."""
     architecture: str | None = None
@@ -131,6 +147,7 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        self._check_eplb()
         if self.threads_per_rank < 0 or self.distributed_timeout <= 0:
             raise ConfigError("threads_per_rank must be >= 0 and distributed_timeout > 0")
         try:
@@ -165,6 +182,26 @@ class EngineConfig:
             except StepTimeError as exc:
                 raise ConfigError(str(exc)) from None
 
+    def _check_eplb(self) -> None:
+        if not self.enable_eplb:
+            if self.eplb_redundant_experts:
+                raise ConfigError("--eplb-redundant-experts needs --enable-eplb")
+            return
+        if self.expert_parallel_size < 2:
+            raise ConfigError(
+                "--enable-eplb needs --expert-parallel-size > 1: EPLB balances experts over "
+                f"EP ranks, and there are {self.expert_parallel_size}"
+            )
+        if self.eplb_redundant_experts < 0:
+            raise ConfigError(
+                f"--eplb-redundant-experts must be >= 0, got {self.eplb_redundant_experts}"
+            )
+        if self.eplb_interval < 1 or self.eplb_window < 1:
+            raise ConfigError(
+                f"--eplb-interval and --eplb-window must be >= 1 step, got "
+                f"{self.eplb_interval} and {self.eplb_window}"
+            )
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
@@ -190,6 +227,14 @@ class EngineConfig:
                 topo.check_model(model_config)
             except TopologyError as exc:
                 raise ConfigError(str(exc)) from None
+            experts = getattr(model_config, "n_routed_experts", 0)
+            slots = experts + self.eplb_redundant_experts
+            if self.enable_eplb and slots % self.expert_parallel_size:
+                raise ConfigError(
+                    f"--eplb-redundant-experts {self.eplb_redundant_experts}: {experts} experts "
+                    f"+ {self.eplb_redundant_experts} redundant = {slots} slots per MoE layer do "
+                    f"not split evenly over --expert-parallel-size {self.expert_parallel_size}"
+                )
 
     def rank_threads(self, cpus: int) -> int:
         """Torch threads of one rank's process on a machine with ``cpus`` CPUs (0 = leave
