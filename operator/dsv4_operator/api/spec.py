@@ -178,8 +178,8 @@ class EplbSpec:
     enabled: bool
     redundant_experts: int
     interval_steps: int
-
     window_steps: int = 600
+
 
 @dataclass(frozen=True)
 class HccnConfSpec:
@@ -318,9 +318,9 @@ def _features(raw: dict[str, Any]) -> FeaturesSpec:
             enabled=bool(eplb["enabled"]),
             redundant_experts=int(eplb["redundantExperts"]),
             interval_steps=int(eplb["intervalSteps"]),
+            window_steps=int(eplb.get("windowSteps", 600)),
         ),
         mlapo=bool(raw["mlapo"]),
-            window_steps=int(eplb.get("windowSteps", 600)),
         c8=raw["c8"],
         hccn_conf=HccnConfSpec(enabled=bool(hccn["enabled"]), host_path=hccn["hostPath"]),
         privileged=bool(raw["privileged"]),
