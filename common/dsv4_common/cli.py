@@ -35,6 +35,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dsv4_serving.bench.cli",
         "load an OpenAI-compatible server; report TTFT, TPOT, ITL, E2E, throughput, goodput",
     ),
+    "trace": (
+        "dsv4_serving.trace_cli",
+        "show where one request's time went: its trace (gateway, prefill, KV, decode) as a "
+        "text waterfall",
+    ),
     "explain-model": (
         "dsv4_serving.explain_model",
         "show which model class, device, attention backend and switches a checkpoint selects",
