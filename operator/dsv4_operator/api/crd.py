@@ -20,6 +20,7 @@ from dsv4_operator.api import (
     VERSION,
 )
 from dsv4_operator.api.autoscaling_schema import autoscaling_schema
+from dsv4_operator.api.observability_schema import observability_schema
 from dsv4_operator.api.schema import (
     Schema,
     boolean,
@@ -61,6 +62,7 @@ OWNED_ENGINE_FLAGS = (
     "--max-model-len",
     "--model",
     "--num-speculative-tokens",
+    "--otlp-traces-endpoint",
     "--port",
     "--quantization",
     "--rank-table",
@@ -506,6 +508,7 @@ def spec_schema() -> Schema:
             "autoscaling": autoscaling_schema(),
             "scheduling": _scheduling(),
             "features": _features(),
+            "observability": observability_schema(),
         },
         required=["model"],
         rules=[

@@ -201,6 +201,11 @@ class FeaturesSpec:
 
 
 @dataclass(frozen=True)
+class ObservabilitySpec:
+    otlp_endpoint: str | None = None  # request traces (--otlp-traces-endpoint); None: off
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     name: str
     namespace: str
@@ -218,6 +223,7 @@ class DeploymentSpec:
     scheduling: SchedulingSpec
     features: FeaturesSpec
     labels: dict[str, str] = field(default_factory=dict)
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -361,4 +367,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
         scheduling=_scheduling(spec["scheduling"]),
         features=_features(spec["features"]),
         labels=dict(meta.get("labels") or {}),
+        observability=ObservabilitySpec(
+            otlp_endpoint=(spec["observability"]["tracing"].get("otlpEndpoint") or None)
+        ),
     )

@@ -16,6 +16,7 @@ from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
 from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
 from dsv4_operator.reconcile.shm import staging_bytes
 from dsv4_operator.reconcile.shutdown import role_shutdown
+from dsv4_operator.reconcile.tracing import tracing_args
 
 CONFIG_DIR = "/etc/dsv4"
 KV_AUTH_DIR = "/etc/dsv4/kv-auth"
@@ -110,6 +111,7 @@ def sidecar_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         str(staging_bytes(role.role, role.shm_size)),
         "--shutdown-timeout",
         str(role_shutdown(role).drain_s),
+        *tracing_args(spec),
     ]
 
 

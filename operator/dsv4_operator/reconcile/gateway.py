@@ -7,6 +7,7 @@ from typing import Any
 from dsv4_operator.api.spec import DeploymentSpec
 from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.shutdown import gateway_shutdown
+from dsv4_operator.reconcile.tracing import tracing_args
 
 
 def gateway_command(spec: DeploymentSpec) -> list[str]:
@@ -33,6 +34,7 @@ def gateway_command(spec: DeploymentSpec) -> list[str]:
         # so turning autoscaling on does not roll the gateway
         "--routing-configmap",
         names.routing_name(spec),
+        *tracing_args(spec),
     ]
 
 
