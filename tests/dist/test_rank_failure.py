@@ -1,7 +1,8 @@
 """A rank that dies ends the instance cleanly: SIGKILL a TP follower of a running
 ``dsv4 engine --tensor-parallel-size 2`` mid-generation; within 30 s every in-flight request
 gets a 503 naming the dead rank, the engine exits non-zero and no process of its group is
-left."""
+left. A node started with other sizes, and a node that never comes, stop the instance at the
+rendezvous with a message naming what differs or what is missing."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv4_common.process import Service, dsv4_argv, free_port
 from tests.engine.common import start_engine
 
 pytestmark = pytest.mark.dist
@@ -97,3 +99,64 @@ def test_a_killed_follower_fails_requests_with_503_and_ends_the_instance(tmp_pat
         assert "engine core died" in server.tail(80)
     finally:
         server.stop()
+
+
+def _ended(s: Service, within_s: float) -> float:
+    t = time.monotonic()
+    while s.running() and time.monotonic() - t < within_s:
+        time.sleep(0.1)
+    return time.monotonic() - t
+
+
+def test_a_node_with_other_sizes_and_a_missing_node_end_with_readable_errors(
+    tmp_path: Path,
+) -> None:
+    """Node 1 started with DP 2 against node 0's TP 2: both nodes stop at the rendezvous with
+    the two shapes named (not a timeout). Node 0 without its node 1: the rendezvous timeout
+    names node 1's rank. Neither hangs."""
+    port = free_port()
+    tiny = ["--model", "dsv4-tiny", "--max-model-len", "256", "--threads-per-rank", "1"]
+    nodes = ["--nnodes", "2", "--master-port", str(port), "--distributed-timeout", "60"]
+    node0 = start_engine("node0", tmp_path, *tiny, *nodes, "--tensor-parallel-size", "2")
+    http = free_port()
+    argv = dsv4_argv(
+        "engine",
+        "--headless",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http),
+        *tiny,
+        *nodes,
+        *("--node-rank", "1", "--master-addr", "127.0.0.1"),
+        *("--tensor-parallel-size", "2", "--data-parallel-size", "2"),
+    )
+    node1 = Service("node1", argv, tmp_path / "node1.log", f"http://127.0.0.1:{http}")
+    node1.start(env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    lonely = start_engine(
+        "lonely",
+        tmp_path,
+        *tiny,
+        "--tensor-parallel-size",
+        "2",
+        *("--nnodes", "2", "--master-port", str(free_port()), "--distributed-timeout", "3"),
+    )
+    try:
+        for s in (node0, node1, lonely):
+            took = _ended(s, 60)
+            print(f"{s.name} ended after {took:.1f} s more")
+            assert not s.running(), f"{s.name} still running:\n{s.tail()}"
+            assert s.exit_code() != 0
+        shapes = (
+            "runs world 4 (tp 2 x dp 2 over 2 node(s)) but rank 0 runs world 2 (tp 2 x dp 1 "
+            "over 2 node(s)); every node of an instance needs the same --tensor-parallel-size"
+        )
+        assert "world size mismatch" in node0.tail(80) and shapes in node0.tail(80)
+        assert shapes in node1.tail(80)
+        assert (
+            "timed out after 3 s: ranks 1 (node 1) of world 2 (tp 2 x dp 1 over 2 nodes) "
+            "never joined" in lonely.tail(80)
+        )
+    finally:
+        for s in (node0, node1, lonely):
+            s.stop()

@@ -41,6 +41,17 @@ log = logging.getLogger(__name__)
 PROFILE_ENV = "DSV4_COMM_PROFILE"
 
 
+# each node's own: the URL of its pod's KV sidecar (the same in every pod of a cluster, but not
+# when the nodes of an instance share one host)
+NODE_LOCAL_FIELDS = frozenset({"kv_sidecar"})
+
+
+def fingerprint(config: EngineConfig) -> dict[str, Any]:
+    """What every rank of an instance must agree on: the whole config but its node-local
+    fields."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in NODE_LOCAL_FIELDS}
+
+
 def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, out_q: Any) -> None:
     """Rank ``rank`` of the instance (on node ``placement.node_rank``, rendezvous at its
     master address and port); only rank 0 (the core, on node 0) uses the queues."""
@@ -58,7 +69,7 @@ def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, 
             master_port=placement.master_port,
             device=device,
             timeout_s=config.distributed_timeout,
-            fingerprint=dataclasses.asdict(config),
+            fingerprint=fingerprint(config),
             exact_moe=config.exact_moe,
             eplb=config.enable_eplb,
             redundant_experts=config.eplb_redundant_experts,
