@@ -10,6 +10,18 @@
 # For CPU-only development images use BASE_IMAGE=python:3.11-slim and leave TORCH_NPU_VERSION empty
 # (scripts/node-images builds this same file with buildah, on a Debian base, for the node tier).
 ARG BASE_IMAGE=python:3.11-slim
+
+# Stage 0 (nothing of it ships): the dependency lists of the image's extras and the lock's pins,
+# without its comments, out of pyproject.toml and requirements.lock. Layer 1 copies only these two
+# files, and a COPY is cached by content, so editing a tool setting in pyproject.toml (or a
+# lock comment) does not rebuild torch's layer; a changed pin or dependency list does.
+FROM ${BASE_IMAGE} AS reqs
+WORKDIR /reqs
+COPY pyproject.toml requirements.lock ./
+RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["serving"]))' > deps.txt \
+ && sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' requirements.lock | grep -v '^torch==' > constraints.txt \
+ && rm pyproject.toml requirements.lock
+
 FROM ${BASE_IMAGE} AS deps
 
 # the torch the tests ran with (requirements.lock); Ascend images pass the one torch_npu needs
@@ -28,21 +40,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 
 WORKDIR /opt/dsv4
 # Layer 1, the dependencies: torch, then every dependency of the `serving` extra at
-# requirements.lock's versions. Only pyproject.toml and the lock are copied, so this layer is
-# rebuilt (and re-imported) only when the dependencies change, not per commit.
-COPY pyproject.toml requirements.lock ./
+# requirements.lock's versions (stage 0's two files), rebuilt (and re-imported) only when the
+# dependencies change, not per commit.
+COPY --from=reqs /reqs/ /tmp/reqs/
 RUN if [ -n "${TORCH_INDEX_URL}" ]; then \
         python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; \
     else \
         python -m pip install "torch==${TORCH_VERSION}"; \
     fi \
  && if [ -n "${TORCH_NPU_VERSION}" ]; then python -m pip install "torch_npu==${TORCH_NPU_VERSION}"; fi \
- && grep -v '^torch==' requirements.lock > /tmp/constraints.txt \
- && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["serving"]))' > /tmp/deps.txt \
- && python -m pip install -c /tmp/constraints.txt -r /tmp/deps.txt \
+ && python -m pip install -c /tmp/reqs/constraints.txt -r /tmp/reqs/deps.txt \
  && if [ "${WITH_TRITON}" = 0 ]; then python -m pip uninstall -y triton; fi \
  && python -c "import torch" \
- && rm /tmp/constraints.txt /tmp/deps.txt \
+ && rm -r /tmp/reqs \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4
 
 # CANN's environment for every process of the container (no-op on CPU images).
@@ -54,7 +64,7 @@ FROM deps
 # (a build argument is per stage)
 ARG PIP_CERT
 # Layer 2, per commit: the project itself, its dependencies already in place (a few MB).
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY common ./common
 COPY operator ./operator
 COPY serving ./serving

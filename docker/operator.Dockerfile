@@ -4,6 +4,16 @@
 #
 # (scripts/node-images builds this same file with buildah, on a Debian base, for the node tier.)
 ARG BASE_IMAGE=python:3.11-slim
+
+# Stage 0 (nothing of it ships): the extras' dependency lists and the lock's pins, so that layer 1
+# is rebuilt only when those change, not on a tool-setting edit (see engine.Dockerfile).
+FROM ${BASE_IMAGE} AS reqs
+WORKDIR /reqs
+COPY pyproject.toml requirements.lock ./
+RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; e = p["optional-dependencies"]; print("\n".join(p["dependencies"] + e["operator"] + e["gateway"]))' > deps.txt \
+ && sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' requirements.lock > constraints.txt \
+ && rm pyproject.toml requirements.lock
+
 FROM ${BASE_IMAGE} AS deps
 
 # a CA bundle for pip behind a TLS-inspecting proxy (a path visible to RUN, e.g. a build volume)
@@ -13,17 +23,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 
 WORKDIR /opt/dsv4
 # Layer 1, the dependencies of the `operator` and `gateway` extras at requirements.lock's versions.
-COPY pyproject.toml requirements.lock ./
-RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; e = p["optional-dependencies"]; print("\n".join(p["dependencies"] + e["operator"] + e["gateway"]))' > /tmp/deps.txt \
- && python -m pip install -c requirements.lock -r /tmp/deps.txt \
- && rm /tmp/deps.txt \
+COPY --from=reqs /reqs/ /tmp/reqs/
+RUN python -m pip install -c /tmp/reqs/constraints.txt -r /tmp/reqs/deps.txt \
+ && rm -r /tmp/reqs \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin dsv4
 
 FROM deps
 # (a build argument is per stage)
 ARG PIP_CERT
 # Layer 2, per commit: the project itself.
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY common ./common
 COPY operator ./operator
 COPY serving ./serving

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 REAL_NODE_SELECTOR = {"dsv4.io/real-node": "true"}
-BASE_IMAGES = ("pause", "busybox")
 APP_IMAGES = ("engine", "operator")
 
 
@@ -40,8 +39,13 @@ class RealClusterHandle:
         import contextlib
 
         from dsv4_operator.devcluster import ClusterConfig
-        from dsv4_operator.devcluster.binaries import ensure_binaries, ensure_node_images
+        from dsv4_operator.devcluster.binaries import (
+            cache_root,
+            ensure_binaries,
+            ensure_node_images,
+        )
         from dsv4_operator.devcluster.realnode import (
+            BASE_IMAGES,
             RealNodes,
             cluster_with_real_nodes,
             unavailable_reason,
@@ -53,10 +57,19 @@ class RealClusterHandle:
         reason = unavailable_reason(bin_dir)
         if reason:
             pytest.skip(f"node tier: {reason}")
-        images = [ensure_node_images() / f"{n}.tar" for n in BASE_IMAGES]
+        layout = ensure_node_images()
         self._tmp = tempfile.TemporaryDirectory(prefix="dsv4-node-")
         work = Path(self._tmp.name)
-        self.real = RealNodes(1, bin_dir, work / "real-nodes", images=images)
+        # the containerd root is kept in the cache: the engine image is imported once, then
+        # each commit's image costs its project layer
+        self.real = RealNodes(
+            1,
+            bin_dir,
+            work / "real-nodes",
+            images=list(BASE_IMAGES),
+            layout=layout,
+            containerd_cache=cache_root() / "containerd",
+        )
         self._stack = contextlib.ExitStack()
         self.cluster = self._stack.enter_context(
             cluster_with_real_nodes(ClusterConfig(bin_dir=bin_dir, work_dir=work), self.real)
@@ -69,11 +82,14 @@ class RealClusterHandle:
 
         self.get()
         if not self._app_imported:
-            out = ensure_node_images(app=True)
+            t0 = time.monotonic()
+            ensure_node_images(app=True)
+            self.timings["build images"] = time.monotonic() - t0
             for name in APP_IMAGES:
                 t0 = time.monotonic()
-                self.real.import_image(out / f"{name}.tar")
+                sent = self.real.import_image(f"dsv4.local/{name}:dev")
                 self.timings[f"import {name}"] = time.monotonic() - t0
+                self.timings[f"import {name} MB"] = sent / 1e6
             self._app_imported = True
         return {n: f"dsv4.local/{n}:dev" for n in APP_IMAGES}
 

@@ -16,7 +16,7 @@ import yaml
 
 from dsv4_common.process import metric_value
 from tests.k8s.conftest import helm
-from tests.node.conftest import REAL_NODE_SELECTOR, RealClusterHandle
+from tests.node.conftest import REAL_NODE_SELECTOR, RealClusterHandle, apply, busybox_pod, wait_pod
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "manifests" / "examples" / "tiny-cpu.yaml"
@@ -172,9 +172,116 @@ def test_engine_pods_run_as_rendered(tiny: Any) -> None:
     # every container passed its probes: Ready, no restarts
     statuses = pod["status"]["containerStatuses"]
     assert all(s["ready"] and s["restartCount"] == 0 for s in statuses), statuses
-    # NetworkPolicies are rendered; the bridge CNI here does not enforce them (docs/real-nodes.md)
     policies = tiny.kubectl("get", "networkpolicy", "-n", NS, "-o", "name").split()
-    assert policies
+    assert sorted(policies) == [
+        "networkpolicy.networking.k8s.io/tiny-engines",
+        "networkpolicy.networking.k8s.io/tiny-gateway",
+    ]
+
+
+def _pod(cluster: Any, selector: str) -> dict[str, Any]:
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json"))
+    return dict(pods["items"][0])
+
+
+def _port(pod: dict[str, Any], name: str) -> int:
+    return next(
+        int(p["containerPort"])
+        for c in pod["spec"]["containers"]
+        for p in c.get("ports", [])
+        if p.get("name") == name
+    )
+
+
+def _connects(cluster: Any, pod: str, container: str, ip: str, port: int) -> str:
+    """'ok', or why a TCP connect from the pod failed ('timeout': the SYN was dropped)."""
+    script = (
+        "import socket, sys\n"
+        "try:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()"
+        "; print('ok')\n"
+        "except socket.timeout: print('timeout')\n"
+        "except OSError as e: print(type(e).__name__)"
+    )
+    argv = ["exec", "-n", NS, pod, "-c", container, "--", "python", "-c", script, ip, str(port)]
+    return str(cluster.kubectl(*argv)).strip()
+
+
+def _busybox_connects(cluster: Any, pod: str, ip: str, port: int) -> str:
+    out = cluster.kubectl(
+        "exec",
+        "-n",
+        NS,
+        pod,
+        "--",
+        "sh",
+        "-c",
+        f"nc -w 3 {ip} {port} </dev/null >/dev/null 2>/tmp/err && echo ok || cat /tmp/err",
+        check=False,
+    )
+    return "ok" if str(out).strip() == "ok" else "timeout" if "timed out" in str(out) else str(out)
+
+
+def test_network_policies_are_enforced_as_rendered(tiny: Any) -> None:
+    """The rendered NetworkPolicies, enforced by SIG Network's kube-network-policies on the real
+    node: a pod that is none of the deployment's cannot open a connection to an engine's HTTP
+    port or a sidecar's KV port (its SYN is dropped), while it reaches the gateway (open to every
+    client), the gateway reaches the engine and one engine pod the other's KV port. An extra
+    policy that admits the outsider opens the engine port to it: the policies decide, not a
+    broken network."""
+    if Path("/proc/sys/net/bridge/bridge-nf-call-iptables").read_text().strip() != "1":
+        pytest.skip("bridged pod traffic bypasses netfilter here (br_netfilter is off)")
+    decode = _pod(tiny, "serving.dsv4.io/role=decode")
+    prefill = _pod(tiny, "serving.dsv4.io/role=prefill")
+    gateway = _pod(tiny, "serving.dsv4.io/role=gateway")
+    decode_ip, gateway_ip = decode["status"]["podIP"], gateway["status"]["podIP"]
+    engine_port, kv_port = _port(decode, "http"), _port(decode, "kv")
+    apply(
+        tiny,
+        {
+            **busybox_pod("outsider", "exec sleep 3600"),
+            "metadata": {"name": "outsider", "namespace": NS, "labels": {"app": "outsider"}},
+        },
+    )
+    try:
+        wait_pod(tiny, NS, "outsider")
+        outsider = lambda ip, port: _busybox_connects(tiny, "outsider", ip, port)  # noqa: E731
+        assert outsider(gateway_ip, _port(gateway, "http")) == "ok"
+        assert outsider(decode_ip, engine_port) == "timeout"
+        assert outsider(decode_ip, kv_port) == "timeout"
+        assert outsider(prefill["status"]["podIP"], engine_port) == "timeout"
+        gw = gateway["metadata"]["name"]
+        assert (
+            _connects(tiny, gw, gateway["spec"]["containers"][0]["name"], decode_ip, engine_port)
+            == "ok"
+        )
+        pf = prefill["metadata"]["name"]
+        assert _connects(tiny, pf, "engine", decode_ip, kv_port) == "ok"
+        admit = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "admit-outsider", "namespace": NS},
+            "spec": {
+                "podSelector": {"matchLabels": {"serving.dsv4.io/role": "decode"}},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {
+                        "from": [{"podSelector": {"matchLabels": {"app": "outsider"}}}],
+                        "ports": [{"protocol": "TCP", "port": engine_port}],
+                    }
+                ],
+            },
+        }
+        apply(tiny, admit)
+        deadline = time.monotonic() + 30
+        while (seen := outsider(decode_ip, engine_port)) != "ok":
+            assert time.monotonic() < deadline, f"admitted outsider still cannot connect: {seen}"
+            time.sleep(1)
+        assert outsider(decode_ip, kv_port) == "timeout"  # admitted to the engine port only
+    finally:
+        tiny.kubectl(
+            "delete", "networkpolicy", "-n", NS, "admit-outsider", "--ignore-not-found", check=False
+        )
+        tiny.kubectl("delete", "pod", "-n", NS, "outsider", "--wait=false", check=False)
 
 
 def _pod_uid(cluster: Any, role: str) -> tuple[str, str, bool]:
@@ -264,7 +371,8 @@ def test_leader_address_resolves_and_connects_from_another_pod(tiny: Any) -> Non
     """The rendezvous a multi-node instance needs: the name the operator gives an instance's
     rank-0 pod (`<instance>-0.<role Service>`, DSV4_MASTER_ADDR) resolves through CoreDNS and
     accepts connections from another pod. (The tiny instances are single-node, so this checks
-    the decode leader's name from the prefill pod.)"""
+    the decode leader's name from the prefill pod, on the KV port: the policies open the engine
+    port to the gateway only.)"""
     sts = json.loads(
         tiny.kubectl(
             "get", "statefulsets", "-n", NS, "-l", "serving.dsv4.io/role=decode", "-o", "json"
@@ -272,12 +380,25 @@ def test_leader_address_resolves_and_connects_from_another_pod(tiny: Any) -> Non
     )["items"][0]
     leader = f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
     prefill, _, _ = _pod_uid(tiny, "prefill")
+    kv_port = _port(_pod(tiny, "serving.dsv4.io/role=decode"), "kv")
     script = (
-        "import socket, sys; a = sys.argv[1]; ip = socket.getaddrinfo(a, 8000)[0][4][0]; "
-        "socket.create_connection((a, 8000), timeout=5).close(); print(ip)"
+        "import socket, sys; a, p = sys.argv[1], int(sys.argv[2]); "
+        "ip = socket.getaddrinfo(a, p)[0][4][0]; "
+        "socket.create_connection((a, p), timeout=5).close(); print(ip)"
     )
     out = tiny.kubectl(
-        "exec", "-n", NS, prefill, "-c", "engine", "--", "python", "-c", script, leader
+        "exec",
+        "-n",
+        NS,
+        prefill,
+        "-c",
+        "engine",
+        "--",
+        "python",
+        "-c",
+        script,
+        leader,
+        str(kv_port),
     ).strip()
     decode_ip = tiny.kubectl(
         "get", "pod", "-n", NS, f"{sts['metadata']['name']}-0", "-o", "jsonpath={.status.podIP}"

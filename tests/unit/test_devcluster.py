@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,108 @@ def test_operator_service_checks_kopf_liveness_and_reads_its_own_metrics(tmp_pat
     assert op.health_url == f"http://127.0.0.1:{op.health_port}/healthz"
     assert op.url == f"http://127.0.0.1:{op.metrics_port}"
     assert op.log_path.parent == tmp_path
+
+
+def _image_layout(root: Path) -> dict[str, str]:
+    """Two images sharing a base layer: app:1 = base + app1, app:2 = base + app2."""
+    (root / "blobs" / "sha256").mkdir(parents=True)
+    blobs = {"base": b"base layer", "app1": b"project 1", "app2": b"project 2", "cfg": b"{}"}
+    digests = {name: _layout_blob(root, data) for name, data in blobs.items()}
+    for tag in ("1", "2"):
+        manifest = {
+            "schemaVersion": 2,
+            "config": {"digest": digests["cfg"], "size": 2},
+            "layers": [{"digest": digests["base"]}, {"digest": digests[f"app{tag}"]}],
+        }
+        digests[f"m{tag}"] = _layout_blob(root, json.dumps(manifest).encode())
+    index = [
+        {
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": digests[f"m{tag}"],
+            "annotations": {"org.opencontainers.image.ref.name": f"dsv4.local/app:{tag}"},
+        }
+        for tag in ("1", "2")
+    ]
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": index}))
+    return digests
+
+
+def _layout_blob(root: Path, data: bytes) -> str:
+    import hashlib
+
+    d = hashlib.sha256(data).hexdigest()
+    (root / "blobs" / "sha256" / d).write_bytes(data)
+    return f"sha256:{d}"
+
+
+def test_oci_layout_image_lists_its_metadata_and_layers(tmp_path: Path) -> None:
+    from dsv4_operator.devcluster import ocilayout
+
+    d = _image_layout(tmp_path)
+    assert ocilayout.refs(tmp_path) == ["dsv4.local/app:1", "dsv4.local/app:2"]
+    img = ocilayout.image(tmp_path, "dsv4.local/app:2")
+    assert img.metadata == (d["m2"], d["cfg"])
+    assert img.layers == (d["base"], d["app2"])
+    with pytest.raises(
+        ocilayout.LayoutError,
+        match=re.escape(
+            "has no image dsv4.local/app:3 (it has dsv4.local/app:1, dsv4.local/app:2)"
+        ),
+    ):
+        ocilayout.image(tmp_path, "dsv4.local/app:3")
+
+
+def test_thin_archive_leaves_out_the_layers_a_node_has(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    from dsv4_operator.devcluster import ocilayout
+
+    d = _image_layout(tmp_path / "oci")
+    img = ocilayout.image(tmp_path / "oci", "dsv4.local/app:2")
+    buf = io.BytesIO()
+    sent = ocilayout.thin_archive(tmp_path / "oci", img, {d["base"], d["app1"]}, buf)
+    assert sent == [d["app2"]]
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tar:
+        names = tar.getnames()
+        index = json.loads(tar.extractfile("index.json").read())  # type: ignore[union-attr]
+        layer = tar.extractfile(f"blobs/sha256/{d['app2'][7:]}").read()  # type: ignore[union-attr]
+    assert names == [
+        "oci-layout",
+        "index.json",
+        *(f"blobs/sha256/{x[7:]}" for x in (d["m2"], d["cfg"], d["app2"])),
+    ]
+    assert index["manifests"] == [img.descriptor]
+    assert layer == b"project 2"
+    # a node with nothing gets every layer
+    assert ocilayout.thin_archive(tmp_path / "oci", img, [], io.BytesIO()) == [d["base"], d["app2"]]
+
+
+def test_thin_archive_names_a_missing_blob(tmp_path: Path) -> None:
+    import io
+
+    from dsv4_operator.devcluster import ocilayout
+
+    d = _image_layout(tmp_path)
+    (tmp_path / "blobs" / "sha256" / d["app1"][7:]).unlink()
+    img = ocilayout.image(tmp_path, "dsv4.local/app:1")
+    with pytest.raises(
+        ocilayout.LayoutError, match=re.escape(f"lacks blob {d['app1']} of dsv4.local/app:1")
+    ):
+        ocilayout.thin_archive(tmp_path, img, [], io.BytesIO())
+
+
+@pytest.mark.parametrize(
+    ("ref", "repo"),
+    [
+        ("dsv4.local/engine:dev", "dsv4.local/engine"),
+        ("registry:5000/engine", "registry:5000/engine"),
+        ("registry:5000/engine:1", "registry:5000/engine"),
+        ("busybox", "busybox"),
+    ],
+)
+def test_repository_of_a_reference(ref: str, repo: str) -> None:
+    from dsv4_operator.devcluster.ocilayout import repository
+
+    assert repository(ref) == repo

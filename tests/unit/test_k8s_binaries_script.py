@@ -18,9 +18,9 @@ ALL = [
 ]
 
 
-def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
+        ["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -83,3 +83,27 @@ def test_old_go_is_one_clear_error(tmp_path: Path) -> None:
     res = _run(env)
     assert res.returncode == 1
     assert "Go 1.20.3 is too old (need >= 1.26)" in res.stderr
+
+
+def test_node_binaries_are_the_real_nodes_and_their_policy_enforcement(tmp_path: Path) -> None:
+    assets = tmp_path / "envtest"
+    assets.mkdir()
+    for b in ALL:
+        _exe(assets / b)
+    env = {
+        "PATH": str(tmp_path / "empty"),
+        "HOME": str(tmp_path),
+        "KUBEBUILDER_ASSETS": str(assets),
+        "DSV4_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    (tmp_path / "empty").mkdir()
+    for tool in ("bash", "mkdir", "ln"):
+        src = next((Path(d, tool) for d in ("/usr/bin", "/bin") if Path(d, tool).exists()), None)
+        if src:
+            os.symlink(src, tmp_path / "empty" / tool)
+    res = _run(env, "--node")  # the control plane from envtest; the node's binaries need Go
+    assert res.returncode == 1
+    assert (
+        "these binaries are missing: kubelet kube-proxy crictl coredns kube-network-policies"
+        in res.stderr
+    )

@@ -16,6 +16,11 @@ class BinariesError(RuntimeError):
     pass
 
 
+def cache_root() -> Path:
+    """Where the scripts cache what they build (``DSV4_CACHE_DIR``, default ~/.cache/dsv4)."""
+    return Path(os.environ.get("DSV4_CACHE_DIR") or Path.home() / ".cache" / "dsv4")
+
+
 def ensure_binaries(node: bool = False) -> Path:
     """The bin directory: ``DSV4_K8S_BIN_DIR`` if set, else the build script's (cached) output;
     ``node`` adds what real nodes run (kubelet, kube-proxy, crictl, coredns)."""
@@ -32,8 +37,8 @@ def ensure_binaries(node: bool = False) -> Path:
 
 
 def ensure_node_images(app: bool = False) -> Path:
-    """The directory of the node images' archives (pause, busybox; ``app``: engine, operator),
-    built (cached) by scripts/node-images."""
+    """The OCI image layout of the node images (pause, busybox; ``app``: engine, operator), built
+    (cached) by scripts/node-images."""
     if not IMAGES_SCRIPT.exists():
         raise BinariesError(f"{IMAGES_SCRIPT} not found: real nodes need a source checkout")
     return _last_line([str(IMAGES_SCRIPT), *(["--app"] if app else [])])

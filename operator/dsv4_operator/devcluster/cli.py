@@ -9,10 +9,15 @@ import tempfile
 import threading
 from pathlib import Path
 
-from dsv4_operator.devcluster.binaries import ensure_binaries, ensure_node_images
+from dsv4_operator.devcluster.binaries import cache_root, ensure_binaries, ensure_node_images
 from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster
 from dsv4_operator.devcluster.nodes import FakeNodeSpec
-from dsv4_operator.devcluster.realnode import RealNodes, cluster_with_real_nodes, unavailable_reason
+from dsv4_operator.devcluster.realnode import (
+    BASE_IMAGES,
+    RealNodes,
+    cluster_with_real_nodes,
+    unavailable_reason,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,8 +65,14 @@ def run(args: argparse.Namespace) -> int:
             reason = unavailable_reason(bin_dir)
             if reason:
                 raise SystemExit(f"dsv4 dev-cluster: error: --real-nodes: {reason}")
-            images = sorted(ensure_node_images().glob("*.tar"))
-            real = RealNodes(args.real_nodes, bin_dir, work / "real-nodes", images=images)
+            real = RealNodes(
+                args.real_nodes,
+                bin_dir,
+                work / "real-nodes",
+                images=list(BASE_IMAGES),
+                layout=ensure_node_images(),
+                containerd_cache=cache_root() / "containerd",
+            )
             cluster = stack.enter_context(cluster_with_real_nodes(config, real, args.nodes))
         else:
             cluster = stack.enter_context(LocalCluster(config))

@@ -53,6 +53,11 @@ class Ledger:
     chains_before: dict[str, list[str]] = field(default_factory=dict)
     """``<cmd>/<table>`` -> the chains that existed before: the others are ours."""
     fixed_dirs_before: list[str] = field(default_factory=list)
+    mount_roots: list[str] = field(default_factory=list)
+    """Dirs outside the work dir (a containerd root kept in the cache) whose mounts are ours."""
+    nft_tables: list[str] = field(default_factory=list)
+    """``inet <name>``: the NetworkPolicy controllers' nftables tables (removed on a clean stop by
+    the controller itself; after a crash, by ``revert()``)."""
 
     @classmethod
     def create(cls, work_dir: Path) -> Ledger:
@@ -83,7 +88,8 @@ class Ledger:
         tmp.replace(self.path)
 
     def add(self, kind: str, value: str) -> None:
-        """Record a change before making it (kind: bridges, cgroup_names, sockets)."""
+        """Record a change before making it (kind: bridges, cgroup_names, sockets, mount_roots,
+        nft_tables)."""
         items: list[str] = getattr(self, kind)
         if value not in items:
             items.append(value)
@@ -105,8 +111,10 @@ class Ledger:
         self._kill_processes()
         for cmd, table, chain in self._new_chains():
             _drop_chain(cmd, table, chain)
-        work = Path(self.work_dir)
-        for mount in sorted(_mounts_under(work), key=len, reverse=True):
+        for table in self.nft_tables:
+            if table in _nft_tables():
+                subprocess.run(["nft", "delete", "table", *table.split()], capture_output=True)
+        for mount in sorted(self._mounts(), key=len, reverse=True):
             if subprocess.run(["umount", mount], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", mount], capture_output=True)
         for name in self.bridges:
@@ -121,8 +129,9 @@ class Ledger:
                     shutil.rmtree(d, ignore_errors=True)
         problems += [f"cgroup {cg} left" for cg in self._cgroup_dirs()]
         problems += [f"bridge {b} left" for b in self.bridges if _link_exists(b)]
-        problems += [f"mount {m} left" for m in _mounts_under(work)]
+        problems += [f"mount {m} left" for m in self._mounts()]
         problems += [f"iptables {c} -t {t} chain {n} left" for c, t, n in self._new_chains()]
+        problems += [f"nftables table {t} left" for t in set(self.nft_tables) & _nft_tables()]
         if not problems:
             self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
@@ -151,6 +160,10 @@ class Ledger:
                 victims |= _cgroup_pids(cg)
             if not victims:
                 return
+
+    def _mounts(self) -> list[str]:
+        roots = [Path(self.work_dir), *map(Path, self.mount_roots)]
+        return sorted({m for r in roots for m in _mounts_under(r)})
 
     def _cgroup_dirs(self) -> list[Path]:
         return [
@@ -208,6 +221,7 @@ def snapshot() -> dict[str, list[str]]:
             f"{h.name}/{d.name}" for h in hierarchies() for d in h.iterdir() if d.is_dir()
         ),
         "dirs": sorted(str(d) for d in FIXED_DIRS if d.exists()),
+        "nftables": sorted(t for t in _nft_tables() if t.startswith("inet ")),
     }
 
 
@@ -305,6 +319,14 @@ def _chains() -> dict[str, set[str]]:
                 ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("-N ")
             }
     return out
+
+
+def _nft_tables() -> set[str]:
+    """``<family> <name>`` of every nftables table (empty without the ``nft`` tool)."""
+    if shutil.which("nft") is None:
+        return set()
+    res = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    return {ln.removeprefix("table ").strip() for ln in res.stdout.splitlines() if ln.strip()}
 
 
 def _drop_chain(cmd: str, table: str, chain: str) -> None:

@@ -16,6 +16,7 @@ Layout (N nodes, i = 0..N-1):
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4_common.process import ManagedProcess, free_port
+from dsv4_operator.devcluster import ocilayout
 from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster, _http_ok, _kubeconfig
 from dsv4_operator.devcluster.hoststate import Ledger, hierarchies, revert_stale
 
@@ -35,10 +37,13 @@ NODE_NET = "10.98.0"
 POD_NET = "10.99"
 CLUSTER_DOMAIN = "cluster.local"
 REAL_NODE_LABEL = "dsv4.io/real-node"
-NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns")
-HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "ip", "unshare", "mount")
+NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns", "kube-network-policies")
+HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "nft", "ip", "unshare", "mount")
 CNI_BIN_DIR = Path("/usr/lib/cni")
 PAUSE_IMAGE = "dsv4.local/pause:3.10"
+BUSYBOX_IMAGE = "dsv4.local/busybox:1"
+# what every node gets at start (scripts/node-images without --app)
+BASE_IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE)
 # The kubelet insists on these host sysctls; it sees them through bind mounts in its own mount
 # namespace, so the host's values stay as they are.
 KUBELET_SYSCTLS = {
@@ -78,6 +83,10 @@ class RealNode:
     ip: str
     dir: Path
     socket: Path
+    root: Path
+    """containerd's root (content store, snapshots, metadata): kept in the cache if it could be
+    locked for this session, else a fresh one in the work dir."""
+    root_reused: bool = False
     containerd: ManagedProcess | None = None
     kubelet: ManagedProcess | None = None
 
@@ -93,6 +102,11 @@ class RealNode:
     def cgroup_root(self) -> str:
         return f"dsv4-{self.name}"
 
+    @property
+    def netpol_table(self) -> str:
+        """The inet nftables table of this node's NetworkPolicy controller."""
+        return f"dsv4-netpol-{self.index}"
+
 
 @dataclass
 class RealNodes:
@@ -102,12 +116,20 @@ class RealNodes:
     count: int
     bin_dir: Path
     work_dir: Path
-    images: list[Path] = field(default_factory=list)
-    """OCI archives imported into every node's containerd (the pause image among them)."""
+    images: list[str] = field(default_factory=list)
+    """References in ``layout`` imported into every node's containerd (the pause image among
+    them)."""
+    layout: Path | None = None
+    """The OCI image layout ``scripts/node-images`` writes."""
+    containerd_cache: Path | None = None
+    """Where each node's containerd root is kept between sessions (``real-<i>``), so an image
+    imported once (the 4.7 GB engine image) is there the next time and a new commit's image
+    costs only its new layers; None: a fresh root per session in the work dir."""
     startup_timeout_s: float = 120.0
     nodes: list[RealNode] = field(default_factory=list)
     processes: list[ManagedProcess] = field(default_factory=list)
     ledger: Ledger | None = None
+    _locks: list[int] = field(default_factory=list)
 
     @property
     def api_address(self) -> str:
@@ -144,14 +166,21 @@ class RealNodes:
         for i in range(self.count):
             name = f"real-{i}"
             d = self.work_dir / name
-            node = RealNode(name, i, node_ip(i), d, d / "containerd" / "containerd.sock")
+            root, reused = self._containerd_root(name, d)
+            node = RealNode(
+                name, i, node_ip(i), d, d / "containerd" / "containerd.sock", root, reused
+            )
             self.nodes.append(node)
             self._start_containerd(node)
-            self._import_images(node)
+            for ref in self.images:
+                self._import(node, ref)
             serving = pki.issue(f"kubelet-{name}", name, server_hosts=[node.ip, name], client=False)
             self._start_kubelet(node, kubelet_kc, pki.ca.cert, serving.cert, serving.key)
         self._start_kube_proxy(cluster)
         self._start_coredns(cluster)
+        netpol_kc = self._kubeconfig(cluster, "netpol", "system:kube-network-policies")
+        for node in self.nodes:
+            self._start_netpol(node, netpol_kc)
         names = [n.name for n in self.nodes]
         timeout = f"{int(self.startup_timeout_s)}s"
         deadline = time.monotonic() + self.startup_timeout_s
@@ -172,8 +201,7 @@ class RealNodes:
         recorded host change; returns what could not be reverted (empty when clean)."""
         for node in self.nodes:
             if node.containerd and node.containerd.running() and (self.bin_dir / "crictl").exists():
-                crictl = [str(self.bin_dir / "crictl"), "-r", f"unix://{node.socket}", "-t", "20s"]
-                subprocess.run([*crictl, "rmp", "-fa"], capture_output=True, timeout=120)
+                self._crictl(node, "rmp", "-fa")
         for proc in reversed(self.processes):
             proc.stop(timeout_s=15)
         if (self.bin_dir / "kube-proxy").exists():
@@ -182,6 +210,9 @@ class RealNodes:
             )
         problems = self.ledger.revert() if self.ledger else []
         self.ledger = None
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
         return problems
 
     def logs(self, lines: int = 30) -> str:
@@ -201,10 +232,34 @@ class RealNodes:
             raise RealNodeError(f"ctr {' '.join(args)} on {node.name}: {res.stderr.strip()}")
         return res.stdout
 
-    def import_image(self, archive: Path) -> None:
-        """Import one OCI archive into every node's containerd."""
-        for node in self.nodes:
-            self.ctr(node, "images", "import", "--all-platforms", str(archive))
+    def import_image(self, ref: str) -> int:
+        """Import the layout's image ``ref`` into every node's containerd, sending each node only
+        the layers its content store lacks; returns the bytes of layers sent."""
+        return sum(self._import(node, ref) for node in self.nodes)
+
+    def _import(self, node: RealNode, ref: str) -> int:
+        if self.layout is None:
+            raise RealNodeError(f"no image layout to import {ref} from")
+        img = ocilayout.image(self.layout, ref)
+        have = self.ctr(node, "content", "ls", "-q").split()
+        argv = ["ctr", "-a", str(node.socket), "-n", "k8s.io", "images", "import"]
+        # the archive names the image by its full reference; --base-name keeps exactly that name
+        argv += ["--all-platforms", "--base-name", ocilayout.repository(ref), "-"]
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        layers: list[str] = []
+        try:
+            layers = ocilayout.thin_archive(self.layout, img, have, proc.stdin)
+        except BrokenPipeError:
+            pass  # ctr failed: its output says why
+        finally:
+            proc.stdin.close()
+        out = proc.stdout.read().decode(errors="replace")
+        if proc.wait(timeout=600) != 0:
+            raise RealNodeError(f"importing {ref} into {node.name}: {out.strip()}")
+        return sum(ocilayout.blob_path(self.layout, d).stat().st_size for d in layers)
 
     # ---- pieces --------------------------------------------------------------------------------
 
@@ -248,11 +303,30 @@ class RealNodes:
         path.write_text(_kubeconfig(cluster.server, cluster.pki.ca.cert, cert, user))
         return path
 
+    def _containerd_root(self, name: str, node_dir: Path) -> tuple[Path, bool]:
+        """The cached root of node ``name`` if no other session holds it (a lock held while the
+        node runs, released by the kernel if this process dies), else a fresh one."""
+        if self.containerd_cache is not None:
+            self.containerd_cache.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.containerd_cache / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+            else:
+                self._locks.append(fd)
+                root = self.containerd_cache / name
+                reused = (root / "io.containerd.metadata.v1.bolt").exists()
+                return root, reused
+        return node_dir / "containerd" / "root", False
+
     def _start_containerd(self, node: RealNode) -> None:
         assert self.ledger is not None
         c = node.dir / "containerd"
         cni_conf = node.dir / "cni" / "net.d"
-        for d in (c / "root", c / "state", cni_conf):
+        if not str(node.root).startswith(str(self.work_dir)):
+            self.ledger.add("mount_roots", str(node.root))
+        for d in (node.root, c / "state", cni_conf):
             d.mkdir(parents=True, exist_ok=True)
         (cni_conf / "10-dsv4.conflist").write_text(_cni_config(node, node.dir / "cni" / "ipam"))
         (c / "config.toml").write_text(_containerd_config(node, cni_conf))
@@ -270,10 +344,15 @@ class RealNodes:
                 == 0
             ),
         )
+        if node.root_reused:
+            # What a session that died left in the kept root (its sandboxes and containers,
+            # whose state dir is gone): removed before the kubelet could see it.
+            self._crictl(node, "rmp", "-fa")
+            self._crictl(node, "rm", "-fa")
 
-    def _import_images(self, node: RealNode) -> None:
-        for archive in self.images:
-            self.ctr(node, "images", "import", "--all-platforms", str(archive))
+    def _crictl(self, node: RealNode, *args: str) -> None:
+        crictl = [str(self.bin_dir / "crictl"), "-r", f"unix://{node.socket}", "-t", "20s"]
+        subprocess.run([*crictl, *args], capture_output=True, timeout=120)
 
     def _start_kubelet(
         self, node: RealNode, kubeconfig: Path, ca: Path, cert: Path, key: Path
@@ -392,6 +471,38 @@ class RealNodes:
             lambda: _http_ok(f"http://127.0.0.1:{healthz}/healthz") and proc.running(),
         )
 
+    def _start_netpol(self, node: RealNode, kubeconfig: Path) -> None:
+        """NetworkPolicies enforced for the node's pods: SIG Network's kube-network-policies
+        (nftables in the forward path, bridged traffic included through br_netfilter; the first
+        packet of each new connection to or from a pod a policy selects is decided in user
+        space). One per node, each with its own table and queue, as the nodes share the host's
+        network namespace."""
+        assert self.ledger is not None
+        table = f"inet {node.netpol_table}"
+        self.ledger.add("nft_tables", table)
+        self._spawn(
+            f"netpol-{node.name}",
+            [
+                str(self.bin_dir / "kube-network-policies"),
+                f"--kubeconfig={kubeconfig}",
+                f"--hostname-override={node.name}",
+                f"--nfqueue-id={100 + node.index}",
+                f"--nftable-name={node.netpol_table}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
+                "--v=2",
+            ],
+        )
+        # the table appears once the controller's caches are synced and its rules are in
+        self._wait(
+            f"the NetworkPolicy controller of {node.name}",
+            lambda: (
+                subprocess.run(
+                    ["nft", "list", "table", *table.split()], capture_output=True
+                ).returncode
+                == 0
+            ),
+        )
+
     def _start_coredns(self, cluster: LocalCluster) -> None:
         kc = self._kubeconfig(cluster, "coredns", "system:coredns")
         health, ready = free_port(), free_port()
@@ -490,7 +601,7 @@ def _containerd_config(node: RealNode, cni_conf: Path) -> str:
     c = node.dir / "containerd"
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
-root = "{c / "root"}"
+root = "{node.root}"
 state = "{c / "state"}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
