@@ -11,11 +11,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from dsv4_kvtransfer.metrics import SidecarMetrics
+from dsv4_operator.autoscaling import report
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.gateway.metrics import GatewayMetrics
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "dsv4" / "dashboards"
 METRIC = re.compile(r"\b((?:vllm:|dsv4_)[A-Za-z0-9_:]+)\b(?!\s*=)")  # not label names
+GRAFANA_GLOBALS = {"__rate_interval", "__range", "__interval"}  # Grafana's built-in variables
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 
@@ -28,10 +30,14 @@ def exported(registry: CollectorRegistry) -> set[str]:
 
 
 def all_exported() -> set[str]:
+    autoscaler = CollectorRegistry()
+    for m in (report.DESIRED, report.SIGNAL, report.DECISIONS, report.METRICS_AGE):
+        autoscaler.register(m)
     return (
         exported(EngineMetrics("m").registry)
         | exported(GatewayMetrics().registry)
         | exported(SidecarMetrics().registry)
+        | exported(autoscaler)
     )
 
 
@@ -47,7 +53,7 @@ def test_dashboards_are_well_formed() -> None:
         for p in d["panels"]:
             assert p["targets"], p["title"]
             for t in p["targets"]:
-                used = set(re.findall(r"\$(\w+)", t["expr"])) - {"__rate_interval"}
+                used = set(re.findall(r"\$(\w+)", t["expr"])) - GRAFANA_GLOBALS
                 assert used <= variables, (p["title"], used - variables)
 
 
@@ -62,3 +68,28 @@ def test_every_queried_metric_is_exported() -> None:
                     if name not in have:
                         missing[name] = p["title"]
     assert not missing, missing
+
+
+# what issue 18 asks the dashboard to show, and a series each must query
+WANTED = {
+    "TTFT p90 by role": "vllm:time_to_first_token_seconds_bucket",
+    "TPOT (mean) by role": "vllm:generation_tokens_total",
+    "ITL p90 by role": "vllm:inter_token_latency_seconds_bucket",
+    "Requests waiting and running": "vllm:num_requests_waiting",
+    "Queueing": "dsv4_kv_requests_waiting_for_remote_kv",
+    "KV cache usage": "vllm:kv_cache_usage_perc",
+    "Prefix-cache hit rate": "vllm:prefix_cache_hits_total",
+    "KV transfer bandwidth": "dsv4_kv_transfer_bytes_total",
+    "KV transfer failures": "dsv4_kv_pull_failures_total",
+    "MTP acceptance": "vllm:spec_decode_num_accepted_tokens_total",
+    "Gateway retries and ejections": "dsv4_gateway_ejections_total",
+    "Autoscaler": "dsv4_autoscaler_decisions_total",
+}
+
+
+def test_the_issues_panels_are_there() -> None:
+    d = json.loads((DASHBOARDS / "dsv4-overview.json").read_text())
+    for title, series in WANTED.items():
+        panels = [p for p in d["panels"] if p["title"].startswith(title)]
+        assert panels, f"no panel {title!r}"
+        assert any(series in t["expr"] for p in panels for t in p["targets"]), (title, series)
