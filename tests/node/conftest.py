@@ -5,6 +5,7 @@ last module, stops the cluster and asserts nothing was left."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -179,3 +180,70 @@ def busybox_pod(name: str, command: str, **spec: Any) -> dict[str, Any]:
             **spec,
         },
     }
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def operator_release(cluster: Any) -> Iterator[None]:
+    """`helm install` of charts/dsv4 with the operator image on the real node (the operator runs
+    as a pod, in-cluster config through kube-proxy); the kwok node cordoned meanwhile, so the
+    gateway Deployment (no node selector of the deployment's) lands on the real node too."""
+    from tests.k8s.conftest import helm
+
+    res = helm(
+        cluster,
+        "install",
+        "dsv4",
+        str(REPO / "charts" / "dsv4"),
+        "--namespace",
+        "dsv4-system",
+        "--create-namespace",
+        "--set",
+        "image.repository=dsv4.local/operator",
+        "--set",
+        "image.tag=dev",
+        "--set-string",
+        "nodeSelector.dsv4\\.io/real-node=true",
+        "--wait",
+        "--timeout=180s",
+    )
+    assert res.returncode == 0, res.stderr + cluster.kubectl(
+        "get", "pods", "-A", "-o", "wide", check=False
+    )
+    cluster.kubectl("cordon", "ascend-node-0")
+    try:
+        yield
+    finally:
+        helm(cluster, "uninstall", "dsv4", "--namespace", "dsv4-system", "--wait")
+        cluster.kubectl("uncordon", "ascend-node-0", check=False)
+
+
+@contextlib.contextmanager
+def deployment(cluster: Any, cr: dict[str, Any], timeout: float = 420) -> Iterator[None]:
+    """A DeepSeekV4Deployment in its own (new) namespace, Ready; the namespace deleted after."""
+    ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(cr))
+        deadline = time.monotonic() + timeout
+        phase = ""
+        while phase != "Ready":
+            phase = cluster.kubectl(
+                "get", "deepseekv4deployment", name, "-n", ns, "-o", "jsonpath={.status.phase}"
+            )
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{name} is {phase!r} after {timeout:.0f} s:\n"
+                    + cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False)
+                    + cluster.kubectl("describe", "pods", "-n", ns, check=False)[-6000:]
+                )
+            time.sleep(2)
+        yield
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        deadline = time.monotonic() + 180  # engines drain on SIGTERM before they go
+        while cluster.kubectl("get", "namespace", ns, "--ignore-not-found", check=False):
+            assert time.monotonic() < deadline, f"namespace {ns} not deleted in 180 s"
+            time.sleep(1)

@@ -15,20 +15,53 @@ import pytest
 import yaml
 
 from dsv4_common.process import metric_value
-from tests.k8s.conftest import helm
-from tests.node.conftest import REAL_NODE_SELECTOR, RealClusterHandle, apply, busybox_pod, wait_pod
+from tests.node.conftest import (
+    REAL_NODE_SELECTOR,
+    RealClusterHandle,
+    apply,
+    busybox_pod,
+    deployment,
+    operator_release,
+    wait_pod,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "manifests" / "examples" / "tiny-cpu.yaml"
 NS = "dsv4-e2e"
 
 
-def tiny_on_real_node(images: dict[str, str]) -> dict[str, Any]:
+def gateway_url(cluster: Any, ns: str, name: str) -> str:
+    svc = json.loads(cluster.kubectl("get", "svc", f"{name}-gateway", "-n", ns, "-o", "json"))
+    return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/v1"
+
+
+def greedy_completion(url: str) -> Any:
+    """16 greedy tokens (random tiny weights may emit EOS at once: EOS is ignored)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
+    deadline = time.monotonic() + 60
+    while True:  # kube-proxy syncs the new Service within its period
+        try:
+            return client.completions.create(
+                model="dsv4-tiny",
+                prompt="hello from a real pod",
+                max_tokens=16,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
+def tiny_on_real_node(images: dict[str, str], ns: str = NS) -> dict[str, Any]:
     """manifests/examples/tiny-cpu.yaml as shipped, pointed at the locally built images and the
     real node, with requests that fit a 2-CPU machine."""
     cr: dict[str, Any] = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     spec = cr["spec"]
-    cr["metadata"]["namespace"] = NS
+    cr["metadata"]["namespace"] = ns
     spec["engine"] = {**spec.get("engine", {}), "image": images["engine"]}
     spec["gateway"]["image"] = images["operator"]
     spec.setdefault("scheduling", {})["nodeSelector"] = dict(REAL_NODE_SELECTOR)
@@ -41,57 +74,13 @@ def tiny_on_real_node(images: dict[str, str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def tiny(real_cluster: Any, real_handle: RealClusterHandle, app_images: dict[str, str]) -> Any:
     t0 = time.monotonic()
-    res = helm(
-        real_cluster,
-        "install",
-        "dsv4",
-        str(REPO / "charts" / "dsv4"),
-        "--namespace",
-        "dsv4-system",
-        "--create-namespace",
-        "--set",
-        "image.repository=dsv4.local/operator",
-        "--set",
-        "image.tag=dev",
-        "--set-string",
-        "nodeSelector.dsv4\\.io/real-node=true",
-        "--wait",
-        "--timeout=180s",
-    )
-    assert res.returncode == 0, res.stderr + real_cluster.kubectl(
-        "get", "pods", "-A", "-o", "wide", check=False
-    )
-    # The gateway Deployment has no node selector of the deployment's: keep it off the kwok node.
-    real_cluster.kubectl("cordon", "ascend-node-0")
-    real_cluster.kubectl("create", "namespace", NS)
-    real_cluster.kubectl("apply", "-f", "-", input=json.dumps(tiny_on_real_node(app_images)))
-    deadline = time.monotonic() + 420
-    phase = ""
-    while phase != "Ready":
-        phase = real_cluster.kubectl(
-            "get", "deepseekv4deployment", "tiny", "-n", NS, "-o", "jsonpath={.status.phase}"
-        )
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"tiny is {phase!r} after 420 s:\n"
-                + real_cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False)
-                + real_cluster.kubectl("describe", "pods", "-n", NS, check=False)[-6000:]
-            )
-        time.sleep(2)
-    real_handle.timings["tiny Ready after apply"] = time.monotonic() - t0
-    yield real_cluster
-    real_cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-    deadline = time.monotonic() + 180  # engines drain on SIGTERM before they go
-    while real_cluster.kubectl("get", "namespace", NS, "--ignore-not-found", check=False):
-        assert time.monotonic() < deadline, "namespace dsv4-e2e not deleted in 180 s"
-        time.sleep(1)
-    helm(real_cluster, "uninstall", "dsv4", "--namespace", "dsv4-system", "--wait")
-    real_cluster.kubectl("uncordon", "ascend-node-0", check=False)
+    with operator_release(real_cluster), deployment(real_cluster, tiny_on_real_node(app_images)):
+        real_handle.timings["tiny Ready after apply"] = time.monotonic() - t0
+        yield real_cluster
 
 
 def _gateway_url(cluster: Any) -> str:
-    svc = json.loads(cluster.kubectl("get", "svc", "tiny-gateway", "-n", NS, "-o", "json"))
-    return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/v1"
+    return gateway_url(cluster, NS, "tiny")
 
 
 def _kv_bytes(cluster: Any, role: str, direction: str) -> float:
@@ -115,29 +104,16 @@ def _kv_bytes(cluster: Any, role: str, direction: str) -> float:
     return total
 
 
-def test_completion_through_the_gateway_service_moves_kv_between_pods(tiny: Any) -> None:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=_gateway_url(tiny), api_key="unused", timeout=120, max_retries=0)
-    deadline = time.monotonic() + 60
-    while True:  # kube-proxy syncs the new Service within its period
-        try:
-            # random tiny weights may emit EOS at once: ask for all 16 tokens
-            out = client.completions.create(
-                model="dsv4-tiny",
-                prompt="hello from a real pod",
-                max_tokens=16,
-                extra_body={"ignore_eos": True},
-            )
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+def test_completion_through_the_gateway_service_moves_kv_between_pods(
+    tiny: Any, real_handle: RealClusterHandle
+) -> None:
+    out = greedy_completion(_gateway_url(tiny))
     assert out.usage is not None and out.usage.completion_tokens == 16
     received = _kv_bytes(tiny, "decode", "received")
     assert received > 0
     assert _kv_bytes(tiny, "prefill", "sent") == received
+    # the oracle of the 2-node instance (test_operator_two_node.py): the same greedy tokens
+    real_handle.notes["tiny greedy text"] = [out.choices[0].text]
 
 
 def _exec(cluster: Any, pod: str, container: str, script: str) -> str:
