@@ -3,6 +3,9 @@
 The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja; cached under
 ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, so only the first start of a machine
 pays for it). ``DSV4_KERNELS=off`` skips every build (the pure-torch paths run instead).
+
+A ``variant`` builds the same source with other flags under another name: ``avx2`` turns off
+AVX-512 so an AVX-512 machine can test the AVX2 code path too.
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ log = logging.getLogger("dsv4.kernels")
 HERE = Path(__file__).parent
 
 
+# kernels whose at::parallel_for runs on torch's OpenMP pool (without -fopenmp it runs serially);
+# the extension's libgomp.so.1 resolves to the one torch already loaded, so there is one pool
+OPENMP = {"w8a8"}
+VARIANTS = {"": [], "avx2": ["-mno-avx512f"]}
+
+
 class KernelUnavailable(RuntimeError):
     """The kernel cannot run here; the message says why."""
 
 
 @cache
-def build(name: str) -> ModuleType:
+def build(name: str, variant: str = "") -> ModuleType:
     if os.environ.get("DSV4_KERNELS", "on") == "off":
         raise KernelUnavailable("DSV4_KERNELS=off")
     missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
@@ -31,11 +40,13 @@ def build(name: str) -> ModuleType:
         raise KernelUnavailable(f"no {' or '.join(missing)} on PATH to build {name}")
     from torch.utils.cpp_extension import load
 
+    omp = ["-fopenmp"] if name in OPENMP else []
     try:
         module: ModuleType = load(
-            name=f"dsv4_{name}",
+            name=f"dsv4_{name}" + (f"_{variant}" if variant else ""),
             sources=[str(HERE / f"{name}.cpp")],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", *omp, *VARIANTS[variant]],
+            extra_ldflags=omp,
             verbose=False,
         )
     except Exception as exc:  # a compiler error is a reason to fall back, not to crash
@@ -43,9 +54,9 @@ def build(name: str) -> ModuleType:
     return module
 
 
-def available(name: str) -> bool:
+def available(name: str, variant: str = "") -> bool:
     try:
-        build(name)
+        build(name, variant)
         return True
     except KernelUnavailable as exc:
         log.info("kernel %s unavailable (%s): using the pure-torch path", name, exc)

@@ -13,8 +13,9 @@ index)`` computes. Formats (``docs/quantization.md``):
 - ``Fp4Experts``: e2m1 packed two per byte (element 2j in the low nibble), one e8m0 exponent
   per 32 inputs; same chunked dequantization.
 - ``W8A8``: int8 with a float32 scale per output channel, activations quantized per token at
-  run time (symmetric); int8 x int8 -> int32 by ``torch._int_mm`` (CPU, CUDA) or torch_npu's
-  ``npu_quant_matmul`` (Ascend).
+  run time (symmetric); on CPU one call of the C++ kernel (``kernels/w8a8.cpp``: quantization,
+  int8 products and both scales, bitwise the torch path's result), else int8 x int8 -> int32 by
+  ``torch._int_mm`` (CPU without a compiler, CUDA) or torch_npu's ``npu_quant_matmul`` (Ascend).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from dsv4_serving.distributed.comm import all_gather
 from dsv4_serving.distributed.groups import Group
+from dsv4_serving.kernels.w8a8 import W8A8Kernel
 from dsv4_serving.layers.quant.scheme import NONE, QuantScheme
 from dsv4_serving.layers.shard import ShardSpec
 from dsv4_serving.loader.quant import (
@@ -281,6 +283,10 @@ class Fp4Experts(_Chunked):
 class W8A8(QuantMethod):
     format = "w8a8"
 
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        """``use_kernel``: None picks the CPU kernel when it builds, False never (the oracle)."""
+        self.kernel = W8A8Kernel(use_kernel)
+
     def create(self, module: nn.Module, name: str, shape: tuple[int, ...]) -> None:
         *lead, out_f, _ = shape
         _register(module, name, torch.empty(shape, dtype=torch.int8), quantized=True)
@@ -297,7 +303,12 @@ class W8A8(QuantMethod):
         w = _weight(module, name, index)
         s = _weight(module, name + "_scale", index)
         flat = x.reshape(-1, x.shape[-1])
-        if x.device.type == "npu":
+        ext = self.kernel.get(flat)
+        if ext is not None:
+            group = _input_split_group(module, name)
+            xs = None if group is None else token_scale(flat, group)
+            y = ext.w8a8_linear(flat, w, s, xs)
+        elif x.device.type == "npu":
             y = _npu_quant_matmul(flat, w, s)
         else:
             xq, xs = quantize_per_token(flat, _input_split_group(module, name))
@@ -330,11 +341,16 @@ def quantize_per_token(
     With ``group`` (a row split over TP ranks) the amax is the whole row's, so the ranks'
     int32 partial sums add up to the single-process product (one all-gather of T floats)."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
+    s = token_scale(xf, group)
+    return (xf / s).round_().clamp_(-127, 127).to(torch.int8), s
+
+
+def token_scale(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """``amax / 127`` per row [T, 1] float32 (the whole row's under a TP ``group``)."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
     if group is not None:
         amax = all_gather(amax, group, dim=-1).amax(dim=-1, keepdim=True)
-    s = amax.clamp(min=1e-8) / 127.0
-    return (xf / s).round_().clamp_(-127, 127).to(torch.int8), s
+    return amax.clamp(min=1e-8) / 127.0
 
 
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
