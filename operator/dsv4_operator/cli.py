@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "from this one address instead of the pods' IPs (kwok pods have none that answer)",
     )
     p.add_argument(
+        "--autoscaler-address-map",
+        default=None,
+        metavar="FILE",
+        help='tests only: a JSON file {"<pod>": {"<port>": "HOST:PORT"}}, re-read on every '
+        "lookup, giving the address of each kwok pod's port (its engine runs as a local process)",
+    )
+    p.add_argument(
         "--autoscaler-blocked-after",
         type=float,
         default=60.0,
@@ -102,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     memo = handlers.OperatorMemo(
         autoscaler_options=LoopOptions(
             metrics_address=args.autoscaler_metrics_address,
+            address_map=args.autoscaler_address_map,
             blocked_after_s=args.autoscaler_blocked_after,
             peering=None if args.standalone else args.peering,
             priority=args.priority,

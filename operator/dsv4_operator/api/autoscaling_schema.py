@@ -147,6 +147,12 @@ def autoscaling_schema() -> Schema:
                 description="Optional bounds on prefill:decode instances, kept by raising the "
                 "smaller role.",
             ),
+            "npuBudget": integer(
+                "Most NPUs the prefill and decode instances may hold together (npusPerNode x "
+                "nodes each; CPU instances hold none); scale-ups past it are granted in "
+                "proportion to each role's deficit.",
+                minimum=1,
+            ),
             "prefill": prefill,
             "decode": decode,
         },

@@ -153,6 +153,7 @@ class AutoscalingSpec:
     running_per_instance: int = 16
     kv_cache_target: float = 0.8
     ratio: tuple[float, float] | None = None
+    npu_budget: int | None = None
 
     def bounds(self, role: Role) -> Bounds:
         return self.prefill if role == "prefill" else self.decode
@@ -302,6 +303,7 @@ def _autoscaling(raw: dict[str, Any]) -> AutoscalingSpec:
         running_per_instance=int(d["runningPerInstance"]),
         kv_cache_target=float(d["kvCacheTarget"]),
         ratio=(float(ratio["min"]), float(ratio["max"])) if ratio else None,
+        npu_budget=int(raw["npuBudget"]) if raw.get("npuBudget") is not None else None,
     )
 
 

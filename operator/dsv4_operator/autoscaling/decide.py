@@ -166,6 +166,7 @@ class _Tick:
                 reason="not scaling down: decode scales up this tick",
             )
         p_dec, d_dec = self._ratio(p_dec, d_dec)
+        p_dec, d_dec = self._budget(p_dec, d_dec)
 
         p_dec = replace(p_dec, signals=self._prefill_signals(capacity))
         d_dec = replace(d_dec, signals=self._decode_signals(bstar))
@@ -428,6 +429,44 @@ class _Tick:
                     d, target=need, direction="up", reason=f"prefill:decode ratio <= {hi:g}"
                 )
         return p, d
+
+    def _budget(self, p: RoleDecision, d: RoleDecision) -> tuple[RoleDecision, RoleDecision]:
+        """Within ``npu_budget``: what exists (or is kept) stays; the NPUs left go one instance
+        at a time to the role with the larger share of its increase still ungranted, so both
+        roles' increases shrink in proportion to their deficits."""
+        pol = self.policy
+        if pol.npu_budget is None:
+            return p, d
+        cost = pol.npus_per_instance
+        dec = {"prefill": p, "decode": d}
+        if sum(dec[r].target * cost[r] for r in ROLES) <= pol.npu_budget:
+            return p, d
+        base = {r: min(dec[r].target, dec[r].current) for r in ROLES}
+        deficit = {r: dec[r].target - base[r] for r in ROLES}
+        free = pol.npu_budget - sum(base[r] * cost[r] for r in ROLES)
+        grant = {r: 0 for r in ROLES}
+        while True:
+            fits = [r for r in ROLES if grant[r] < deficit[r] and cost[r] <= free]
+            if not fits:
+                break
+            r = max(fits, key=lambda r: (deficit[r] - grant[r]) / deficit[r])
+            grant[r] += 1
+            free -= cost[r]
+        out = {}
+        for r in ROLES:
+            x = dec[r]
+            if grant[r] == deficit[r]:
+                out[r] = x
+                continue
+            target = base[r] + grant[r]
+            msg = (
+                f"npuBudget {pol.npu_budget}: {r} gets {target} of {x.target} instance(s) "
+                f"({cost[r]} NPU(s) each)"
+            )
+            self.limits.append(("BudgetExhausted", msg))
+            direction: Direction = "up" if target > x.current else "hold"
+            out[r] = replace(x, target=target, direction=direction, reason=f"{x.reason}; {msg}")
+        return out["prefill"], out["decode"]
 
     # -- reporting ---------------------------------------------------------------------------
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dsv4_operator.api.spec import AutoscalingSpec
-from dsv4_operator.autoscaling.policy import ROLES, Policy, RoleBounds
+from dsv4_operator.api.spec import AutoscalingSpec, DeploymentSpec
+from dsv4_operator.autoscaling.policy import ROLES, Policy, Role, RoleBounds
 
 
-def policy_of(a: AutoscalingSpec) -> Policy:
+def npus_per_instance(spec: DeploymentSpec) -> dict[Role, int]:
+    """NPUs one instance of each role holds, for ``npuBudget`` (0 on CPU)."""
+    roles = {"prefill": spec.prefill, "decode": spec.decode}
+    return {r: roles[r].npus_per_node * roles[r].nodes_per_instance for r in ROLES}
+
+
+def policy_of(a: AutoscalingSpec, npus: dict[Role, int] | None = None) -> Policy:
     return Policy(
         ttft_s=a.ttft_seconds,
         tpot_s=a.tpot_seconds,
@@ -21,4 +27,6 @@ def policy_of(a: AutoscalingSpec) -> Policy:
         running_per_instance=a.running_per_instance,
         prefill_tokens_per_s=a.prefill_tokens_per_s,
         ratio=a.ratio,
+        npu_budget=a.npu_budget,
+        npus_per_instance=npus or {"prefill": 0, "decode": 0},
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -34,7 +35,7 @@ from dsv4_operator.autoscaling import drain as drains
 from dsv4_operator.autoscaling.counts import BLOCKED_AFTER_S, role_counts
 from dsv4_operator.autoscaling.decide import Event, State, decide
 from dsv4_operator.autoscaling.external import external_decision
-from dsv4_operator.autoscaling.from_spec import policy_of
+from dsv4_operator.autoscaling.from_spec import npus_per_instance, policy_of
 from dsv4_operator.autoscaling.gateway_source import (
     GatewayWindow,
     RoleCounts,
@@ -73,6 +74,10 @@ class LoopOptions:
     metrics_address: str | None = None
     """host:port that replaces every pod address (gateway, engine, sidecar): tests only, where
     kwok pods have no reachable IP and one stub serves them all."""
+    address_map: str | None = None
+    """Tests only: a JSON file ``{pod name: {port: "host:port"}}``, read on every lookup, that
+    gives each kwok pod's port the address of the process playing it (engines run as local
+    processes); a pod or port it does not name has no address."""
     blocked_after_s: float = BLOCKED_AFTER_S
     peering: str | None = None
     """kopf's peering object name (None: standalone, always active)."""
@@ -166,7 +171,7 @@ class _Tick:
             # a standby: its successor's State starts fresh when it takes over
             self.state, self.resumed, self.drains = None, False, {}
             return float(a.interval_s)
-        policy = policy_of(a)
+        policy = policy_of(a, npus_per_instance(spec))
         now = time.time()
         if self.state is None:
             self.state = State(started_at=now)
@@ -298,6 +303,8 @@ class _Tick:
     def _address(self, pod: Mapping[str, Any] | None, port: int) -> str | None:
         if self.o.options.metrics_address:
             return self.o.options.metrics_address
+        if self.o.options.address_map:
+            return mapped_address(self.o.options.address_map, pod, port)
         ip = ((pod or {}).get("status") or {}).get("podIP")
         return f"{ip}:{port}" if ip else None
 
@@ -388,6 +395,20 @@ class _Tick:
             await asyncio.to_thread(
                 post_event, self.o.kube, body, e.reason, e.message, e.type == "Warning"
             )
+
+
+def mapped_address(path: str, pod: Mapping[str, Any] | None, port: int) -> str | None:
+    """``LoopOptions.address_map``'s address of ``pod``'s ``port`` (None: not named, or the
+    file is unreadable: the read fails and the tick holds, as with an unreachable pod)."""
+    if pod is None:
+        return None
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    addr = (doc.get(pod["metadata"]["name"]) or {}).get(str(port))
+    return str(addr) if addr else None
 
 
 def _iso(epoch: float) -> str:

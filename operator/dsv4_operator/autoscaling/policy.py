@@ -60,3 +60,8 @@ class Policy:
     ratio: tuple[float, float] | None = None
     """Optional prefill:decode instance ratio bounds (min, max), kept by raising a role."""
     max_num_seqs: int = 256
+    npu_budget: int | None = None
+    """Most NPUs both roles' instances may hold together; increases past it are granted in
+    proportion to each role's deficit (Dynamo's ``max_gpu_budget``)."""
+    npus_per_instance: dict[Role, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    """NPUs one instance of each role holds (npusPerNode x nodes; 0 on CPU)."""
