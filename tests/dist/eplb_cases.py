@@ -68,3 +68,98 @@ def random_moves(rank: int, world: int, port: int, slots: int, rounds: int) -> l
         return report
     finally:
         dist.destroy_process_group()
+
+
+# ---- the balancer on a real model: outputs and stacks across live re-placements -------------
+
+
+def _build(preset: str, parallel: Any, quant: str) -> torch.nn.Module:
+    import dataclasses
+
+    from dsv4_serving.layers.quant.methods import cast_model
+    from dsv4_serving.layers.quant.scheme import QuantScheme
+    from dsv4_serving.loader.dummy import init_dummy_weights
+    from dsv4_serving.models.registry import REGISTRY
+    from dsv4_serving.presets.configs import preset_config
+
+    cfg = preset_config(preset)
+    cls = REGISTRY.resolve(cfg["architectures"][0])
+    mcfg = cls.config_class.from_dict(cfg)
+    if quant != "none":
+        mcfg = dataclasses.replace(mcfg, quant=QuantScheme.of(quant))
+    model = cast_model(cls(mcfg, parallel), torch.float32).eval()
+    init_dummy_weights(model, 3)
+    return model
+
+
+def _prefill_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
+    from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+
+    block = 16
+    nb = -(-max(len(p) for p in prompts) // block)
+    cache = model.allocate_cache(nb * len(prompts), block, len(prompts))
+    chunks = [
+        SeqChunk(0, len(p), list(range(i * nb, (i + 1) * nb)), i) for i, p in enumerate(prompts)
+    ]
+    meta = AttentionMetadata.build(chunks, block)
+    h = model(torch.tensor([t for p in prompts for t in p]), meta, cache)
+    return model.compute_logits(h[meta.last_token_indices()])  # type: ignore[no-any-return]
+
+
+def model_replacement(rank: int, world: int, port: int, quant: str) -> dict[str, Any]:
+    """DP 2 x EP 2 (exact combine), 2 redundant slots, a plan every 2 steps over skewed
+    prompts: every step's logits against one process's, and afterwards every slot's stacked
+    tensors (quantized weights and their scales) against its logical expert's."""
+    from dsv4_serving.distributed.groups import ModelParallel
+    from dsv4_serving.distributed.parallel_state import (
+        destroy_distributed,
+        get_world_group,
+        init_distributed,
+    )
+    from dsv4_serving.distributed.topology import Topology
+    from dsv4_serving.eplb.balancer import Balancer
+    from dsv4_serving.layers.moe import Experts
+
+    init_distributed(Topology(dp=2, ep=2), rank, master_addr="127.0.0.1", master_port=port)
+    w = get_world_group()
+    try:
+        out: dict[str, Any] = {}
+        for preset in ("dsv4-tiny", "dsv3-small"):
+            par = ModelParallel(dp=w, ep=w, exact_moe=True, eplb=True, redundant_experts=2)
+            ref, model = _build(preset, ModelParallel(), quant), _build(preset, par, quant)
+            groups = int(getattr(model.config, "n_group", 1) or 1)
+            bal = Balancer.for_model(model, par, interval=2, window=4, groups=groups)
+            rng = random.Random(5 + rank)  # each DP rank its own skewed prompts
+            prompts = [[rng.choice([5, 9, 5, 17]) for _ in range(n)] for n in (30, 12, 21)]
+            with torch.inference_mode():
+                want = _prefill_logits(ref, prompts)
+                worst = 0.0
+                for _ in range(9):
+                    bal.begin(real=True)
+                    got = _prefill_logits(model, prompts)
+                    bal.end_step()
+                    worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            wrong = []
+            moved_slots = 0
+            for (name, m), (_, r) in zip(model.named_modules(), ref.named_modules(), strict=True):
+                if not isinstance(m, Experts) or m.slot_map is None:
+                    continue
+                p2l = m.slot_map.phys_to_log.tolist()
+                per = len(p2l) // world
+                mine = p2l[rank * per : (rank + 1) * per]
+                moved_slots += sum(e != s % m.num_experts for s, e in enumerate(p2l))
+                for pname, p in m.named_parameters(recurse=False):
+                    full = dict(r.named_parameters(recurse=False))[pname]
+                    for i, e in enumerate(mine):
+                        if not torch.equal(p[i], full[e]):
+                            wrong.append(f"{name}.{pname}[{i}] != expert {e}")
+            out[preset] = {
+                "worst": worst,
+                "wrong": wrong,
+                "moved_slots": moved_slots,
+                "rearrangements": bal.stats.rearrangements,
+                "params": sorted(n for n, _ in model.layers[1].ffn.experts.named_parameters()),
+            }
+        return out
+    finally:
+        destroy_distributed()
