@@ -89,3 +89,32 @@ def test_emulated_core_gives_the_same_tokens_with_mtp_drafts_in_fewer_steps() ->
     assert outs[0] == outs[1]
     assert [len(v) for v in outs[0].values()] == [mt for _, mt in work]
     assert steps[1] < steps[0]
+
+
+def test_emulated_pd_pulls_real_kv_through_the_sidecars(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Prefill and decode both EMULATED, behind a gateway: the decode engine pulls the prefill's
+    KV bytes through the real sidecars (no recompute) and continues the exact chain."""
+    from tests.gateway.conftest import gateway, pd_pair, running
+
+    token = tmp_path / "kv-token"
+    token.write_text("k" * 32)
+    args = ["--emulate-step-time", "5,1,0.1", "--num-speculative-tokens", "0"]
+    args += ["--num-kv-blocks", "200", "--max-model-len", "1024", "--served-model-name", "tiny"]
+    ps, pe = pd_pair("emu-prefill", "prefill", token, *args)
+    ds, de = pd_pair("emu-decode", "decode", token, *args)
+    cfg = preset_config("dsv4-tiny")
+    eos = cfg["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    prompt = [5, 17, 230, 41, 9]
+    want, prev = [], prompt[-1]
+    for pos in range(len(prompt), len(prompt) + 8):
+        prev = emulated_token(pos, prev, int(cfg["vocab_size"]), eos)
+        want.append(prev)
+    with (
+        running(ps, ds, pe, de),
+        running(gateway("emu-gw", "--prefill", pe.url, "--decode", de.url)) as (g,),
+    ):
+        assert _complete(g.url, prompt, 8)[0] == want
+        assert de.metric("dsv4_kv_engine_transfers_total") == 1
+        assert de.metric("dsv4_kv_engine_bytes_total") > 0
+        assert de.metric("dsv4_kv_recomputes_total") == 0
