@@ -63,7 +63,7 @@ format: install
 
 # Every tier; pytest exits non-zero (5) when it collects no test, so an empty run fails.
 test: install lint
-	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(BIN)/pytest $(PYTEST_ARGS)
+	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" DSV4_JAEGER_BIN="$$(scripts/trace-backend | tail -n 1)" $(BIN)/pytest $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/pytest -m unit $(PYTEST_ARGS)

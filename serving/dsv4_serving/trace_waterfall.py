@@ -9,6 +9,7 @@ where in the request each one ran."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,16 @@ class Span:
         return self.start_us + self.duration_us
 
 
+def _tag(v: Any) -> Any:
+    """Jaeger keeps an array attribute as its JSON text: the list again."""
+    if isinstance(v, str) and v.startswith("[") and v.endswith("]"):
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    return v
+
+
 def parse_jaeger(trace: Mapping[str, Any]) -> list[Span]:
     """Jaeger's ``/api/traces`` JSON of one trace -> its spans."""
     procs = {k: v.get("serviceName", "?") for k, v in (trace.get("processes") or {}).items()}
@@ -85,7 +96,7 @@ def parse_jaeger(trace: Mapping[str, Any]) -> list[Span]:
             (r["spanID"] for r in s.get("references", []) if r.get("refType") == "CHILD_OF"),
             None,
         )
-        attrs = {t["key"]: t.get("value") for t in s.get("tags", [])}
+        attrs = {t["key"]: _tag(t.get("value")) for t in s.get("tags", [])}
         spans.append(
             Span(
                 s["spanID"],

@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--log-dir", type=Path, default=None, help="where each process logs (default: a temp dir)"
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="trace every request across gateway, engines and sidecars to this OTLP/HTTP "
+        "endpoint (e.g. http://127.0.0.1:4318; default: tracing off)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,
@@ -93,6 +100,10 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
         "--host",
         "127.0.0.1",
     ]
+    traced: dict[str, str] = {}  # the flag every process gets when tracing is on
+    if args.otlp_traces_endpoint:
+        traced = {"otlp_traces_endpoint": args.otlp_traces_endpoint}
+        engine += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     children: list[Service] = []
     roles = (
         [("engine", "both")]
@@ -131,6 +142,7 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
                 engine_url=f"http://127.0.0.1:{port}",
                 shm_name=f"dsv4-up-{os.getpid()}-{name}",
                 staging_bytes=256 << 20,
+                **traced,
             )
         )
         children.append(
@@ -163,6 +175,7 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
                 str(args.port),
                 "--log-level",
                 "warning",
+                *(["--otlp-traces-endpoint", args.otlp_traces_endpoint] if traced else []),
                 *gateway_args,
             ],
             run_dir / "gateway.log",
