@@ -12,7 +12,7 @@ collectives without any extra agreement:
 3. Every ``interval`` steps: the window is summed over the EP group, EP rank 0 plans
    (``algorithm.rebalance``) and broadcasts the plan; layers the plan does not improve stay.
 4. Then one layer per step, at the step's end: its expert stacks (weights and quantized scales:
-   every parameter of ``Experts`` is stacked by slot) move point-to-point (``transfer``) and
+   every parameter of ``layers.moe.Experts`` is stacked by slot) move point-to-point (``transfer``) and
    its map is swapped. A step never waits for more than one layer's weights, and every
    forward sees each layer whole: outputs do not change, serving never stops.
 """
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -30,12 +31,28 @@ from torch import nn
 from dsv4_serving.distributed.comm import all_reduce, broadcast_object
 from dsv4_serving.distributed.groups import Group, ModelParallel
 from dsv4_serving.eplb.algorithm import Placement, imbalance, rank_loads, rebalance
-from dsv4_serving.eplb.state import LoadWindow
+from dsv4_serving.eplb.state import ExpertMap, LoadWindow, Recorder
 from dsv4_serving.eplb.stats import EplbStats
 from dsv4_serving.eplb.transfer import apply_moves, plan_moves
-from dsv4_serving.layers.moe import Experts
 
 log = logging.getLogger(__name__)
+
+
+class SlotStacks(Protocol):
+    """What the balancer needs of a MoE layer's experts (``layers.moe.Experts`` built with
+    EPLB): the map, the sizes, a recorder hook, and ``place`` after its stacks moved. Every
+    parameter of the module is stacked by local slot."""
+
+    slot_map: ExpertMap | None
+    recorder: Recorder | None
+    num_experts: int
+    num_slots: int
+
+    def place(self, phys_to_log: Sequence[int]) -> None: ...
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]: ...
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -61,10 +78,11 @@ class Balancer:
         nodes: int = 1,
     ) -> None:
         """``counts``: this rank's tokens are its DP rank's own (TP rank 0)."""
+        # the layers built with EPLB's slots (duck-typed: eplb sits below the layers)
         named = [
-            (n, m)
+            (n, cast(SlotStacks, m))
             for n, m in model.named_modules()
-            if isinstance(m, Experts) and m.slot_map is not None
+            if getattr(m, "slot_map", None) is not None
         ]
         self.layers = [m for _, m in named]
         self.names = tuple(n.removesuffix(".experts").removesuffix(".ffn") for n, _ in named)
@@ -95,7 +113,7 @@ class Balancer:
     ) -> Balancer:
         return cls(model, parallel.ep, parallel.tp.index == 0, interval, window, **kw)
 
-    def _recorder(self, layer: int) -> Experts.Recorder:
+    def _recorder(self, layer: int) -> Recorder:
         def record(phys: torch.Tensor) -> None:
             if self.real:
                 self.window.record(layer, phys, phys.shape[0])

@@ -9,9 +9,12 @@ batch still advances the window so every rank's step counter stays equal.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+Recorder = Callable[[torch.Tensor], None]
+"""Told each forward's physical slot choices [T, k] of one MoE layer."""
 
 
 class ExpertMap:

@@ -14,7 +14,7 @@ expert (``slot_map``); the router's choices go through the map (``route``) and t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.eplb.algorithm import initial_placement
-from dsv4_serving.eplb.state import ExpertMap
+from dsv4_serving.eplb.state import ExpertMap, Recorder
 from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsv4_serving.layers.moe_comm import make_moe_comm
 from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
@@ -60,7 +60,6 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    Recorder = Callable[[torch.Tensor], None]
     w1: torch.Tensor  # registered by the quant method (with their scales)
     w2: torch.Tensor
     w3: torch.Tensor
@@ -82,7 +81,7 @@ class Experts(nn.Module):
         first, local = ep.split(self.num_slots)
         # logical -> physical slots (EPLB), None: slot = expert; ``recorder`` counts the load
         self.slot_map: ExpertMap | None = None
-        self.recorder: Experts.Recorder | None = None
+        self.recorder: Recorder | None = None
         self.ep, self.num_experts = ep, num_experts
         if eplb:  # physical slots, each a copy of its logical expert
             self.place(initial_placement(num_experts, self.num_slots))
