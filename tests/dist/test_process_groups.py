@@ -59,7 +59,8 @@ def test_rendezvous_timeout_names_the_ranks_that_never_joined() -> None:
             0,
             master_addr="127.0.0.1",
             master_port=free_port(),
-            timeout_s=1.0,
+            timeout_s=600.0,  # the collectives' timeout: the rendezvous has its own
+            rendezvous_timeout_s=1.0,
         )
     assert "timed out after 1 s: ranks 1, 2, 3 (node 0, 1) of world 4 (tp 2 x dp 2 over 2" in str(
         err.value

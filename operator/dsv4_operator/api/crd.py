@@ -66,6 +66,7 @@ OWNED_ENGINE_FLAGS = (
     "--port",
     "--quantization",
     "--rank-table",
+    "--rendezvous-timeout",
     "--role",
     "--served-model-name",
     "--shutdown-timeout",

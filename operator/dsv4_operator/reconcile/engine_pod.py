@@ -82,6 +82,10 @@ def engine_command(role: RoleSpec) -> list[str]:
     else:
         # the pod's CPUs split over its rank processes (reconcile/cpu_ranks.py)
         cmd += ["--threads-per-rank", str(rank_threads(role))]
+    if role.nodes_per_instance > 1:
+        # the pods may start minutes apart (an image pulled on one node only): the ranks wait
+        # for each other as long as the startup probe waits for the pod
+        cmd += ["--rendezvous-timeout", str(role.startup_timeout_s)]
     return cmd + role.engine_args
 
 

@@ -140,6 +140,7 @@ def init_distributed(
     master_port: int,
     device: str = "cpu",
     timeout_s: float = 60.0,
+    rendezvous_timeout_s: float | None = None,
     fingerprint: dict[str, Any] | None = None,
     exact_moe: bool = False,
     eplb: bool = False,
@@ -147,13 +148,14 @@ def init_distributed(
 ) -> ModelParallel:
     """Join the instance's world as ``rank`` and build its groups over ``device``'s
     collective backend (a missing accelerator fails here, before any rendezvous); returns the
-    groups a model is built with."""
+    groups a model is built with. The ranks wait ``rendezvous_timeout_s`` (default
+    ``timeout_s``) for each other, then ``timeout_s`` in any collective."""
     if _STATE:
         raise RuntimeError("distributed state is already initialised; destroy it first")
     platform = get_platform(device)
     platform.set_device(topo.local_rank(rank))
     backend = platform.dist_backend
-    store = _join(topo, rank, master_addr, master_port, timeout_s)
+    store = _join(topo, rank, master_addr, master_port, rendezvous_timeout_s or timeout_s)
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend,

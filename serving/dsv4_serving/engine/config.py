@@ -111,6 +111,10 @@ class EngineConfig:
     machine's CPUs split evenly over the ranks."""
     distributed_timeout: float = 60.0
     """Seconds a rank waits in a rendezvous or collective before it gives up (a dead peer)."""
+    rendezvous_timeout: float = 0.0
+    """Seconds the ranks wait for each other at start before naming the missing ones; 0 =
+    distributed_timeout. The nodes of a multi-node instance may start minutes apart (an image
+    pulled on one node only): the operator sets the role's startupTimeoutSeconds."""
     otlp_traces_endpoint: str | None = None
     """OpenTelemetry traces of each request to this OTLP/HTTP endpoint (e.g.
     http://127.0.0.1:4318; /v1/traces is added when no path is given); unset: tracing off."""
@@ -150,6 +154,8 @@ class EngineConfig:
         self._check_eplb()
         if self.threads_per_rank < 0 or self.distributed_timeout <= 0:
             raise ConfigError("threads_per_rank must be >= 0 and distributed_timeout > 0")
+        if self.rendezvous_timeout < 0:
+            raise ConfigError("rendezvous_timeout must be >= 0 (0: distributed_timeout)")
         try:
             check_endpoint(self.otlp_traces_endpoint)
         except TracingConfigError as exc:

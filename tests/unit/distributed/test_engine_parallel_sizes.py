@@ -47,6 +47,13 @@ def test_threads_per_rank_default_splits_the_cpus_over_the_ranks() -> None:
         EngineConfig(threads_per_rank=-1)
 
 
+def test_the_rendezvous_timeout_defaults_to_the_distributed_timeout() -> None:
+    assert EngineConfig().rendezvous_timeout == 0.0
+    assert EngineConfig(rendezvous_timeout=1800).rendezvous_timeout == 1800
+    with pytest.raises(ConfigError, match=r"rendezvous_timeout must be >= 0 \(0: distributed"):
+        EngineConfig(rendezvous_timeout=-1)
+
+
 def test_validating_parallel_sizes_never_imports_torch() -> None:
     code = (
         "import sys; from dsv4_serving.engine.config import EngineConfig; "

@@ -101,6 +101,9 @@ def test_a_two_node_cpu_instance_renders_a_leader_and_a_follower() -> None:
     assert (_flag(cmd, "--tensor-parallel-size"), _flag(cmd, "--data-parallel-size")) == ("2", "2")
     assert _flag(cmd, "--expert-parallel-size") == "4"
     assert _flag(cmd, "--device") == "cpu" and "--rank-table" not in cmd
+    # the two pods may start minutes apart: the ranks wait as long as the startup probe
+    assert _flag(cmd, "--rendezvous-timeout") == "1800"
+    assert "--rendezvous-timeout" not in engine_command(_prefill(parallelism={"tp": 2}))
     env = {e["name"]: e for e in engine["env"]}
     assert env["DSV4_NODES_PER_INSTANCE"]["value"] == "2"
     assert env["DSV4_MASTER_ADDR"]["value"] == "v4-prefill-0-0.v4-prefill"
