@@ -242,13 +242,14 @@ class EngineConfig:
                     f"not split evenly over --expert-parallel-size {self.expert_parallel_size}"
                 )
 
-    def rank_threads(self, cpus: int) -> int:
-        """Torch threads of one rank's process on a machine with ``cpus`` CPUs (0 = leave
-        torch's default, the single-process path)."""
+    def rank_threads(self, cpus: int, local_ranks: int | None = None) -> int:
+        """Torch threads of one rank's process on a machine with ``cpus`` CPUs shared by
+        ``local_ranks`` ranks (default: the whole world; a node of a multi-node instance holds
+        its share of it); 0 = leave torch's default, the single-process path."""
         world = self.topology().world
         if self.threads_per_rank:
             return self.threads_per_rank
-        return 0 if world == 1 else max(1, cpus // world)
+        return 0 if world == 1 else max(1, cpus // (local_ranks or world))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:

@@ -307,10 +307,11 @@ def run_engine_core(
     return core
 
 
-def set_threads(config: EngineConfig) -> None:
+def set_threads(config: EngineConfig, local_ranks: int | None = None) -> None:
     """This rank's torch threads (``threads_per_rank``; default: torch's own with one rank,
     the CPUs split over the ranks otherwise)."""
-    threads = config.rank_threads(os.cpu_count() or 1)
+    # the CPUs this process may run on (a container's cpuset), not the host's count
+    threads = config.rank_threads(len(os.sched_getaffinity(0)), local_ranks)
     if threads:
         import torch
 

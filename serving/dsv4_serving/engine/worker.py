@@ -58,8 +58,8 @@ def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, 
     from dsv4_serving.platform.device import detect_platform
 
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
-    set_threads(config)
     topo = config.topology(placement.nnodes)
+    set_threads(config, topo.ranks_per_node)  # this node's ranks share its CPUs
     device = detect_platform(None if config.device == "auto" else config.device).name
     try:
         parallel = init_distributed(

@@ -43,6 +43,10 @@ def test_threads_per_rank_default_splits_the_cpus_over_the_ranks() -> None:
     assert EngineConfig(tensor_parallel_size=2).rank_threads(16) == 8
     assert EngineConfig(tensor_parallel_size=2).rank_threads(1) == 1
     assert EngineConfig(tensor_parallel_size=2, threads_per_rank=3).rank_threads(16) == 3
+    # 4 ranks over 2 nodes: each node's 2 ranks share its CPUs
+    tp2dp2 = EngineConfig(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=4)
+    assert tp2dp2.rank_threads(16) == 4
+    assert tp2dp2.rank_threads(16, local_ranks=2) == 8
     with pytest.raises(ConfigError, match="threads_per_rank must be >= 0"):
         EngineConfig(threads_per_rank=-1)
 
