@@ -106,10 +106,11 @@ def _prefill_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
     return model.compute_logits(h[meta.last_token_indices()])  # type: ignore[no-any-return]
 
 
-def model_replacement(rank: int, world: int, port: int, quant: str) -> dict[str, Any]:
-    """DP 2 x EP 2 (exact combine), 2 redundant slots, a plan every 2 steps over skewed
-    prompts: every step's logits against one process's, and afterwards every slot's stacked
-    tensors (quantized weights and their scales) against its logical expert's."""
+def model_replacement(rank: int, world: int, port: int, quant: str, layout: str) -> dict[str, Any]:
+    """DP 2 x EP 2 or TP 2 x EP 2 (exact combine), 2 redundant slots, a plan every 2 steps over
+    skewed prompts: every step's logits against one process's, and afterwards every slot's
+    stacked tensors (quantized weights and their scales) against its logical expert's. Under
+    TP both ranks hold the same prompts and only TP rank 0 counts them."""
     from dsv4_serving.distributed.groups import ModelParallel
     from dsv4_serving.distributed.parallel_state import (
         destroy_distributed,
@@ -120,16 +121,19 @@ def model_replacement(rank: int, world: int, port: int, quant: str) -> dict[str,
     from dsv4_serving.eplb.balancer import Balancer
     from dsv4_serving.layers.moe import Experts
 
-    init_distributed(Topology(dp=2, ep=2), rank, master_addr="127.0.0.1", master_port=port)
+    topo = Topology(dp=2, ep=2) if layout == "dp2" else Topology(tp=2, ep=2)
+    init_distributed(topo, rank, master_addr="127.0.0.1", master_port=port)
     w = get_world_group()
     try:
         out: dict[str, Any] = {}
         for preset in ("dsv4-tiny", "dsv3-small"):
-            par = ModelParallel(dp=w, ep=w, exact_moe=True, eplb=True, redundant_experts=2)
+            split = {"dp": w} if layout == "dp2" else {"tp": w}
+            par = ModelParallel(ep=w, exact_moe=True, eplb=True, redundant_experts=2, **split)
             ref, model = _build(preset, ModelParallel(), quant), _build(preset, par, quant)
             groups = int(getattr(model.config, "n_group", 1) or 1)
             bal = Balancer.for_model(model, par, interval=2, window=4, groups=groups)
-            rng = random.Random(5 + rank)  # each DP rank its own skewed prompts
+            # each DP rank its own skewed prompts; TP ranks the same ones
+            rng = random.Random(5 + (rank if layout == "dp2" else 0))
             prompts = [[rng.choice([5, 9, 5, 17]) for _ in range(n)] for n in (30, 12, 21)]
             with torch.inference_mode():
                 want = _prefill_logits(ref, prompts)

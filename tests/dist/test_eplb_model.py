@@ -1,4 +1,4 @@
-"""The balancer on a real model over 2 gloo ranks (DP 2 x EP 2, exact combine, 2 redundant
+"""The balancer on a real model over 2 gloo ranks (DP 2 or TP 2 x EP 2, exact combine, 2 redundant
 slots, a re-placement every 2 steps on skewed prompts): each step's logits stay those of one
 process while layers move, and afterwards every slot's stacks, quantized weights and their
 scales, are its logical expert's."""
@@ -13,9 +13,13 @@ from .harness import run_ranks
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("quant", ["none", "fp4"])
-def test_live_replacement_keeps_outputs_and_moves_scales_with_weights(quant: str) -> None:
-    results = run_ranks(model_replacement, world=2, timeout=240, args=(quant,))
+@pytest.mark.parametrize(
+    ("layout", "quant"), [("dp2", "none"), ("dp2", "fp4"), ("tp2", "none")]
+)  # fp8 linears do not split over TP 2 at dsv4-tiny's sizes (128-wide blocks)
+def test_live_replacement_keeps_outputs_and_moves_scales_with_weights(
+    layout: str, quant: str
+) -> None:
+    results = run_ranks(model_replacement, world=2, timeout=240, args=(quant, layout))
     for rank, per_model in enumerate(results):
         for preset, r in per_model.items():
             assert r["wrong"] == [], (rank, preset, r["wrong"][:5])
