@@ -72,18 +72,29 @@ def stack() -> Iterator[Stack]:
             s.jaeger.stop()
 
 
-def _complete(url: str, rid: str, headers: dict[str, str] | None = None) -> tuple[float, str]:
-    """One non-streamed completion; the client's latency (s) and the X-Request-Id it got."""
-    body = {"model": "dsv4-tiny", "prompt": "tracing " * 40, "max_tokens": 12, "temperature": 0}
+def _complete(
+    url: str, rid: str, headers: dict[str, str] | None = None, stream: bool = False
+) -> tuple[float, str]:
+    """One completion (read to its end); the client's latency (s) and the X-Request-Id it got."""
+    body = {
+        "model": "dsv4-tiny",
+        "prompt": "tracing " * 40,
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": stream,
+    }
     t = time.perf_counter()
-    r = httpx.post(
+    with httpx.stream(
+        "POST",
         f"{url}/v1/completions",
         json=body,
         headers={"x-request-id": rid, **(headers or {})},
         timeout=120,
-    )
+    ) as r:
+        text = r.read().decode()
     latency = time.perf_counter() - t
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200, text
+    assert not stream or text.rstrip().endswith("data: [DONE]"), text
     return latency, r.headers["x-request-id"]
 
 
@@ -197,10 +208,12 @@ def test_a_clients_traceparent_is_the_parent(stack: Stack) -> None:
     assert root.parent_id == parent
 
 
-def test_dsv4_trace_prints_the_waterfall(stack: Stack) -> None:
+def test_dsv4_trace_prints_the_waterfall_of_a_streamed_request(stack: Stack) -> None:
     rid = f"cli-{uuid.uuid4().hex}"
-    _complete(stack.up.url, rid)
-    _trace(stack, rid)
+    _complete(stack.up.url, rid, stream=True)
+    _, spans = _trace(stack, rid)
+    # streamed: the gateway's decode call and the decode engine's span end with the stream
+    _within(_one(spans, "dsv4.engine.decode"), _one(spans, "dsv4.gateway.decode"))
     out = subprocess.run(
         dsv4_argv("trace", rid, "--jaeger-url", stack.jaeger.query_url, "--wait", "5"),
         capture_output=True,
