@@ -20,6 +20,8 @@ import pytest
 from dsv4_common.process import Service, dsv4_argv, free_port
 from tests.engine.common import start_engine, workload
 
+from .processes import greedy_tokens, group_members
+
 pytestmark = pytest.mark.dist
 
 COMMON = [
@@ -28,21 +30,6 @@ COMMON = [
 ]
 SHAPE = ["--tensor-parallel-size", "2", "--data-parallel-size", "2", "--expert-parallel-size", "4"]
 ITEMS = workload(6, 5, shared_prefix=12)
-
-
-def _tokens(url: str, prompt: list[int], max_tokens: int, rank: int | None = None) -> list[int]:
-    body = {
-        "model": "dsv4-tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
-    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"])
 
 
 def _follower(tmp: Path, port: int) -> Service:
@@ -64,20 +51,6 @@ def _follower(tmp: Path, port: int) -> Service:
     return s
 
 
-def _alive(pgid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
-            if int(group) == pgid and state != "Z":
-                out.append(int(d.name))
-    return out
-
-
 def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Path) -> None:
     port = free_port()
     ref = start_engine("ref", tmp_path, *COMMON)
@@ -92,8 +65,8 @@ def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Pa
         assert httpx.get(node1.url + "/ready").status_code == 200
         assert httpx.get(node1.url + "/v1/models").status_code == 404  # the API is node 0's
         with ThreadPoolExecutor(6) as pool:
-            want = list(pool.map(lambda it: _tokens(ref.url, *it), ITEMS))
-            wave = pool.map(lambda it: _tokens(node0.url, *it, rank=1), ITEMS[:3])
+            want = list(pool.map(lambda it: greedy_tokens(ref.url, *it), ITEMS))
+            wave = pool.map(lambda it: greedy_tokens(node0.url, *it, rank=1), ITEMS[:3])
             # the pinned wave runs on DP rank 1, whose ranks are node 1's
             seen = {"0": 0.0, "1": 0.0}
             deadline = time.monotonic() + 60
@@ -101,7 +74,7 @@ def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Pa
                 for r in seen:
                     seen[r] = max(seen[r], node0.metric("vllm:num_requests_running", engine=r))
                 time.sleep(0.02)
-            got = list(wave) + list(pool.map(lambda it: _tokens(node0.url, *it), ITEMS[3:]))
+            got = list(wave) + list(pool.map(lambda it: greedy_tokens(node0.url, *it), ITEMS[3:]))
         assert got == want
         assert seen["0"] == 0 and seen["1"] > 0, seen
         pgid = node1.pid
@@ -113,7 +86,7 @@ def test_two_nodes_with_a_headless_follower_give_one_process_tokens(tmp_path: Pa
             time.sleep(0.2)
         assert node1.exit_code() == 0, node1.tail()
         assert node0.exit_code() == 0
-        assert _alive(pgid) == []
+        assert group_members(pgid) == {}
     except BaseException:
         for s in (node0, node1):
             print(f"--- {s.name} ---\n{s.tail(60)}")
@@ -152,9 +125,9 @@ def test_a_lost_follower_node_ends_the_instance_with_503s(tmp_path: Path) -> Non
         assert codes == [503, 503]
         assert not node0.running() and node0.exit_code() == 1
         assert node0.pid is not None
-        while _alive(node0.pid) and time.monotonic() - killed < 30:
+        while group_members(node0.pid) and time.monotonic() - killed < 30:
             time.sleep(0.1)
-        assert _alive(node0.pid) == []
+        assert group_members(node0.pid) == {}
     except BaseException:
         for s in (node0, node1):
             print(f"--- {s.name} ---\n{s.tail(60)}")

@@ -20,24 +20,9 @@ import pytest
 from dsv4_common.process import Service, dsv4_argv, free_port
 from tests.engine.common import start_engine
 
+from .processes import group_members
+
 pytestmark = pytest.mark.dist
-
-
-def _group_members(pgid: int) -> dict[int, str]:
-    """Live (non-zombie) processes of process group ``pgid``: pid -> kernel name."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
-        if int(group) == pgid and state != "Z":
-            out[int(d.name)] = name
-    return out
 
 
 def _complete(url: str, results: list[tuple[int, dict[str, object]]]) -> None:
@@ -65,7 +50,7 @@ def test_a_killed_follower_fails_requests_with_503_and_ends_the_instance(tmp_pat
         server.wait_ready(180)
         pgid = server.pid
         assert pgid is not None
-        ranks = {n: p for p, n in _group_members(pgid).items() if n.startswith("dsv4-rank")}
+        ranks = {n: p for p, n in group_members(pgid).items() if n.startswith("dsv4-rank")}
         assert set(ranks) == {"dsv4-rank-0", "dsv4-rank-1"}
         results: list[tuple[int, dict[str, object]]] = []
         clients = [threading.Thread(target=_complete, args=(server.url, results)) for _ in range(3)]
@@ -93,9 +78,9 @@ def test_a_killed_follower_fails_requests_with_503_and_ends_the_instance(tmp_pat
             assert "engine core died: rank" in str(err["message"])
         # a process may still be tearing down (empty cmdline, not yet a zombie) a moment after
         # the front end exits: gone within the same 30 s
-        while _group_members(pgid) and time.monotonic() - killed < 30:
+        while group_members(pgid) and time.monotonic() - killed < 30:
             time.sleep(0.1)
-        assert _group_members(pgid) == {}
+        assert group_members(pgid) == {}
         assert "engine core died" in server.tail(80)
     finally:
         server.stop()

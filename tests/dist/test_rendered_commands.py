@@ -38,8 +38,9 @@ from dsv4_common.process import Service, dsv4_argv, free_port, free_ports
 from dsv4_operator.api.spec import DeploymentSpec, parse
 from dsv4_operator.reconcile import Facts, desired_children, names
 from dsv4_operator.reconcile.identity import STS_POD_INDEX
-from tests.dist.test_multinode import _alive
 from tests.engine.common import workload
+
+from .processes import greedy_tokens, group_members
 
 pytestmark = pytest.mark.dist
 
@@ -214,30 +215,12 @@ def _start_pods(
 
 
 def _rank_processes(pgid: int) -> list[str]:
-    out = []
-    for pid in _alive(pgid):
-        try:
-            out.append((Path("/proc") / str(pid) / "comm").read_text().strip())
-        except OSError:
-            continue
-    return sorted(n for n in out if n.startswith("dsv4-rank"))
+    return sorted(n for n in group_members(pgid).values() if n.startswith("dsv4-rank"))
 
 
-def _tokens(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {
-        "model": "dsv4-tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"])
-
-
-def test_rendered_tp2_and_two_node_pods_serve_the_single_process_tokens(tmp_path: Path) -> None:
+def test_rendered_tp2_and_two_node_pods_serve_the_single_process_tokens(
+    tmp_path: Path,
+) -> None:
     spec = parse(json.loads(json.dumps(CR)))
     objs = _objects(spec)
     taken: set[int] = set()
@@ -323,8 +306,8 @@ def test_rendered_tp2_and_two_node_pods_serve_the_single_process_tokens(tmp_path
             assert time.monotonic() < deadline, gateway.tail()
             time.sleep(0.2)
         with ThreadPoolExecutor(5) as pool:
-            want = list(pool.map(lambda it: _tokens(ref.url, *it), ITEMS))
-            got = list(pool.map(lambda it: _tokens(gateway.url, *it), ITEMS))
+            want = list(pool.map(lambda it: greedy_tokens(ref.url, *it), ITEMS))
+            got = list(pool.map(lambda it: greedy_tokens(gateway.url, *it), ITEMS))
         assert got == want
         pulls = engine_of[leader.name].metric(
             "dsv4_kv_engine_transfers_total", direction="pull", outcome="ok"
