@@ -41,6 +41,7 @@ GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_FINISH = "gen_ai.response.finish_reasons"
 GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+MAX_QUEUED_SPANS = 16384
 REQUEST_ID = "dsv4.request_id"  # the gateway's X-Request-Id: how `dsv4 trace` finds a trace
 
 _lock = threading.Lock()
@@ -86,9 +87,14 @@ def setup(
         if provider is None:
             resource = Resource.create({"service.name": service, **(attributes or {})})
             provider = TracerProvider(resource=resource)
-            # short batches: a trace is wanted seconds after its request, not at a 5 s tick
+            # short batches (a trace is wanted seconds after its request, not at a 5 s tick) and
+            # room for a few seconds of spans of a busy gateway before any is dropped
             provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=url), schedule_delay_millis=500)
+                BatchSpanProcessor(
+                    OTLPSpanExporter(endpoint=url),
+                    schedule_delay_millis=500,
+                    max_queue_size=MAX_QUEUED_SPANS,
+                )
             )
             _providers[(url, service)] = provider
             atexit.register(provider.shutdown)

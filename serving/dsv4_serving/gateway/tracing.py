@@ -82,12 +82,10 @@ def attempt_span(
         {
             "dsv4.role": role,
             "dsv4.gateway.policy": policy,
-            "dsv4.gateway.attempt": attempt,
-            "dsv4.gateway.retry": attempt > 0,
+            "dsv4.gateway.attempt": attempt,  # > 0: a retry
             "server.address": inst.url,
             "dsv4.dp_rank": choice.rank,
             "dsv4.gateway.predicted_cached_tokens": choice.cached_tokens,
-            "dsv4.instance.inflight_requests": inst.inflight_requests,
         },
         "client",
     )
