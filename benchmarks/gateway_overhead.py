@@ -110,6 +110,12 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="also measure a second gateway tracing every request to this OTLP/HTTP endpoint "
+        "(e.g. a local Jaeger: dsv4_serving.jaeger), beside the untraced one",
+    )
     args = p.parse_args()
     if args.requests < 10 or args.concurrency < 1 or args.rounds < 1:
         p.error("--requests must be >= 10, --concurrency and --rounds >= 1")
@@ -124,7 +130,8 @@ def main() -> int:
         return service.url
 
     try:
-        ports = {name: free_port() for name in ("p0", "p1", "d0", "d1", "gateway", "router")}
+        names = ("p0", "p1", "d0", "d1", "gateway", "gateway-traced", "router")
+        ports = {name: free_port() for name in names}
         stubs = {
             name: start(name, [sys.executable, str(STUB), "--port", str(ports[name])], ports[name])
             for name in ("p0", "p1", "d0", "d1")
@@ -136,6 +143,13 @@ def main() -> int:
         ]
         gw_argv = dsv4_argv("gateway", "--port", str(ports["gateway"]), "--log-level", "warning")
         gateway_url = start("gateway", [*gw_argv, *upstreams], ports["gateway"])
+        traced_url = None
+        if args.otlp_traces_endpoint:
+            tr_argv = dsv4_argv(
+                "gateway", "--port", str(ports["gateway-traced"]), "--log-level", "warning"
+            )
+            tr_argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint, *upstreams]
+            traced_url = start("gateway-traced", tr_argv, ports["gateway-traced"])
         router = ensure_vllm_router()
         router_url = None
         if router:
@@ -147,6 +161,8 @@ def main() -> int:
             "direct (client does P then D)": (direct(prefills, decodes), ""),
             "dsv4 gateway": (via_router, gateway_url),
         }
+        if traced_url:
+            paths["dsv4 gateway, tracing on"] = (via_router, traced_url)
         if router_url:
             paths[f"vllm-router {ROUTER_VERSION}"] = (via_router, router_url)
         # interleave the paths round by round and keep the median: this machine's noise (other
