@@ -3,7 +3,7 @@ scales) and W8A8 int8, on the same model config and the same (dummy) weights qua
 (CPU). The goal: W8A8 decode >= 1.0x the float32 path's tokens/s.
 
     .venv/bin/python benchmarks/quantized.py [--configs dsv3-small anchor]
-        [--formats float32 bfloat16 fp8 w8a8] [--batches 1 16] [--prompt 64]
+        [--formats float32 bfloat16 fp8 w8a8 w8a8-torch] [--batches 1 16] [--prompt 64]
         [--decode-steps 8] [--threads N]
 
 ``anchor`` is ../shared/anchors/dsv3-anchor-config.json (the engine comparison's model).
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
-from dsv4_serving.layers.quant.methods import cast_model
+from dsv4_serving.kernels.w8a8 import W8A8Kernel
+from dsv4_serving.layers.quant.methods import W8A8, cast_model
 from dsv4_serving.layers.quant.scheme import QuantScheme
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.registry import REGISTRY
@@ -38,6 +39,7 @@ FORMATS = {
     "bfloat16": ("none", torch.bfloat16),
     "fp8": ("fp8", torch.float32),
     "w8a8": ("w8a8", torch.float32),
+    "w8a8-torch": ("w8a8", torch.float32),  # the pure-torch W8A8 path (no C++ kernel)
 }
 
 
@@ -54,6 +56,10 @@ def _model(config: dict[str, Any], fmt: str) -> Any:
     cfg = dataclasses.replace(cls.config_class.from_dict(config), quant=QuantScheme.of(scheme))  # type: ignore[arg-type]
     model = cls(cfg)
     init_dummy_weights(model, seed=0)  # the float weights, quantized whole for fp8 / w8a8
+    if fmt == "w8a8-torch":
+        for m in model.modules():
+            if isinstance(getattr(m, "quant", None), W8A8):
+                m.quant.kernel = W8A8Kernel(use_kernel=False)
     return cast_model(model, dtype).eval()
 
 
@@ -62,8 +68,9 @@ def weight_bytes(model: Any) -> int:
 
 
 def bench(
-    config: dict[str, Any], fmt: str, batch: int, prompt: int, steps: int
+    config: dict[str, Any], fmt: str, batch: int, prompt: int, steps: int, clock: Any = None
 ) -> dict[str, float]:
+    clock = clock or time.perf_counter
     model = _model(config, fmt)
     ids = torch.randint(
         0, int(config["vocab_size"]), (batch, prompt + steps + 1),
@@ -83,9 +90,9 @@ def bench(
         for s in range(steps + 1):  # the first step warms up
             chunks = [SeqChunk(prompt + s, 1, blocks[i], i) for i in range(batch)]
             meta = AttentionMetadata.build(chunks, BLOCK)
-            t = time.perf_counter()
+            t = clock()
             model.compute_logits(model(ids[:, prompt + s], meta, cache))
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
     step = statistics.median(times[1:])
     return {"step_ms": 1000 * step, "tok_s": batch / step, "mib": weight_bytes(model) / 2**20}
 
@@ -98,12 +105,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time (steadier on a shared machine; use with --threads 1)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(
         f"CPU decode, prompt {args.prompt}, {args.decode_steps} steps (median), "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock"
     )
     head = (
         f"{'config':<11} {'batch':>5} {'weights':>9} {'MiB':>8} {'step ms':>9} {'tok/s':>9} "
@@ -116,7 +130,7 @@ def main() -> None:
         for batch in args.batches:
             base = None
             for fmt in args.formats:
-                r = bench(config, fmt, batch, args.prompt, args.decode_steps)
+                r = bench(config, fmt, batch, args.prompt, args.decode_steps, clock)
                 base = r["tok_s"] if fmt == "float32" else base
                 ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
                 print(

@@ -67,7 +67,13 @@ def test_strided_rows_expert_views_and_a_shared_scale() -> None:
         stacked = torch.randint(-127, 128, (3, 70, 257), dtype=torch.int8, generator=g)
         s = torch.rand(3, 70, generator=g)
         for e in range(3):
-            assert torch.equal(ext.w8a8_linear(x, stacked[e], s[e]), oracle(x, stacked[e], s[e]))
+            want = oracle(x, stacked[e], s[e])
+            assert torch.equal(ext.w8a8_linear(x, stacked[e], s[e]), want)
+            assert torch.equal(ext.w8a8_linear(x, stacked, s, None, e), want)  # picked in C++
+        x3 = x.reshape(3, 3, 257)  # leading dims kept
+        assert torch.equal(
+            ext.w8a8_linear(x3, stacked[1], s[1]), oracle(x, stacked[1], s[1]).view(3, 3, 70)
+        )
         xs = token_scale(big)  # a whole-row scale, as a TP row split shares it
         assert torch.equal(
             ext.w8a8_linear(x, stacked[0], s[0], xs), oracle(x, stacked[0], s[0], xs)
@@ -82,6 +88,10 @@ def test_bad_arguments_are_clear_errors() -> None:
         ext.w8a8_linear(torch.zeros(2, 9), w, torch.ones(4))
     with pytest.raises(RuntimeError, match="one scale per output row"):
         ext.w8a8_linear(torch.zeros(2, 8), w, torch.ones(3))
+    with pytest.raises(RuntimeError, match="index 4 out of 4 stacked"):
+        ext.w8a8_linear(torch.zeros(2, 8), w.expand(4, 4, 8), torch.ones(4, 4), None, 4)
+    with pytest.raises(RuntimeError, match="with an index"):
+        ext.w8a8_linear(torch.zeros(2, 8), w.expand(4, 4, 8), torch.ones(4, 4))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ext.w8a8_linear(torch.zeros(2, 8, dtype=torch.float16), w, torch.ones(4))
 

@@ -101,37 +101,80 @@ void quantize_row(const float* x, int64_t k, int64_t kp, float s, uint8_t* codes
 // ---- int8 micro-kernels: acc[m][j] = sum_k code(x_m)[k] * w_j[k] (exact int32) ----------
 
 #if defined(W8A8_VNNI)
+// the lane sums of 16 accumulators, out[i] = sum(v[i]), by a transpose-and-add tree (45
+// instructions instead of 16 horizontal reductions of about 8 each: with K of a few hundred
+// the reductions would cost as much as the products)
+__attribute__((always_inline)) inline void reduce16(const __m512i* v, int32_t* out) {
+  __m512i p[8], q[4];
+  for (int i = 0; i < 8; ++i)
+    p[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L of q[g]: partial sums of v[4g..4g+3]
+    q[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                            _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+  constexpr int EVEN = 0 | (2 << 2) | (0 << 4) | (2 << 6), ODD = 1 | (3 << 2) | (1 << 4) | (3 << 6);
+  const __m512i u0 = _mm512_add_epi32(_mm512_shuffle_i32x4(q[0], q[1], EVEN),
+                                      _mm512_shuffle_i32x4(q[0], q[1], ODD));
+  const __m512i u1 = _mm512_add_epi32(_mm512_shuffle_i32x4(q[2], q[3], EVEN),
+                                      _mm512_shuffle_i32x4(q[2], q[3], ODD));
+  _mm512_storeu_si512(out, _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, EVEN),
+                                            _mm512_shuffle_i32x4(u0, u1, ODD)));
+}
+
+// one 64-byte step of K: every weight vector is loaded once and used by the MR tokens
+template <int MR, int NR, bool RS, bool TAIL>
+__attribute__((always_inline)) inline void step(const uint8_t* xc, int64_t kp, const int8_t* w,
+                                                int64_t ldw, int64_t i, __mmask64 mask,
+                                                __m512i* acc, __m512i* sums) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i wv[NR];
+  for (int j = 0; j < NR; ++j) {
+    wv[j] = TAIL ? _mm512_maskz_loadu_epi8(mask, w + j * ldw + i)
+                 : _mm512_loadu_si512(w + j * ldw + i);
+    if (RS) sums[j] = _mm512_dpbusd_epi32(sums[j], ones, wv[j]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512i xv = _mm512_loadu_si512(xc + m * kp + i);
+    for (int j = 0; j < NR; ++j)
+      acc[m * NB + j] = _mm512_dpbusd_epi32(acc[m * NB + j], xv, wv[j]);
+  }
+}
+
+// RS: also sum the weight rows (the first token block of a row block), for the offset
+template <int MR, int NR, bool RS>
+void micro_rs(const uint8_t* xc, int64_t kp, const int8_t* w, int64_t ldw, int64_t k,
+              int32_t* rs, int32_t (*out)[NB]) {
+  __m512i acc[MB * NB], sums[NB];
+  for (int i = 0; i < MB * NB; ++i) acc[i] = _mm512_setzero_si512();
+  for (int j = 0; j < NB; ++j) sums[j] = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + KSTEP <= k; i += KSTEP) step<MR, NR, RS, false>(xc, kp, w, ldw, i, 0, acc, sums);
+  if (i < k) step<MR, NR, RS, true>(xc, kp, w, ldw, i, ~0ULL >> (KSTEP - (k - i)), acc, sums);
+  if (RS)
+    for (int j = 0; j < NR; ++j) rs[j] = _mm512_reduce_add_epi32(sums[j]);
+  alignas(64) int32_t total[MB * NB];
+  reduce16(acc, total);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) out[m][j] = total[m * NB + j] - 128 * rs[j];
+}
+
 template <int MR, int NR>
 void micro(const uint8_t* xc, int64_t kp, const int8_t* w, int64_t ldw, int64_t k,
            bool rowsum, int32_t* rs, int32_t (*out)[NB]) {
-  __m512i acc[MR][NR], sums[NR];
-  for (int j = 0; j < NR; ++j) sums[j] = _mm512_setzero_si512();
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t i = 0; i < k; i += KSTEP) {
-    const __mmask64 mask = i + KSTEP <= k ? ~0ULL : (~0ULL >> (KSTEP - (k - i)));
-    __m512i wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * ldw + i);
-      if (rowsum) sums[j] = _mm512_dpbusd_epi32(sums[j], ones, wv[j]);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512i xv = _mm512_loadu_si512(xc + m * kp + i);
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
-    }
+  if (rowsum) {
+    micro_rs<MR, NR, true>(xc, kp, w, ldw, k, rs, out);
+  } else {
+    micro_rs<MR, NR, false>(xc, kp, w, ldw, k, rs, out);
   }
-  if (rowsum)
-    for (int j = 0; j < NR; ++j) rs[j] = _mm512_reduce_add_epi32(sums[j]);
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) out[m][j] = _mm512_reduce_add_epi32(acc[m][j]) - 128 * rs[j];
 }
 #elif defined(W8A8_AVX2)
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
+// out[i] = sum(v[i]) for 8 accumulators: a horizontal-add tree, 9 instructions for 8 sums
+inline void reduce8(const __m256i* v, int32_t* out) {
+  const __m256i h01 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i h23 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_add_epi32(_mm256_permute2x128_si256(h01, h23, 0x20),
+                                       _mm256_permute2x128_si256(h01, h23, 0x31)));
 }
 
 template <int MR, int NR>
@@ -162,8 +205,14 @@ void micro(const uint8_t* xc, int64_t kp, const int8_t* w, int64_t ldw, int64_t 
       }
     }
   }
+  __m256i all[MB * NB];
+  for (int i = 0; i < MB * NB; ++i) all[i] = _mm256_setzero_si256();
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) out[m][j] = hsum(acc[m][j]);
+    for (int j = 0; j < NR; ++j) all[m * NB + j] = acc[m][j];
+  alignas(32) int32_t sums8[MB * NB];
+  reduce8(all, sums8);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) out[m][j] = sums8[m * NB + j];
 }
 #else
 template <int MR, int NR>
@@ -193,6 +242,8 @@ constexpr std::array<std::array<Micro, NB>, sizeof...(MRs)> table_of(
   return {row_of<MRs + 1>(std::make_integer_sequence<int, NB>{})...};
 }
 
+static_assert(MB * NB == 16 || KSTEP != 64, "reduce16 takes a 4 x 4 tile");
+static_assert(MB * NB == 8 || KSTEP != 32, "reduce8 takes a 4 x 2 tile");
 const auto MICRO = table_of(std::make_integer_sequence<int, MB>{});
 
 template <typename out_t>
@@ -230,8 +281,12 @@ void run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ws
   const int8_t* wp = w.data_ptr<int8_t>();
   const int64_t ldw = w.stride(0);
   const float* wsp = ws.data_ptr<float>();
-  std::vector<float> scales(m), row(std::is_same<in_t, float>::value ? 0 : k);
-  std::vector<uint8_t> codes(std::min(m, MCHUNK) * kp + KSTEP);
+  // the calling thread's buffers, grown as needed (no allocation per call)
+  thread_local std::vector<float> scales, row;
+  thread_local std::vector<uint8_t> codes;
+  if (scales.size() < size_t(m)) scales.resize(m);
+  if (!std::is_same<in_t, float>::value && row.size() < size_t(k)) row.resize(k);
+  if (codes.size() < size_t(std::min(m, MCHUNK) * kp + KSTEP)) codes.resize(std::min(m, MCHUNK) * kp + KSTEP);
   for (int64_t m0 = 0; m0 < m; m0 += MCHUNK) {
     const int64_t mn = std::min(MCHUNK, m - m0);
     for (int64_t i = 0; i < mn; ++i) {
@@ -263,15 +318,29 @@ void run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ws
 
 }  // namespace
 
+// x [..., K]; w [N, K], or stacked [E, N, K] with ``index`` picking one (experts: no view made
+// in Python); returns [..., N]. The shape work is here because each Python-side tensor op
+// costs about as much as a small expert's whole product.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale,
-                          c10::optional<torch::Tensor> x_scale) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat ||
+                          c10::optional<torch::Tensor> x_scale, int64_t index) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat ||
                                x.scalar_type() == torch::kBFloat16),
-              "x must be a float32 or bfloat16 [M, K] tensor");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.size(1) == x.size(1),
-              "w must be an int8 [N, K] tensor with x's K");
+              "x must be a float32 or bfloat16 [..., K] tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && (w.dim() == 2 || (w.dim() == 3 && index >= 0)),
+              "w must be an int8 [N, K] tensor, or [E, N, K] with an index");
+  if (w.dim() == 3) {
+    TORCH_CHECK(index < w.size(0) && w_scale.dim() == 2 && w_scale.size(0) == w.size(0),
+                "index ", index, " out of ", w.size(0), " stacked weights (and scales)");
+    w = w.select(0, index);
+    w_scale = w_scale.select(0, index);
+  }
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(w.size(1) == k, "w must be an int8 [N, K] tensor with x's K");
   TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.numel() == w.size(0),
               "w_scale must be float32 with one scale per output row");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.size(0);
+  x = x.reshape({-1, k});
   if (x.stride(1) != 1) x = x.contiguous();
   if (w.stride(1) != 1) w = w.contiguous();
   w_scale = w_scale.contiguous();
@@ -281,17 +350,18 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
     x_scale = x_scale->contiguous();
   }
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  if (x.size(0) == 0 || w.size(0) == 0) return y;
-  if (x.scalar_type() == torch::kFloat) {
-    run<float>(x, w, w_scale, x_scale, y);
-  } else {
-    run<at::BFloat16>(x, w, w_scale, x_scale, y);
+  if (x.size(0) > 0 && w.size(0) > 0) {
+    if (x.scalar_type() == torch::kFloat) {
+      run<float>(x, w, w_scale, x_scale, y);
+    } else {
+      run<at::BFloat16>(x, w, w_scale, x_scale, y);
+    }
   }
-  return y;
+  return y.view(shape);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, py::arg("x"), py::arg("w"), py::arg("w_scale"),
-        py::arg("x_scale") = py::none());
+        py::arg("x_scale") = py::none(), py::arg("index") = -1);
   m.attr("path") = PATH;
 }
