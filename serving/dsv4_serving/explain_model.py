@@ -126,6 +126,8 @@ def _explain(
         f"   attention backend: {choice.name}",
         f"   because: {choice.reason}",
         f"   kv cache: {choice.kv_cache_kind}",
+        "   implementations (the engine runs the first that can run here): "
+        + (", ".join(choice.implementations) or "none"),
         "3. derived switches",
     ]
     lines += [f"   {k} = {str(v).lower()}" for k, v in choice.switches.items()]

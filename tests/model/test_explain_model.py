@@ -20,6 +20,7 @@ def test_explain_model_follows_the_seed_troubleshooting_order(
         "device: cpu",
         "attention backend: cpu-v4-sparse-compressed",
         "because: config has compress_ratios",
+        "implementations (the engine runs the first that can run here): v4-torch",
         "enable_sparse_sfa_c8 = false",
         "enable_mlapo = false",
         "window, CSA/4, HCA/16, CSA/4",
@@ -35,6 +36,7 @@ def test_explain_model_reads_a_checkpoint_directory(
     assert main(["explain-model", str(tmp_path), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "cpu-mla" in out and "kv_lora_rank=512" in out and "1 dense, 3 MoE" in out
+    assert "first that can run here): cpu-mla-paged, cpu-mla-torch" in out
 
 
 def test_unknown_architecture_is_step_one_and_lists_registered(

@@ -8,8 +8,8 @@ draft tokens to verify. ``context_lens[i]`` tokens of that sequence are already 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -26,6 +26,10 @@ class SeqChunk(NamedTuple):
     snapshots: Sequence[tuple[int, int]] = ()
 
 
+class _Rotary(Protocol):
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     query_start_loc: list[int]  # B + 1 offsets into the flat batch
@@ -35,6 +39,9 @@ class AttentionMetadata:
     num_blocks: list[int]  # B, blocks in use per sequence
     state_slots: list[int]  # B
     snapshots: list[Sequence[tuple[int, int]]] | None = None  # B, or None when there are none
+    # per-step values every layer shares, built by the first layer that asks (cos/sin per rope
+    # table, an attention backend's plan): once per step, not once per layer
+    memo: dict[object, object] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +55,14 @@ class AttentionMetadata:
         """Cache length of each sequence after this step."""
         q = self.query_start_loc
         return [c + q[i + 1] - q[i] for i, c in enumerate(self.context_lens)]
+
+    def cos_sin(self, rotary: _Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary``'s cos/sin at this step's positions, computed once per step."""
+        key = ("cos_sin", id(rotary))
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = rotary.cos_sin(self.positions)
+        return got  # type: ignore[return-value]
 
     def last_token_indices(self) -> torch.Tensor:
         """Flat index of each sequence's last token in this step (where its logits come from)."""
@@ -85,10 +100,11 @@ class AttentionMetadata:
             qsl.append(qsl[-1] + c.num_new)
             pos.extend(range(c.context_len, c.context_len + c.num_new))
         width = max(1, max(len(c.block_ids) for c in chunks))
-        table = torch.zeros((len(chunks), width), dtype=torch.long)
-        for i, c in enumerate(chunks):
-            if c.block_ids:
-                table[i, : len(c.block_ids)] = torch.tensor(list(c.block_ids), dtype=torch.long)
+        # one tensor from padded host rows (not one small tensor per sequence)
+        table = torch.tensor(
+            [[*c.block_ids, *([0] * (width - len(c.block_ids)))] for c in chunks],
+            dtype=torch.long,
+        )
         return cls(
             query_start_loc=qsl,
             context_lens=[c.context_len for c in chunks],

@@ -43,6 +43,10 @@ class MLAKVCache:
     def has_state(self) -> bool:
         return False
 
+    def layer(self, i: int) -> torch.Tensor:
+        """What layer ``i``'s attention reads and writes."""
+        return self.latent[i]
+
     def paged_tensors(self) -> list[torch.Tensor]:
         return list(self.latent)
 
@@ -66,3 +70,60 @@ class MLAKVCache:
     def bytes_per_block(config: DeepseekV3Config, block_size: int, itemsize: int) -> int:
         n = config.num_hidden_layers + config.num_nextn_predict_layers
         return n * block_size * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
+
+
+@dataclass(slots=True)
+class MLASplitKVCache:
+    """The same rows as two tensors per layer, ``nope [N, bs, 1, kv_lora_rank]`` and
+    ``rope [N, bs, 1, qk_rope_head_dim]``: the layout Ascend's fused MLA kernels read
+    (``npu_mla_prolog_v2``, ``npu_fused_infer_attention_score`` with ``query_rope``/``key_rope``)."""
+
+    block_size: int
+    nope: list[torch.Tensor]
+    rope: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls,
+        config: DeepseekV3Config,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> MLASplitKVCache:
+        n = config.num_hidden_layers + config.num_nextn_predict_layers
+
+        def make(width: int) -> list[torch.Tensor]:
+            return [
+                torch.zeros((num_blocks, block_size, 1, width), device=device, dtype=dtype)
+                for _ in range(n)
+            ]
+
+        return cls(block_size, make(config.kv_lora_rank), make(config.qk_rope_head_dim))
+
+    @property
+    def has_state(self) -> bool:
+        return False
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.nope[i], self.rope[i]
+
+    def paged_tensors(self) -> list[torch.Tensor]:
+        return [*self.nope, *self.rope]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def named_paged_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return [(f"layers.{i}.nope", "nope", t) for i, t in enumerate(self.nope)] + [
+            (f"layers.{i}.rope", "rope", t) for i, t in enumerate(self.rope)
+        ]
+
+    def named_state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return []
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        pass  # no per-sequence state
+
+    bytes_per_slot = MLAKVCache.bytes_per_slot
+    bytes_per_block = MLAKVCache.bytes_per_block

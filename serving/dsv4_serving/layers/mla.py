@@ -10,19 +10,13 @@ import torch
 from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.paged import gather_entries
+from dsv4_serving.cache.mla_step import MLAStep
 from dsv4_serving.distributed.groups import SOLO, Group
-from dsv4_serving.kernels.build import available
-from dsv4_serving.kernels.paged_mla import paged_mla_attention
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.quant.methods import QuantMethods
 from dsv4_serving.layers.rope import Rotary, rotate_halves, rotate_tail_interleaved
 from dsv4_serving.models.config import DeepseekV3Config
-
-KERNEL_MAX_QUERIES = 8
-"""Sequences with up to this many new tokens (decode, MTP verification) go through the paged
-kernel; longer prefill chunks keep the batched products (the kernel is not a GEMM)."""
 
 
 class MLAttention(nn.Module):
@@ -62,114 +56,66 @@ class MLAttention(nn.Module):
         self.scale = cfg.softmax_scale()
         self.rotary = rotary
         self.interleave = cfg.rope_interleave
+        self._absorbed: tuple[tuple[int, int, torch.dtype], torch.Tensor, torch.Tensor] | None = (
+            None
+        )
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleave:
             return rotate_tail_interleaved(x, cos, sin)
         return rotate_halves(x, cos, sin)
 
-    def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, latent_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wkv_b`` split per head into its key half ``[h, nope, kv_lora]`` and value half
+        ``[h, v, kv_lora]``, contiguous float32: made once, again only when the weight changes."""
+        w = self.wkv_b.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if self._absorbed is None or self._absorbed[0] != key:
+            per_head = w.detach().view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+            w_uk = per_head[:, : self.nope].float().contiguous()
+            w_uv = per_head[:, self.nope :].float().contiguous()
+            self._absorbed = (key, w_uk, w_uv)
+        return self._absorbed[1], self._absorbed[2]
+
+    def project(
+        self, x: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[T, h, nope]`` and ``[T, h, rope]`` (rotated), and the latent row each new
+        token stores ``[T, kv_lora + rope]``: ``[kv_norm(c_kv) | rope(k_pe)]``."""
         t, h = x.shape[0], self.n_heads
         q = self.wq(x) if self.q_lora is None else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(t, h, self.nope + self.rope_dim)
-        cos, sin = self.rotary.cos_sin(meta.positions)
+        cos, sin = meta.cos_sin(self.rotary)
         q_nope, q_pe = q[..., : self.nope], self._rope(q[..., self.nope :], cos, sin)
         kv_a = self.wkv_a(x)
         c = self.kv_norm(kv_a[:, : self.kv_lora])
         k_pe = self._rope(kv_a[:, self.kv_lora :], cos, sin)
-        latent = torch.cat((c, k_pe), dim=-1)
-        # absorbed form (as vLLM's MLA decode): fold wkv_b's key half into the query and its
-        # value half after the softmax, so attention runs over the cached latents directly
-        # instead of re-expanding every cached token through wkv_b at every step
-        w = self.wkv_b.weight.view(h, self.nope + self.v_dim, self.kv_lora)
-        w_uk, w_uv = w[:, : self.nope].float(), w[:, self.nope :].float()
-        # [latent query | rope query] against [latent | rope key]: one product per score
-        q_lat = torch.cat((torch.einsum("thd,hdl->thl", q_nope.float(), w_uk), q_pe.float()), -1)
+        return q_nope, q_pe, torch.cat((c, k_pe), dim=-1)
+
+    def forward(self, x: torch.Tensor, step: MLAStep, latent_cache: torch.Tensor) -> torch.Tensor:
+        """``step``: this step's plan from the attention backend (``platform/mla_torch.py``),
+        built once per step; the backend stores the latents and runs the attention."""
+        backend = step.backend
+        t, h = x.shape[0], self.n_heads
+        q_nope, q_pe, latent = self.project(x, step.meta)
+        backend.write(step, latent_cache, latent)
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
-        # write every new latent first: one scatter into the flattened pool
-        bs, width = latent_cache.shape[1], latent_cache.shape[2]
-        flat = latent_cache.view(-1, width)
-        qsl = meta.query_start_loc
-        n_new = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
-        lens = torch.tensor(n_new, device=x.device)
-        seq_of = torch.repeat_interleave(torch.arange(meta.num_seqs, device=x.device), lens)
-        pos = meta.positions
-        slots = meta.block_tables[seq_of, pos // bs] * bs + pos % bs
-        flat[slots] = latent.to(flat.dtype)
-        if x.device.type == "cpu" and available("paged_mla"):
-            # decode and MTP verification read the cache in place (kernels/paged_mla.cpp)
-            done = [i for i in range(meta.num_seqs) if n_new[i] <= KERNEL_MAX_QUERIES]
-            if done:
-                rows, o_lat = self._paged(q_lat, meta, done, latent_cache)
-                out[rows] = torch.einsum("thl,hvl->thv", o_lat, w_uv).to(x.dtype)
-        else:
-            done = [i for i in range(meta.num_seqs) if n_new[i] == 1]
-            if done:
-                out[meta.query_start_loc_tensor(done)] = self._decode(
-                    q_lat, meta, done, latent_cache, bs, w_uv
-                ).to(x.dtype)
-        handled = set(done)
-        for i in range(meta.num_seqs):
-            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            ctx, n = meta.context_lens[i], b - a
-            if i in handled:
-                continue
-            lat = gather_entries(latent_cache, meta.block_tables[i], ctx + n).float()
-            s = torch.einsum("nhl,kl->hnk", q_lat[a:b], lat)
-            kpos = torch.arange(ctx + n, device=x.device)
-            s = s * self.scale
-            s = s.masked_fill(kpos[None, None, :] > pos[a:b][None, :, None], -torch.inf)
-            p = s.softmax(dim=-1)
-            o_lat = torch.einsum("hnk,kl->nhl", p, lat)[..., : self.kv_lora]
-            out[a:b] = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).to(x.dtype)
+        if step.decode_rows is not None:
+            # absorbed form (as vLLM's MLA decode): fold wkv_b's key half into the query and
+            # its value half after the softmax, so attention runs over the cached latents
+            # directly instead of re-expanding every cached token through wkv_b at every step
+            rows = step.decode_rows
+            w_uk, w_uv = self._absorb_weights()
+            q_lat = self._absorb(q_nope[rows], q_pe[rows], w_uk)
+            o_lat = backend.decode(step, q_lat, latent_cache, self.scale, self.kv_lora)
+            out[rows] = torch.einsum("thl,hvl->thv", o_lat, w_uv).to(x.dtype)
+        for seq in step.prefill:
+            a, b = seq.start, seq.start + seq.num_new
+            o = backend.prefill(self, step, seq, q_nope[a:b], q_pe[a:b], latent[a:b], latent_cache)
+            out[a:b] = o.to(x.dtype)
         return self.wo(out.flatten(1))
 
-    def _paged(
-        self, q_lat: torch.Tensor, meta: AttentionMetadata, seqs: list[int], pool: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query rows of ``seqs`` and their attention outputs in latent space."""
-        qsl = meta.query_start_loc
-        rows = [r for i in seqs for r in range(qsl[i], qsl[i + 1])]
-        sub_qsl = [0]
-        for i in seqs:
-            sub_qsl.append(sub_qsl[-1] + qsl[i + 1] - qsl[i])
-        dev = q_lat.device
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        o_lat = paged_mla_attention(
-            q_lat[rows_t].contiguous(),
-            pool,
-            meta.block_tables[torch.tensor(seqs, device=dev)].to(torch.int32),
-            torch.tensor(sub_qsl, dtype=torch.int32),
-            torch.tensor(
-                [meta.context_lens[i] + qsl[i + 1] - qsl[i] for i in seqs], dtype=torch.int32
-            ),
-            self.scale,
-            self.kv_lora,
-            use_kernel=True,
-        )
-        return rows_t, o_lat
-
-    def _decode(
-        self,
-        q_lat: torch.Tensor,
-        meta: AttentionMetadata,
-        seqs: list[int],
-        pool: torch.Tensor,
-        bs: int,
-        w_uv: torch.Tensor,
-    ) -> torch.Tensor:
-        """One query per sequence, all sequences at once over their padded latents."""
-        dev = q_lat.device
-        rows = meta.query_start_loc_tensor(seqs)
-        klen = torch.tensor([meta.context_lens[i] + 1 for i in seqs], device=dev)
-        nb = -(-int(klen.max()) // bs)
-        # whole blocks (contiguous copies); rows past a sequence's length are masked below
-        table = meta.block_tables[torch.tensor(seqs, device=dev), :nb]
-        lat = torch.index_select(pool, 0, table.reshape(-1)).view(len(seqs), nb * bs, -1).float()
-        kpos = torch.arange(nb * bs, device=dev)
-        s = torch.bmm(q_lat[rows], lat.transpose(1, 2))
-        s = (s * self.scale).masked_fill(kpos[None, None, :] >= klen[:, None, None], -torch.inf)
-        o_lat = torch.bmm(s.softmax(dim=-1), lat)[..., : self.kv_lora]
-        return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
+    @staticmethod
+    def _absorb(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """[latent query | rope query] against [latent | rope key]: one product per score."""
+        return torch.cat((torch.einsum("thd,hdl->thl", q_nope.float(), w_uk), q_pe.float()), -1)

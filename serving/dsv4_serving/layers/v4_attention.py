@@ -24,6 +24,7 @@ from torch import nn
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.paged import gather_entries, scatter_entries
 from dsv4_serving.cache.v4 import V4LayerCache
+from dsv4_serving.cache.v4_step import RatioPlan, V4DecodeStep, V4Step
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm, rms_norm
@@ -59,26 +60,36 @@ class Compressor(nn.Module):
     ) -> torch.Tensor:
         """Entries ``first_w .. first_w + n_win - 1`` from ``proj`` rows at positions
         ``base ..`` -> ``[n_win, head_dim]``, normed and rotated at their block start."""
-        r, d = self.ratio, self.head_dim
-        width = proj.shape[-1] // 2
-        kv, gate = proj[:, :width], proj[:, width:]
+        r = self.ratio
         wins = torch.arange(first_w, first_w + n_win, device=proj.device)
         offs = torch.arange(r, device=proj.device)
         cur = wins[:, None] * r - base + offs[None, :]  # [n_win, r] rows of the block itself
+        prev = proj[(cur - r).clamp(min=0)] if self.overlap else None
+        return self.pool_rows(proj[cur], prev, wins, rotary)
+
+    def pool_rows(
+        self, cur: torch.Tensor, prev: torch.Tensor | None, wins: torch.Tensor, rotary: Rotary
+    ) -> torch.Tensor:
+        """Entries ``wins`` from the raw rows of their own block ``cur`` ``[N, r, 2 * width]``
+        and (overlap) of the block before ``prev`` (ignored for entry 0) -> ``[N, head_dim]``."""
+        r, d = self.ratio, self.head_dim
+        width = cur.shape[-1] // 2
+        kv, gate = cur[..., :width], cur[..., width:]
         ape = self.ape.float()
-        if not self.overlap:
-            k = kv[cur].float()
-            g = gate[cur].float() + ape
+        if prev is None:
+            k = kv.float()
+            g = gate.float() + ape
         else:
-            k_cur = kv[cur][..., d:].float()
-            g_cur = gate[cur][..., d:].float() + ape[:, d:]
-            prev = (cur - r).clamp(min=0)
+            k_cur = kv[..., d:].float()
+            g_cur = gate[..., d:].float() + ape[:, d:]
             has_prev = (wins >= 1)[:, None, None]
-            k_prev = torch.where(has_prev, kv[prev][..., :d].float(), 0.0)
-            g_prev = torch.where(has_prev, gate[prev][..., :d].float() + ape[:, :d], -torch.inf)
+            k_prev = torch.where(has_prev, prev[..., :d].float(), 0.0)
+            g_prev = torch.where(
+                has_prev, prev[..., width : width + d].float() + ape[:, :d], -torch.inf
+            )
             k = torch.cat((k_prev, k_cur), dim=1)
             g = torch.cat((g_prev, g_cur), dim=1)
-        pooled = (k * g.softmax(dim=1)).sum(dim=1).to(proj.dtype)
+        pooled = (k * g.softmax(dim=1)).sum(dim=1).to(cur.dtype)
         pooled = self.norm(pooled)
         cos, sin = rotary.cos_sin(wins * r)
         return rotate_tail_interleaved(pooled, cos, sin)
@@ -140,12 +151,14 @@ class V4Attention(nn.Module):
         self.rotary = rotary_comp if self.ratio else rotary_main
         self.rotary_comp = rotary_comp
 
-    def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, cache: V4LayerCache
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: V4Step, cache: V4LayerCache) -> torch.Tensor:
+        """``step``: this step's plan from the attention backend (``platform/v4_torch.py``),
+        built once per step: every decode sequence in one batched pass, longer chunks one
+        sequence at a time."""
+        meta = step.meta
         t = x.shape[0]
         h, d = self.n_heads, self.head_dim
-        cos, sin = self.rotary.cos_sin(meta.positions)
+        cos, sin = meta.cos_sin(self.rotary)
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
         q = rotate_tail_interleaved(q, cos, sin)
@@ -155,14 +168,24 @@ class V4Attention(nn.Module):
         idx_q = idx_w = idx_proj = None
         if self.indexer is not None:
             ix = self.indexer
-            ccos, csin = self.rotary_comp.cos_sin(meta.positions)
+            ccos, csin = meta.cos_sin(self.rotary_comp)
             idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
             idx_q = rotate_tail_interleaved(idx_q, ccos, csin)
             idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
             idx_proj = ix.compressor.project(x)
 
         out = torch.empty_like(q)
-        for i in range(meta.num_seqs):
+        dec = step.decode
+        if dec is not None:
+            r = dec.rows
+
+            def pick(y: torch.Tensor | None) -> torch.Tensor | None:
+                return None if y is None else y[r]
+
+            out[r] = self._decode(
+                dec, q[r], kv[r], pick(comp_proj), pick(idx_q), pick(idx_w), pick(idx_proj), cache
+            )
+        for i in step.prefill:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[a:b] = self._sequence(
                 i, a, b, q[a:b], kv[a:b], comp_proj, idx_q, idx_w, idx_proj, meta, cache
@@ -172,6 +195,85 @@ class V4Attention(nn.Module):
         wo_a = self.wo_a.weight.view(g, -1, h * d // g)
         grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wo_a)
         return self.wo_b(grouped.flatten(1))
+
+    def _decode(
+        self,
+        dec: V4DecodeStep,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        comp_proj: torch.Tensor | None,
+        idx_q: torch.Tensor | None,
+        idx_w: torch.Tensor | None,
+        idx_proj: torch.Tensor | None,
+        cache: V4LayerCache,
+    ) -> torch.Tensor:
+        """Every sequence with one new token at once: ``q`` ``[B, h, d]`` -> ``[B, h, d]``.
+        Same math as ``_sequence`` (window keys, compressed entries the indexer keeps, sinks),
+        over padded rows whose invalid keys are masked."""
+        win = cache.window
+        ring = dec.ring(win.shape[1], self.window)
+        flat = win.view(-1, win.shape[-1])
+        flat[ring.write] = kv.to(win.dtype)  # the ring never holds p - W + 1 .. p twice
+        keys = flat[ring.read]  # [B, W, d], positions p - W + 1 .. p
+        scale = self.head_dim**-0.5
+        qf = q.float()
+        logits = torch.einsum("bhd,bkd->bhk", qf, keys.float()) * scale
+        parts = [logits.masked_fill(~ring.read_valid[:, None, :], -torch.inf)]
+        values = [keys]
+        if self.compressor is not None:
+            assert cache.comp is not None and comp_proj is not None
+            plan = dec.ratio(self.ratio)
+            comp = self._advance_decode(
+                self.compressor, cache.comp, cache.comp_state, dec, plan, comp_proj
+            )
+            visible = plan.entries_valid
+            if self.indexer is not None:
+                assert cache.index is not None and idx_proj is not None
+                assert idx_q is not None and idx_w is not None
+                idx_keys = self._advance_decode(
+                    self.indexer.compressor, cache.index, cache.index_state, dec, plan, idx_proj
+                )
+                scores = torch.einsum("bhd,bed->bhe", idx_q.float(), idx_keys.float())
+                visible = visible & self._topk(scores, idx_w, visible)
+            if plan.num_entries:
+                cl = torch.einsum("bhd,bed->bhe", qf, comp.float()) * scale
+                parts.append(cl.masked_fill(~visible[:, None, :], -torch.inf))
+                values.append(comp)
+        probs = self._with_sinks(parts, head_dim=1)
+        v = torch.cat(values, dim=1).float()
+        return torch.einsum("bhk,bkd->bhd", probs, v).to(q.dtype)
+
+    def _advance_decode(
+        self,
+        comp: Compressor,
+        store: torch.Tensor,
+        state: torch.Tensor | None,
+        dec: V4DecodeStep,
+        plan: RatioPlan,
+        proj: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_advance`` for one token per sequence: keep its raw row, pool the blocks it
+        completes, return every sequence's entries so far ``[B, E, head_dim]``."""
+        assert state is not None
+        r, span = comp.ratio, comp.state_len
+        ring = dec.ring(state.shape[1], span)
+        flat_state = state.view(-1, state.shape[-1])
+        flat_state[ring.write] = proj.to(state.dtype)
+        flat_store = store.view(-1, store.shape[-1])
+        if plan.done.numel():
+            # the completing token's span: its own block last, the block before first (CSA)
+            rows = flat_state[ring.read[plan.done]].to(proj.dtype)
+            prev = rows[:, :r] if comp.overlap else None
+            pooled = comp.pool_rows(rows[:, span - r :], prev, plan.done_win, self.rotary_comp)
+            flat_store[plan.done_entry] = pooled.to(store.dtype)
+        return flat_store[plan.entries]
+
+    def _with_sinks(self, parts: list[torch.Tensor], head_dim: int) -> torch.Tensor:
+        """Softmax over the concatenated logits with each head's sink in the denominator."""
+        shape = [1] * parts[0].dim()
+        shape[head_dim] = -1
+        sink = self.attn_sink.float().view(shape).expand(*parts[0].shape[:-1], 1)
+        return torch.cat([*parts, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
     def _sequence(
         self,
@@ -227,18 +329,22 @@ class V4Attention(nn.Module):
             cl = torch.einsum("nhd,ed->hne", q.float(), comp.float()) * scale
             parts.append(cl.masked_fill(~visible[None], -torch.inf))
             values.append(comp)
-        sink = self.attn_sink.float().view(-1, 1, 1).expand(-1, n, 1)
-        probs = torch.cat([*parts, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        probs = self._with_sinks(parts, head_dim=0)
         v = torch.cat(values, dim=0).float()
         return torch.einsum("hnk,kd->nhd", probs, v).to(q.dtype)
 
     def _select(
         self, iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """Indexer top-k over the visible entries: [n, E] bool."""
+        """Indexer top-k over the visible entries of one sequence: [n, E] bool."""
+        scores = torch.einsum("nhd,ed->nhe", iq.float(), ik.float())
+        return self._topk(scores, iw, visible)
+
+    def _topk(self, scores: torch.Tensor, iw: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """``scores`` [n, H, E] (query-key dot products per indexer head), ``iw`` [n, H] ->
+        the ``index_topk`` best visible entries per query, [n, E] bool."""
         assert self.indexer is not None
-        scores = torch.einsum("nhd,ed->nhe", iq.float(), ik.float()).relu()
-        scores = scores * self.indexer.head_dim**-0.5
+        scores = scores.relu() * self.indexer.head_dim**-0.5
         scores = (scores * iw[:, :, None]).sum(dim=1)  # [n, E]
         scores = scores.masked_fill(~visible, -torch.inf)
         k = min(self.indexer.topk, scores.shape[1])

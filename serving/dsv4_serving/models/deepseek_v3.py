@@ -8,6 +8,7 @@ from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.mla import MLAKVCache
+from dsv4_serving.cache.mla_step import MLAStep
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.mla import MLAttention
 from dsv4_serving.layers.moe import SwiGLU, V3MoE
@@ -16,6 +17,8 @@ from dsv4_serving.layers.quant.methods import QuantMethods, methods_for
 from dsv4_serving.layers.rope import Rotary
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV3Config
+from dsv4_serving.platform.attention import attention_backend
+from dsv4_serving.platform.mla_torch import MLATorch
 
 
 class V3Block(nn.Module):
@@ -53,8 +56,8 @@ class V3Block(nn.Module):
                 q,
             )
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), meta, cache.latent[self.layer])
+    def forward(self, x: torch.Tensor, step: MLAStep, cache: MLAKVCache) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), step, cache.layer(self.layer))
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -101,6 +104,18 @@ class DeepseekV3ForCausalLM(nn.Module):
             V3MTP(cfg, cfg.num_hidden_layers + i, rotary, parallel, self.quant)
             for i in range(cfg.num_nextn_predict_layers)
         )
+        self._attn: MLATorch | None = None
+        self._attn_device = ""
+
+    def attention_backend(self, device: torch.device | None = None) -> MLATorch:
+        """The platform's MLA backend for the weights' device (chosen once: it owns the cache
+        layout and plans every step)."""
+        dev = device or self.embed.weight.device
+        if self._attn is None or self._attn_device != dev.type:
+            backend = attention_backend(self.config, dev.type)
+            assert isinstance(backend, MLATorch), f"{backend.name} is not an MLA backend"
+            self._attn, self._attn_device = backend, dev.type
+        return self._attn
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
@@ -116,16 +131,19 @@ class DeepseekV3ForCausalLM(nn.Module):
         lookahead: int = 0,
     ) -> MLAKVCache:
         w = self.embed.weight
-        return MLAKVCache.allocate(
-            self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype
+        backend = self.attention_backend(w.device)
+        cache: MLAKVCache = backend.allocate_cache(
+            self.config, num_blocks, block_size, w.device, dtype or w.dtype
         )
+        return cache
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache
     ) -> torch.Tensor:
         x = self.embed(input_ids)
+        step = self.attention_backend(x.device).plan(meta, cache.block_size)
         for block in self.layers:
-            x = block(x, meta, cache)
+            x = block(x, step, cache)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -143,5 +161,5 @@ class DeepseekV3ForCausalLM(nn.Module):
         ``p + 1``; ``meta`` addresses positions ``p``. Returns (logits, MTP hidden)."""
         mtp = self.mtp[depth]
         x = mtp.eh_proj(torch.cat((mtp.enorm(self.embed(next_ids)), mtp.hnorm(hidden)), dim=-1))
-        out = mtp(x, meta, cache)
+        out = mtp(x, self.attention_backend(x.device).plan(meta, cache.block_size), cache)
         return self.head(mtp.norm(out)).float(), out

@@ -12,6 +12,7 @@ from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.v4 import V4KVCache
+from dsv4_serving.cache.v4_step import V4Step
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.mhc import hc_head, hc_post, hc_pre
 from dsv4_serving.layers.moe import V4MoE
@@ -21,6 +22,8 @@ from dsv4_serving.layers.rope import Rotary
 from dsv4_serving.layers.v4_attention import V4Attention
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV4Config
+from dsv4_serving.platform.attention import attention_backend
+from dsv4_serving.platform.v4_torch import V4Torch
 
 
 class V4Block(nn.Module):
@@ -66,7 +69,7 @@ class V4Block(nn.Module):
         self,
         streams: torch.Tensor,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        step: V4Step,
         cache: V4KVCache,
     ) -> torch.Tensor:
         c = self.cfg
@@ -79,7 +82,7 @@ class V4Block(nn.Module):
             c.hc_eps,
             c.rms_norm_eps,
         )
-        out = self.attn(self.attn_norm(x), meta, cache.layers[self.layer])
+        out = self.attn(self.attn_norm(x), step, cache.layers[self.layer])
         streams = hc_post(out, streams, post, comb)
         x, post, comb = hc_pre(
             streams,
@@ -149,6 +152,18 @@ class DeepseekV4ForCausalLM(nn.Module):
             V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp, parallel, self.quant)
             for i in range(cfg.num_nextn_predict_layers)
         )
+        self._attn: V4Torch | None = None
+        self._attn_device = ""
+
+    def attention_backend(self, device: torch.device | None = None) -> V4Torch:
+        """The platform's V4 backend for the weights' device (chosen once: it owns the cache
+        layout and plans every step)."""
+        dev = device or self.embed.weight.device
+        if self._attn is None or self._attn_device != dev.type:
+            backend = attention_backend(self.config, dev.type)
+            assert isinstance(backend, V4Torch), f"{backend.name} is not a V4 backend"
+            self._attn, self._attn_device = backend, dev.type
+        return self._attn
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # keep the rope tables on the parameters' device
@@ -169,7 +184,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """``lookahead``: the most positions a step may write past what is kept (speculative
         tokens); the per-sequence rings get that much slack."""
         w = self.embed.weight
-        return V4KVCache.allocate(
+        return self.attention_backend(w.device).allocate_cache(
             self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype, lookahead
         )
 
@@ -178,8 +193,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        step = self.attention_backend(x.device).plan(meta, cache.block_size)
         for block in self.layers:
-            streams = block(streams, input_ids, meta, cache)
+            streams = block(streams, input_ids, step, cache)
         return streams
 
     def _logits(
@@ -214,6 +230,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         e = mtp.enorm(self.embed(next_ids))
         h = mtp.h_proj(mtp.hnorm(streams))
         x = mtp.e_proj(e).unsqueeze(1) + h
-        out = mtp(x, next_ids, meta, cache)
+        step = self.attention_backend(x.device).plan(meta, cache.block_size)
+        out = mtp(x, next_ids, step, cache)
         logits = self._logits(out, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
         return logits, out

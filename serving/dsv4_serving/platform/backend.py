@@ -1,10 +1,15 @@
 """The seed's second choice: the attention backend, from config fields, on a platform.
 
-One function decides, so the engine, ``dsv4 explain-model`` and the tests agree.
+One function decides, so the engine, ``dsv4 explain-model`` and the tests agree: the family
+(MLA, V4 sparse compressed, dense), the derived switches, and the implementations that can serve
+it on that platform, in order of preference (``platform/attention.py`` builds the first one that
+can run here and says why none can otherwise).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,15 +22,42 @@ class AttentionBackendChoice:
     # derived switches (vllm-ascend names where they exist) with their values
     switches: dict[str, bool] = field(default_factory=dict)
     kv_cache_kind: str = ""
+    family: str = "dense"  # "mla", "v4" or "dense"
+    # implementation names (``platform/attention.py:IMPLEMENTATIONS``), most preferred first
+    implementations: tuple[str, ...] = ()
 
 
-def select_attention_backend(config: dict[str, Any], platform: str) -> AttentionBackendChoice:
-    """Pick the attention implementation for a raw ``config.json`` dict on ``platform``.
+# the implementations of each family per platform, most preferred first
+_IMPLEMENTATIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    # the C++ kernel reads the paged cache in place; pure torch where it cannot be built
+    ("mla", "cpu"): ("cpu-mla-paged", "cpu-mla-torch"),
+    ("mla", "cuda"): ("cuda-flashmla", "cuda-flashinfer"),
+    ("mla", "npu"): ("npu-mla-fia",),
+    # V4's batched torch path is device-generic; fused SFA/indexer kernels are not written yet
+    ("v4", "cpu"): ("v4-torch",),
+    ("v4", "cuda"): ("v4-torch",),
+    ("v4", "npu"): ("v4-torch",),
+}
+
+
+def config_fields(config: Mapping[str, Any] | Any) -> Mapping[str, Any]:
+    """A raw ``config.json`` dict as it is, a parsed config dataclass as its fields."""
+    if isinstance(config, Mapping):
+        return config
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def select_attention_backend(
+    config: Mapping[str, Any] | Any, platform: str
+) -> AttentionBackendChoice:
+    """Pick the attention implementation for a raw ``config.json`` dict (or a parsed config)
+    on ``platform``.
 
     - ``compress_ratios`` / ``layer_types`` / ``index_topk`` -> V4 sparse compressed attention
       (window + CSA with lightning indexer + HCA); hybrid cache.
     - ``kv_lora_rank`` -> MLA over a latent cache.
     """
+    config = config_fields(config)
     fused = platform == "npu"
     if any(k in config for k in ("compress_ratios", "index_topk", "compress_rates")) or any(
         t in ("compressed_sparse_attention", "heavily_compressed_attention")
@@ -45,6 +77,8 @@ def select_attention_backend(config: dict[str, Any], platform: str) -> Attention
             },
             kv_cache_kind="hybrid: window ring + compressed entries per ratio + indexer keys "
             "+ compressor state",
+            family="v4",
+            implementations=_IMPLEMENTATIONS.get(("v4", platform), ()),
         )
     if config.get("kv_lora_rank"):
         return AttentionBackendChoice(
@@ -57,7 +91,10 @@ def select_attention_backend(config: dict[str, Any], platform: str) -> Attention
                 "fused_mc2": fused,
             },
             kv_cache_kind=f"latent: kv_lora_rank {config['kv_lora_rank']} + rope "
-            f"{config.get('qk_rope_head_dim', 64)} per token",
+            f"{config.get('qk_rope_head_dim', 64)} per token"
+            + (", split nope/rope tensors" if platform == "npu" else ""),
+            family="mla",
+            implementations=_IMPLEMENTATIONS.get(("mla", platform), ()),
         )
     return AttentionBackendChoice(
         name=f"{platform}-dense",
