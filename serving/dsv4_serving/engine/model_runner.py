@@ -123,6 +123,10 @@ class ModelRunner:
         results: dict[str, RunnerResult] = {}
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            # greedy rows: one argmax and one host copy for the whole step, not one per request
+            greedy = None
+            if self.samples and any(s.sample and s.sampling_params.greedy for s in sched):
+                greedy = logits.argmax(dim=-1).tolist()
             j = 0
             for s in sched if self.samples else ():
                 if not s.sample:
@@ -131,7 +135,10 @@ class ModelRunner:
                 j += 1
                 lg = logits[a : a + n]
                 drafts = s.token_ids[len(s.token_ids) - s.num_spec :] if s.num_spec else []
-                toks = sample_and_verify(lg, drafts, s.sampling_params, self._generator(s))
+                if greedy is not None and s.sampling_params.greedy and not drafts:
+                    toks = [greedy[a]]
+                else:
+                    toks = sample_and_verify(lg, drafts, s.sampling_params, self._generator(s))
                 lp = None
                 if s.sampling_params.logprobs is not None:
                     lp = compute_logprobs(lg, toks, s.sampling_params.logprobs)
