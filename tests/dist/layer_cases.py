@@ -22,12 +22,16 @@ from dsv4_serving.layers.v4_attention import V4Attention
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.config import DeepseekV3Config, DeepseekV4Config
+from dsv4_serving.platform.attention import attention_backend
 from dsv4_serving.presets.configs import preset_config
 
 from .cases import BLOCK, _meta, join, world_variants
 
 V4 = DeepseekV4Config.from_dict(preset_config("dsv4-tiny"))
 V3 = DeepseekV3Config.from_dict(preset_config("dsv3-small"))
+# the layers take the step's plan from their attention backend (what the models pass them)
+V4_BACKEND: Any = attention_backend(V4, "cpu")
+V3_BACKEND: Any = attention_backend(V3, "cpu")
 
 
 def _pair(make: Callable[[ModelParallel], nn.Module], parallel: ModelParallel) -> tuple[Any, Any]:
@@ -70,8 +74,8 @@ def _attention(tp: ModelParallel) -> dict[str, float]:
         ys = []
         for m in (full, part):
             cache = V4KVCache.allocate(V4, 8, BLOCK, 2).layers[layer]
-            y1 = m(x_pre, _meta([0, 0], [30, 20], 4), cache)
-            y2 = m(x_dec, _meta([30, 20], [1, 1], 4), cache)
+            y1 = m(x_pre, V4_BACKEND.plan(_meta([0, 0], [30, 20], 4), BLOCK), cache)
+            y2 = m(x_dec, V4_BACKEND.plan(_meta([30, 20], [1, 1], 4), BLOCK), cache)
             ys.append(torch.cat((y1, y2)))
         out[f"v4_attention_layer{layer}"] = _diff(ys[1], ys[0])
     x3 = torch.randn(40, V3.hidden_size, generator=g)
@@ -79,8 +83,9 @@ def _attention(tp: ModelParallel) -> dict[str, float]:
     ys = []
     for m in (full, part):
         cache = MLAKVCache.allocate(V3, 8, BLOCK, 2, "cpu", torch.float32).latent[1]
-        y1 = m(x3[:38], _meta([0, 0], [25, 13], 4), cache)
-        ys.append(torch.cat((y1, m(x3[38:], _meta([25, 13], [1, 1], 4), cache))))
+        y1 = m(x3[:38], V3_BACKEND.plan(_meta([0, 0], [25, 13], 4), BLOCK), cache)
+        y2 = m(x3[38:], V3_BACKEND.plan(_meta([25, 13], [1, 1], 4), BLOCK), cache)
+        ys.append(torch.cat((y1, y2)))
     out["mla"] = _diff(ys[1], ys[0])
     return out
 
