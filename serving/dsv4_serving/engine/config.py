@@ -93,7 +93,8 @@ class EngineConfig:
     """Expert-parallel load balancing (needs expert_parallel_size > 1): count each MoE
     layer's tokens per expert and every ``eplb_interval`` steps re-place the experts over the
     EP ranks (replicating the hottest into the redundant slots), moving one layer's weights
-    per step while serving; outputs do not change."""
+    per step while serving; with ``exact_moe`` outputs are bitwise those of EPLB off, else
+    equal up to float rounding."""
     eplb_redundant_experts: int = 0
     """EPLB: physical expert slots per MoE layer beyond the routed experts, for replicas of hot
     experts (experts + redundant must split evenly over the EP ranks)."""

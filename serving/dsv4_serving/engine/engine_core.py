@@ -289,7 +289,10 @@ def run_engine_core(
     ``build`` makes the core (a parallel rank's, with its groups) and ``loop`` steps it (DP's
     lockstep); default: one process."""
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
-    set_threads(config)
+    if build is None:
+        # a parallel rank (``build`` given) has its threads from ``worker.rank_main``, split
+        # over its node's ranks; setting them again here would split over the whole world
+        set_threads(config)
     parent = os.getppid()
     try:
         core = build() if build is not None else EngineCore(config)

@@ -157,6 +157,46 @@ def rank_loads(
     return out
 
 
+MIN_GAIN = 0.05
+"""A layer moves only when the plan lowers its estimated imbalance by more than this fraction:
+any drift of the window gives the greedy packing a different plan of about the same quality,
+and moving a layer costs its whole expert stacks on the wire."""
+
+
+def layers_worth_moving(
+    current: Sequence[Sequence[int]],
+    plan: Placement,
+    load: Sequence[Sequence[float]],
+    ranks: int,
+    min_gain: float = MIN_GAIN,
+) -> list[int]:
+    """The layers whose plan carries ``load[layer][logical]`` clearly more evenly than the
+    current ``phys_to_log`` does. Both sides are estimated the same way (``rank_loads``:
+    replicas share their expert's load evenly), so a plan that merely reshuffles an already
+    balanced layer is left alone."""
+    now = Placement(
+        tuple(tuple(r) for r in current),
+        tuple(tuple(_replica_indices(r)) for r in current),
+        plan.num_logical,
+    )
+    before = [imbalance(r) for r in rank_loads(now, load, ranks)]
+    after = [imbalance(r) for r in rank_loads(plan, load, ranks)]
+    return [
+        i
+        for i in range(len(current))
+        if tuple(current[i]) != plan.phys_to_log[i] and after[i] < before[i] * (1 - min_gain)
+    ]
+
+
+def _replica_indices(row: Sequence[int]) -> list[int]:
+    seen: dict[int, int] = {}
+    out = []
+    for e in row:
+        out.append(seen.get(e, 0))
+        seen[e] = out[-1] + 1
+    return out
+
+
 def imbalance(rank_load: Sequence[float]) -> float:
     """max / mean load per rank (1.0 is perfect); 1.0 for an idle layer."""
     mean = sum(rank_load) / len(rank_load)

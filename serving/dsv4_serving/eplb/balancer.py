@@ -14,7 +14,8 @@ collectives without any extra agreement:
 4. Then one layer per step, at the step's end: its expert stacks (weights and quantized scales:
    every parameter of ``layers.moe.Experts`` is stacked by slot) move point-to-point (``transfer``) and
    its map is swapped. A step never waits for more than one layer's weights, and every
-   forward sees each layer whole: outputs do not change, serving never stops.
+   forward sees each layer whole: serving never stops, and outputs do not change (bitwise
+   with exact MoE; up to float rounding otherwise).
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from torch import nn
 
 from dsv4_serving.distributed.comm import all_reduce, broadcast_object
 from dsv4_serving.distributed.groups import Group, ModelParallel
-from dsv4_serving.eplb.algorithm import Placement, imbalance, rank_loads, rebalance
+from dsv4_serving.eplb.algorithm import (
+    Placement,
+    imbalance,
+    layers_worth_moving,
+    rank_loads,
+    rebalance,
+)
 from dsv4_serving.eplb.state import ExpertMap, LoadWindow, Recorder
 from dsv4_serving.eplb.stats import EplbStats
 from dsv4_serving.eplb.transfer import apply_moves, plan_moves
@@ -159,13 +166,10 @@ class Balancer:
         assert plan is not None
         before = rank_imbalance(load, self.ep.size)
         after = [imbalance(r) for r in rank_loads(plan, rows, self.ep.size)]
-        current = self.placement()
-        # a layer moves only where the plan carries the window's load more evenly
-        self.pending = [
-            (i, plan.phys_to_log[i])
-            for i in range(len(self.layers))
-            if plan.phys_to_log[i] != current[i] and after[i] < before[i]
-        ]
+        # a layer moves only where the plan carries the window's load clearly more evenly than
+        # the current placement, both estimated alike (a reshuffle of a balanced layer stays)
+        moving_layers = layers_worth_moving(self.placement(), plan, rows, self.ep.size)
+        self.pending = [(i, plan.phys_to_log[i]) for i in moving_layers]
         self._plan_step, self._plan_before = step, before
         moving = {i for i, _ in self.pending}
         self._plan_after = [

@@ -9,7 +9,9 @@ into this rank's tokens.
   local experts, then one all-reduce over TP (= EP when EP is on).
 - ``AllGather`` (EP over DP ranks with different tokens): gather tokens over DP, compute local
   experts on all of them, all-reduce over the EP world and keep this DP rank's rows (vLLM's
-  AgRs; on nccl/hccl a reduce-scatter, later all2all / Ascend MC2 slot in here).
+  AgRs; ``comm.reduce_scatterv`` / ``comm.all_to_allv`` are native on nccl/hccl but not called
+  here yet: the EP group is tp x dp while the shares are per DP rank; all2all / Ascend MC2
+  slot in here).
 - exact (either): the all-reduce carries ``[T, k, D]`` rows (each non-zero on one rank, so the
   sum is exact) and the sum over ``k`` runs locally in the single-process order: EP results are
   bitwise equal to one process (k x traffic; tests and CPU).

@@ -10,6 +10,7 @@ from dsv4_serving.eplb.algorithm import (
     PlacementError,
     imbalance,
     initial_placement,
+    layers_worth_moving,
     pack,
     rank_loads,
     rebalance,
@@ -123,3 +124,25 @@ def test_the_initial_placement_is_the_plain_ep_layout_plus_replicas() -> None:
     assert initial_placement(8, 10) == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
     with pytest.raises(PlacementError, match="cannot hold"):
         initial_placement(8, 6)
+
+
+def test_a_balanced_layer_is_not_moved_again_when_the_load_drifts() -> None:
+    """A stationary skewed load: the first plan moves the layer, plans from later windows (the
+    same load with 1% noise) reshuffle it without a real gain and leave it where it is."""
+    rng = random.Random(5)
+    experts, slots, ranks = 12, 16, 4
+    base = [1000.0 / (e + 1) ** 1.2 for e in range(experts)]
+    identity = [initial_placement(experts, slots)]
+    load = [base]
+    first = rebalance(load, slots, 1, 1, ranks)
+    assert layers_worth_moving(identity, first, load, ranks) == [0]
+    current = first.phys_to_log
+    for _ in range(3):
+        drift = [[v * (1 + rng.uniform(-0.01, 0.01)) for v in base]]
+        plan = rebalance(drift, slots, 1, 1, ranks)
+        assert layers_worth_moving(current, plan, drift, ranks) == []
+    # a real change of load still moves it
+    flipped = [list(reversed(base))]
+    assert layers_worth_moving(current, rebalance(flipped, slots, 1, 1, ranks), flipped, ranks) == [
+        0
+    ]
