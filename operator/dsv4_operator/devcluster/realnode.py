@@ -72,6 +72,34 @@ def unavailable_reason(bin_dir: Path) -> str | None:
     return None
 
 
+# kube-network-policies hands new connections to user space with nftables' queue expression;
+# `nft -c` checks a table using it against the kernel without creating anything.
+_NFT_QUEUE_PROBE = """table inet dsv4-probe {
+ chain c {
+  type filter hook postrouting priority 95;
+  queue num 100
+ }
+}
+"""
+
+
+def netpol_unavailable_reason() -> str | None:
+    """Why NetworkPolicies cannot be enforced on this host, or None when they can."""
+    res = subprocess.run(
+        ["nft", "-c", "-f", "-"], input=_NFT_QUEUE_PROBE, capture_output=True, text=True
+    )
+    if res.returncode != 0:
+        return (
+            "this kernel's nftables has no queue expression (nft_queue; `nft -c` of a queue "
+            "rule: No such file or directory), which kube-network-policies needs to decide "
+            "new connections: NetworkPolicies are not enforced here"
+        )
+    bridge_nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+    if not bridge_nf.exists() or bridge_nf.read_text().strip() != "1":
+        return "bridged pod traffic bypasses netfilter (br_netfilter off): policies not enforced"
+    return None
+
+
 def node_ip(index: int) -> str:
     return f"{NODE_NET}.{index + 1}"
 
@@ -129,6 +157,8 @@ class RealNodes:
     nodes: list[RealNode] = field(default_factory=list)
     processes: list[ManagedProcess] = field(default_factory=list)
     ledger: Ledger | None = None
+    netpol_reason: str | None = None
+    """Why NetworkPolicies are not enforced on these nodes (None: they are)."""
     _locks: list[int] = field(default_factory=list)
 
     @property
@@ -178,9 +208,11 @@ class RealNodes:
             self._start_kubelet(node, kubelet_kc, pki.ca.cert, serving.cert, serving.key)
         self._start_kube_proxy(cluster)
         self._start_coredns(cluster)
-        netpol_kc = self._kubeconfig(cluster, "netpol", "system:kube-network-policies")
-        for node in self.nodes:
-            self._start_netpol(node, netpol_kc)
+        self.netpol_reason = netpol_unavailable_reason()
+        if self.netpol_reason is None:
+            netpol_kc = self._kubeconfig(cluster, "netpol", "system:kube-network-policies")
+            for node in self.nodes:
+                self._start_netpol(node, netpol_kc)
         names = [n.name for n in self.nodes]
         timeout = f"{int(self.startup_timeout_s)}s"
         deadline = time.monotonic() + self.startup_timeout_s
