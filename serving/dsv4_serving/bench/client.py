@@ -7,6 +7,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,20 @@ def _prompt(text: str, max_tokens: int, chat: bool, model: str, approx_tokens: i
     return Prompt(body, approx_tokens)
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream: only CR LF, LF or CR end a line (the SSE grammar). Not
+    ``aiter_lines``, which also splits at U+0085, U+2028 and U+2029, characters a completion
+    may hold and the server sends unescaped (JSON with ensure_ascii=False)."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if buf:
+        yield buf.decode("utf-8", errors="replace")
+
+
 async def one_request(
     client: httpx.AsyncClient, url: str, prompt: Prompt, headers: dict[str, str], timeout_s: float
 ) -> RequestRecord:
@@ -118,7 +133,7 @@ async def one_request(
                     text = (await resp.aread()).decode(errors="replace")
                     rec.error = f"HTTP {resp.status_code}: {text[:200]}"
                     return rec
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp.aiter_bytes()):
                     if not line.startswith("data: "):
                         continue
                     data = line[6:]
