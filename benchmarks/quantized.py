@@ -3,7 +3,7 @@ scales) and W8A8 int8, on the same model config and the same (dummy) weights qua
 (CPU). The goal: W8A8 decode >= 1.0x the float32 path's tokens/s.
 
     .venv/bin/python benchmarks/quantized.py [--configs dsv3-small anchor]
-        [--formats float32 bfloat16 fp8 w8a8 w8a8-torch] [--batches 1 16] [--prompt 64]
+        [--formats float32 bfloat16 fp8 w8a8 w8a8-torch w8a8-avx2] [--batches 1 16] [--prompt 64]
         [--decode-steps 8] [--threads N]
 
 ``anchor`` is ../shared/anchors/dsv3-anchor-config.json (the engine comparison's model).
@@ -40,6 +40,7 @@ FORMATS = {
     "fp8": ("fp8", torch.float32),
     "w8a8": ("w8a8", torch.float32),
     "w8a8-torch": ("w8a8", torch.float32),  # the pure-torch W8A8 path (no C++ kernel)
+    "w8a8-avx2": ("w8a8", torch.float32),  # the kernel's AVX2 build (where AVX-512 VNNI is)
 }
 
 
@@ -56,10 +57,11 @@ def _model(config: dict[str, Any], fmt: str) -> Any:
     cfg = dataclasses.replace(cls.config_class.from_dict(config), quant=QuantScheme.of(scheme))  # type: ignore[arg-type]
     model = cls(cfg)
     init_dummy_weights(model, seed=0)  # the float weights, quantized whole for fp8 / w8a8
-    if fmt == "w8a8-torch":
+    if fmt in ("w8a8-torch", "w8a8-avx2"):
+        kernel = W8A8Kernel(False) if fmt == "w8a8-torch" else W8A8Kernel(True, "avx2")
         for m in model.modules():
             if isinstance(getattr(m, "quant", None), W8A8):
-                m.quant.kernel = W8A8Kernel(use_kernel=False)
+                m.quant.kernel = kernel
     return cast_model(model, dtype).eval()
 
 

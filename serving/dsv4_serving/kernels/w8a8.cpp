@@ -22,6 +22,8 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -360,7 +362,24 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   return y.view(shape);
 }
 
+// -march=native binds the build to the CPU it ran on; a cached build reused on a CPU without
+// those instructions would die of SIGILL on first use, so importing it fails instead (the
+// caller falls back to torch)
+bool cpu_runs_this_build() {
+#if defined(W8A8_VNNI)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#elif defined(W8A8_AVX2)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return true;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (!cpu_runs_this_build())
+    throw std::runtime_error(std::string("this build of w8a8 needs ") + PATH +
+                             ", which this CPU lacks (a cached build from another machine?)");
   m.def("w8a8_linear", &w8a8_linear, py::arg("x"), py::arg("w"), py::arg("w_scale"),
         py::arg("x_scale") = py::none(), py::arg("index") = -1);
   m.attr("path") = PATH;
