@@ -34,6 +34,9 @@ class GatewayConfig:
     routing_configmap: str | None = None
     """Kubernetes discovery: ConfigMap (in ``namespace``) whose ``routing.json`` lists the
     instances the autoscaler drains; they get no new requests (the operator sets it)."""
+    endpoint_host: str | None = None
+    """Tests only: connect to this host instead of every EndpointSlice address (kwok pods have
+    no reachable IP; the engines playing them run on this machine, and slices refuse loopback)."""
     policy: PolicyName = "dplb"
     """How an instance is chosen (see docs/gateway.md)."""
     served_model_name: str | None = None

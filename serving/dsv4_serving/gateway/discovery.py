@@ -64,10 +64,13 @@ def draining_from_configmap(configmap: dict[str, Any] | None) -> frozenset[str]:
 
 
 def members_from_slices(
-    slices: list[dict[str, Any]], draining: frozenset[str] = frozenset()
+    slices: list[dict[str, Any]],
+    draining: frozenset[str] = frozenset(),
+    host: str | None = None,
 ) -> dict[Role, set[str]]:
     """Engine base URLs per role from EndpointSlice objects (as dicts), without the endpoints of
-    ``draining`` instances (their requests in flight finish; only membership changes)."""
+    ``draining`` instances (their requests in flight finish; only membership changes);
+    ``host`` replaces every address (``GatewayConfig.endpoint_host``, tests only)."""
     out: dict[Role, set[str]] = {r: set() for r in _ROLES}
     for s in slices:
         role = (s.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL)
@@ -83,8 +86,9 @@ def members_from_slices(
             if _FOLLOWER.search(pod) or instance_of(pod) in draining:
                 continue
             for addr in ep.get("addresses") or []:
-                host = f"[{addr}]" if ":" in addr else addr
-                out[role].add(f"http://{host}:{port}")  # type: ignore[index]
+                addr = host or addr
+                name = f"[{addr}]" if ":" in addr else addr
+                out[role].add(f"http://{name}:{port}")  # type: ignore[index]
     return out
 
 
@@ -116,7 +120,9 @@ class KubernetesDiscovery:
 
     def _publish(self) -> None:
         with self._lock:
-            members = members_from_slices(list(self._slices.values()), self._draining)
+            members = members_from_slices(
+                list(self._slices.values()), self._draining, self.cfg.endpoint_host
+            )
 
         def apply() -> None:
             for role, urls in members.items():

@@ -21,3 +21,20 @@ def test_a_named_pod_port_maps_and_everything_else_has_no_address(tmp_path: Path
     path.write_text("{not json")
     assert mapped_address(str(path), pod, 8000) is None
     assert mapped_address(str(tmp_path / "missing.json"), pod, 8000) is None
+
+
+def test_the_gateway_s_endpoint_host_stands_for_every_slice_address() -> None:
+    from dsv4_serving.gateway.discovery import members_from_slices
+
+    s = {
+        "metadata": {"labels": {"serving.dsv4.io/role": "decode"}},
+        "ports": [{"name": "http", "port": 4100}],
+        "endpoints": [
+            {"addresses": ["203.0.113.1"], "targetRef": {"name": "a-decode-0-0"}},
+            {"addresses": ["203.0.113.1"], "targetRef": {"name": "a-decode-1-0"}},
+        ],
+    }
+    assert members_from_slices([s], host="127.0.0.1")["decode"] == {"http://127.0.0.1:4100"}
+    assert members_from_slices([s], frozenset({"a-decode-0"}))["decode"] == {
+        "http://203.0.113.1:4100"
+    }

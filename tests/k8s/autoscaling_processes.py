@@ -1,0 +1,269 @@
+"""Engines as local processes behind kwok pods, for the autoscaler on the real control plane.
+
+kwok runs the pods the operator creates but no process behind them. ``ProcessNodes`` plays the
+kubelet for one DeepSeekV4Deployment: for every prefill/decode instance StatefulSet it starts a
+real ``dsv4 engine`` (real or EMULATED step time) with its ``dsv4 kv-sidecar`` on 127.0.0.1,
+and, once the engine is healthy, publishes it in an EndpointSlice of its role (one slice per
+instance, the engine's port, target pod ``<instance>-0``; the gateway's test-only
+``--endpoint-host 127.0.0.1`` stands for the address, which slices refuse as loopback). One real
+``dsv4 gateway`` watches those slices and the operator's ``<name>-routing`` ConfigMap with the
+operator's own gateway RBAC. An address map file (the operator's ``--autoscaler-address-map``)
+tells the operator which local address plays which pod port: the gateway pod's 8000, each
+instance's engine (8000) and sidecar metrics port. When a StatefulSet is deleted, its slice
+goes and its processes get SIGTERM (the engine's own drain is the backstop).
+
+Slices of the role Services that the endpointslice controller writes point at kwok IPs; the
+gateway's selector (``dsv4.test/process=true``) leaves them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+from dsv4_common.process import Service, dsv4_argv, free_port, free_ports
+from dsv4_kvtransfer.launch import SidecarService
+
+log = logging.getLogger(__name__)
+
+PROCESS_LABEL = "dsv4.test/process"
+ENGINE_PORT = 8000  # the pod port the operator reads (names.ENGINE_PORT)
+SLICE_ADDRESS = "203.0.113.1"
+"""What the slices say (they refuse loopback IPs; TEST-NET-3, never contacted): the gateway
+runs with ``--endpoint-host 127.0.0.1`` (tests only), which replaces every slice address."""
+_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+_SIDECAR_PORTS: set[int] = set()
+
+
+@dataclass
+class Instance:
+    name: str  # the StatefulSet
+    role: str
+    engine: Service
+    sidecar: SidecarService
+    started_at: float
+    ready_at: float | None = None
+    published: bool = False
+
+
+@dataclass
+class ProcessNodes:
+    cluster: Any
+    namespace: str
+    deployment: str
+    token_file: Path
+    log_dir: Path
+    engine_args: list[str]
+    sidecar_metrics_port: int
+    """The CR's ``kvTransfer.port + 2``: where the operator reads a prefill's held exports."""
+    gateway_kubeconfig: Path | None = None
+    instances: dict[str, Instance] = field(default_factory=dict)
+    history: list[tuple[float, str, str]] = field(default_factory=list)
+    """(time, instance, "started" | "ready" | "stopped")."""
+
+    def __post_init__(self) -> None:
+        self.address_map = self.log_dir / f"address-map-{self.deployment}.json"
+        self.address_map.write_text("{}")
+        self._api = config.new_client_from_config(config_file=str(self.cluster.kubeconfig))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-nodes", daemon=True)
+        self.gateway: Service | None = None
+        self._gateway_pod: str | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start_gateway(self) -> Service:
+        """The gateway, once the operator has created its ServiceAccount and Role."""
+        from tests.helpers import wait_for
+
+        wait_for(
+            "the gateway's ServiceAccount",
+            lambda: self.cluster.kubectl(
+                "get", "sa", f"{self.deployment}-gateway", "-n", self.namespace, check=False
+            ),
+            timeout_s=60,
+        )
+        kubeconfig = self.cluster.service_account_kubeconfig(
+            self.namespace, f"{self.deployment}-gateway"
+        )
+        port = free_port()
+        argv = dsv4_argv(
+            "gateway",
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--discovery", "kubernetes", "--kubeconfig", str(kubeconfig)),
+            *("--namespace", self.namespace),
+            *("--selector", f"app.kubernetes.io/instance={self.deployment},{PROCESS_LABEL}=true"),
+            *("--routing-configmap", f"{self.deployment}-routing"),
+            *("--endpoint-host", "127.0.0.1"),
+            *("--health-interval", "0.5", "--log-level", "info"),
+        )
+        self.gateway = Service(
+            f"{self.deployment}-gateway",
+            argv,
+            self.log_dir / f"{self.deployment}-gateway-{port}.log",
+            f"http://127.0.0.1:{port}",
+            health_path="/instances",
+        )
+        self.gateway.start(env=_ENV)
+        self.gateway.wait_ready(60)
+        return self.gateway
+
+    def start(self) -> ProcessNodes:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        for inst in list(self.instances.values()):
+            self._kill(inst)
+        if self.gateway is not None:
+            self.gateway.stop()
+
+    # ---- the kubelet's loop ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            try:
+                self.sync()
+            except Exception:  # the loop must survive an API hiccup; the test sees the effect
+                log.exception("process nodes: sync failed")
+
+    def sync(self) -> None:
+        apps = client.AppsV1Api(self._api)
+        sel = f"app.kubernetes.io/instance={self.deployment}"
+        live = {
+            s.metadata.name: s
+            for s in apps.list_namespaced_stateful_set(self.namespace, label_selector=sel).items
+        }
+        for name, sts in live.items():
+            role = (sts.metadata.labels or {}).get("serving.dsv4.io/role")
+            if role in ("prefill", "decode") and name not in self.instances:
+                self._launch(name, role)
+        for name, inst in list(self.instances.items()):
+            if name not in live:
+                self._kill(inst)
+                continue
+            if not inst.published and inst.engine.running() and inst.engine.healthy():
+                inst.ready_at = time.time()
+                self.history.append((inst.ready_at, name, "ready"))
+                self._publish(inst)
+        self._write_map()
+
+    def _launch(self, name: str, role: str) -> None:
+        port = free_port()
+        argv = dsv4_argv(
+            "engine",
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--model", "dsv4-tiny", "--load-format", "dummy", "--dtype", "float32"),
+            *("--seed", "0", "--served-model-name", "tiny", "--role", role),
+            *self.engine_args,
+        )
+        engine = Service(
+            name, argv, self.log_dir / f"{name}-{port}.log", f"http://127.0.0.1:{port}"
+        )
+        side_port = free_ports(3, _SIDECAR_PORTS)
+        sidecar = SidecarService(
+            f"{name}-sidecar",
+            self.log_dir / f"{name}-sidecar-{side_port}.log",
+            self.token_file,
+            side_port,
+            transport="tcp",
+            engine_url=engine.url,
+            shm_name=f"dsv4-as-{name}-{side_port}",
+            staging_bytes=64 << 20,
+        )
+        engine.argv += ["--kv-sidecar", f"http://127.0.0.1:{sidecar.control_port}"]
+        sidecar.start(env=_ENV)
+        engine.start(env=_ENV)
+        now = time.time()
+        self.instances[name] = Instance(name, role, engine, sidecar, now)
+        self.history.append((now, name, "started"))
+
+    def _kill(self, inst: Instance) -> None:
+        if inst.published:
+            with contextlib.suppress(client.ApiException):
+                client.DiscoveryV1Api(self._api).delete_namespaced_endpoint_slice(
+                    _slice_name(inst.name), self.namespace
+                )
+        inst.engine.stop(timeout_s=30)
+        inst.sidecar.stop()
+        self.instances.pop(inst.name, None)
+        self.history.append((time.time(), inst.name, "stopped"))
+
+    def _publish(self, inst: Instance) -> None:
+        port = int(inst.engine.url.rsplit(":", 1)[1])
+        body = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": _slice_name(inst.name),
+                "labels": {
+                    "kubernetes.io/service-name": f"{self.deployment}-{inst.role}",
+                    "app.kubernetes.io/instance": self.deployment,
+                    "serving.dsv4.io/role": inst.role,
+                    PROCESS_LABEL: "true",
+                },
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": [
+                {
+                    "addresses": [SLICE_ADDRESS],
+                    "conditions": {"ready": True, "serving": True},
+                    "targetRef": {"kind": "Pod", "name": f"{inst.name}-0"},
+                }
+            ],
+        }
+        client.DiscoveryV1Api(self._api).create_namespaced_endpoint_slice(self.namespace, body)
+        inst.published = True
+
+    def _write_map(self) -> None:
+        doc: dict[str, dict[str, str]] = {}
+        for inst in self.instances.values():
+            if inst.published:
+                doc[f"{inst.name}-0"] = {
+                    str(ENGINE_PORT): inst.engine.url.removeprefix("http://"),
+                    str(self.sidecar_metrics_port): f"127.0.0.1:{inst.sidecar.metrics_port}",
+                }
+        if self.gateway is not None:
+            pod = self._gateway_pod_name()
+            if pod is not None:
+                doc[pod] = {str(ENGINE_PORT): self.gateway.url.removeprefix("http://")}
+        tmp = self.address_map.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.address_map)  # the operator never reads half a file
+
+    def _gateway_pod_name(self) -> str | None:
+        """One gateway pod (the operator sums the windows of every gateway pod it can read,
+        and one process plays the gateway)."""
+        if self._gateway_pod is None:
+            pods = client.CoreV1Api(self._api).list_namespaced_pod(
+                self.namespace,
+                label_selector=f"app.kubernetes.io/instance={self.deployment},"
+                "serving.dsv4.io/role=gateway",
+            )
+            running = sorted(
+                p.metadata.name for p in pods.items if (p.status and p.status.phase) == "Running"
+            )
+            self._gateway_pod = running[0] if running else None
+        return self._gateway_pod
+
+    # ---- what the tests read -----------------------------------------------------------------
+
+    def by_role(self, role: str) -> list[Instance]:
+        return sorted((i for i in self.instances.values() if i.role == role), key=lambda i: i.name)
+
+
+def _slice_name(instance: str) -> str:
+    return f"{instance}-process"
