@@ -66,7 +66,7 @@ class Ticket:
         outcome = self.outcome or "error"
         if outcome == "ok":
             self.metrics.e2e.observe(time.perf_counter() - self.start)
-        self.metrics.requests.labels(outcome).inc()
+        self.metrics.outcome(outcome).inc()
 
 
 class Admission:
@@ -82,7 +82,7 @@ class Admission:
         return self.inflight >= self.limit
 
     def reject(self) -> None:
-        self.metrics.requests.labels("rejected").inc()
+        self.metrics.outcome("rejected").inc()
 
     @contextmanager
     def admit(self) -> Iterator[Ticket]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (
@@ -28,6 +30,7 @@ _LATENCY = (
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._outcomes: dict[str, Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -69,3 +72,10 @@ class GatewayMetrics:
             "Requests sent to decode alone (short uncached prompt)",
             registry=r,
         )
+
+    def outcome(self, status: str) -> Any:
+        """dsv4_gateway_requests{status}: the child looked up once (labels() costs per call)."""
+        child = self._outcomes.get(status)
+        if child is None:
+            child = self._outcomes[status] = self.requests.labels(status)
+        return child

@@ -36,6 +36,7 @@ from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
 from dsv4_serving.gateway.tracing import attempt_span, upstream_status
+from dsv4_serving.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from dsv4_serving.http_errors import DRAINING_HEADER, error_response
 
 log = logging.getLogger("dsv4.gateway")
@@ -56,7 +57,7 @@ class UpstreamFailed(Exception):
         self.response = response
 
 
-def _client_response(resp: aiohttp.ClientResponse, content: bytes, request_id: str) -> Response:
+def _client_response(resp: UpstreamResponse, content: bytes, request_id: str) -> Response:
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
     headers["x-request-id"] = request_id
     return Response(
@@ -94,6 +95,9 @@ class Proxy:
         self.cfg, self.pool, self.policy, self.metrics = cfg, pool, policy, metrics
         self.client: aiohttp.ClientSession | None = None
         self.tracer: Any = None  # tracing on: the gateway's Tracer (set by the app)
+        # the engine calls themselves (health checks and scrapes use ``client``)
+        self.upstream = UpstreamClient(cfg.connect_timeout_s)
+        self._routed: dict[tuple[str, str], Any] = {}  # (role, url) -> its counter child
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -130,7 +134,11 @@ class Proxy:
             tried.add(choice.instance.url)
             if attempt:
                 self.metrics.retries.labels(role).inc()
-            self.metrics.routed.labels(role, choice.instance.url).inc()
+            counter = self._routed.get((role, choice.instance.url))
+            if counter is None:
+                counter = self.metrics.routed.labels(role, choice.instance.url)
+                self._routed[role, choice.instance.url] = counter
+            counter.inc()
             yield choice
 
     @staticmethod
@@ -151,7 +159,6 @@ class Proxy:
         self, path: str, body: dict[str, Any], req: RouteRequest, request_id: str
     ) -> tuple[dict[str, Any], Instance]:
         """The prefill answer (JSON) and who gave it; retried on another instance on failure."""
-        assert self.client is not None
         tried: set[str] = set()
         last = ""
         for choice in self._attempts("prefill", req, tried):
@@ -163,21 +170,22 @@ class Proxy:
                         self.tracer, "prefill", choice, len(tried) - 1, self.policy.name
                     ) as span,
                 ):
-                    async with self.client.post(
-                        inst.url + path,
-                        data=json.dumps(prefill_request(body)),
-                        headers=self._headers(request_id, choice, span),
-                        timeout=aiohttp.ClientTimeout(
-                            total=self.cfg.prefill_timeout_s,
-                            sock_connect=self.cfg.connect_timeout_s,
-                        ),
-                    ) as resp:
-                        status, content = resp.status, await resp.read()
-                        headers = resp.headers
-                        upstream_status(span, status)
-                        if status != 200 and status < 500:  # the request is bad: tell the client
-                            raise UpstreamFailed(_client_response(resp, content, request_id))
-            except (aiohttp.ClientError, TimeoutError) as e:
+                    async with asyncio.timeout(self.cfg.prefill_timeout_s):
+                        resp = await self.upstream.post(
+                            inst.url,
+                            path,
+                            json.dumps(prefill_request(body)).encode(),
+                            self._headers(request_id, choice, span).items(),
+                        )
+                        try:
+                            status, content = resp.status, await resp.read()
+                        finally:
+                            resp.close()
+                    headers = resp.headers
+                    upstream_status(span, status)
+                    if status != 200 and status < 500:  # the request is bad: tell the client
+                        raise UpstreamFailed(_client_response(resp, content, request_id))
+            except (UpstreamError, TimeoutError) as e:
                 self._fail(inst)
                 last = f"prefill on {inst.url} failed: {type(e).__name__}: {e}"
                 continue
@@ -209,7 +217,6 @@ class Proxy:
     ) -> Response:
         """Send ``body`` to a ``role`` instance and relay its answer; retried on another instance
         until the first byte. A streamed answer leaves its load and connection with ``ticket``."""
-        assert self.client is not None
         tried: set[str] = set()
         last = ""
         for choice in self._attempts(role, req, tried):
@@ -221,20 +228,15 @@ class Proxy:
                     attempt_span(self.tracer, role, choice, len(tried) - 1, self.policy.name)
                 )
                 try:
-                    resp = await asyncio.wait_for(
-                        self.client.post(
-                            inst.url + path,
-                            data=json.dumps(body),
-                            headers=self._headers(request_id, choice, span),
-                            timeout=aiohttp.ClientTimeout(
-                                total=None,
-                                sock_connect=self.cfg.connect_timeout_s,
-                                sock_read=self.cfg.stream_idle_timeout_s,
-                            ),
-                        ),
-                        self.cfg.first_byte_timeout_s,
-                    )
-                except (aiohttp.ClientError, TimeoutError) as e:
+                    # asyncio.timeout, not wait_for: no task per call
+                    async with asyncio.timeout(self.cfg.first_byte_timeout_s):
+                        resp = await self.upstream.post(
+                            inst.url,
+                            path,
+                            json.dumps(body).encode(),
+                            self._headers(request_id, choice, span).items(),
+                        )
+                except (UpstreamError, TimeoutError) as e:
                     self._fail(inst)
                     last = f"{role} on {inst.url} failed: {type(e).__name__}: {e}"
                     if span is not None:
@@ -245,8 +247,8 @@ class Proxy:
                 upstream_status(span, resp.status)
                 if resp.status >= 500:
                     try:
-                        content = await resp.read()
-                    except (aiohttp.ClientError, TimeoutError):
+                        content = await resp.read(self.cfg.stream_idle_timeout_s)
+                    except (UpstreamError, TimeoutError):
                         content = b""
                     if not _kv_transfer_error(content):
                         # a failed KV pull is usually the prefill side's fault: retry elsewhere
@@ -267,8 +269,8 @@ class Proxy:
                         headers={"x-request-id": request_id, "cache-control": "no-cache"},
                     )
                 try:
-                    content = await resp.read()
-                except (aiohttp.ClientError, TimeoutError) as e:
+                    content = await resp.read(self.cfg.stream_idle_timeout_s)
+                except (UpstreamError, TimeoutError) as e:
                     self._fail(inst)
                     return error_response(
                         502,
@@ -281,15 +283,15 @@ class Proxy:
         raise self._exhausted(role, tried, last, request_id)
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, inst: Instance, ticket: Ticket
+        self, resp: UpstreamResponse, inst: Instance, ticket: Ticket
     ) -> AsyncIterator[bytes]:
         """The upstream's stream, chunk by chunk; the ticket (not this generator, which may
         never run or never be closed) releases the connection and the load."""
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_chunks(self.cfg.stream_idle_timeout_s):
                 ticket.chunk()
                 yield chunk
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (UpstreamError, TimeoutError) as e:
             # mid-stream failure: the client already has a 200; end the stream with an error event
             self._fail(inst)
             ticket.outcome = "error"
@@ -297,7 +299,7 @@ class Proxy:
             # a leading blank line ends any event the upstream left half-sent
             yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             return
-        resp.release()  # read to its end: the connection goes back to the pool
+        resp.close()  # read to its end: the connection goes back to the pool
         ticket.outcome = "ok"
 
 

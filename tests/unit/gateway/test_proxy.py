@@ -46,6 +46,7 @@ async def proxy_over(
                 (0, 0)
             ] * dp_size, inst.url
     finally:
+        await proxy.upstream.close()
         for f in fakes:
             await f.stop()
 
