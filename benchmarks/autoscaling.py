@@ -1,0 +1,423 @@
+"""Autoscaling benchmark: the real operator closing the loop over engines run as processes.
+
+Everything runs for real on this machine: the local control plane (etcd, kube-apiserver,
+controller manager, scheduler, kwok nodes), ``helm install`` of charts/dsv4, the operator with
+the chart's ServiceAccount, one real gateway, and per instance StatefulSet a ``dsv4 engine`` +
+``dsv4 kv-sidecar`` started by ``tests/k8s/autoscaling_processes.ProcessNodes`` (kwok pods run
+no process). The load is ``dsv4 bench --schedule`` against the gateway.
+
+The engines are EMULATED by default (``--emulate-step-time``): on two cores a second real
+engine adds no capacity, so a scale-up could not fix anything. ``--engine-mode real`` runs
+dsv4-tiny instead. The report says which.
+
+Two profiles: prefill-heavy (long prompts, few output tokens) and decode-heavy (short prompts,
+long answers). For each it prints:
+
+- SLO attainment per schedule phase (share of the phase's requests within both objectives);
+- for each load step: step -> first ScaledUp (decision) -> new engine Ready -> SLO recovered
+  (first 5 s bin after the decision with >= 90% of its requests within both objectives);
+- drain durations (DrainStarted -> DrainCompleted, per instance);
+- failed requests (goal 0), and those sent while any instance was starting or draining;
+- instance-seconds against static provisioning at max (goal <= 0.7x at equal attainment;
+  ``--baseline`` also runs the schedule at static max to measure that attainment);
+- direction changes per hour (up after down or down after up, per role).
+
+    .venv/bin/python benchmarks/autoscaling.py                       # both profiles
+    .venv/bin/python benchmarks/autoscaling.py --profiles decode-heavy --time-scale 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the process kubelet lives with the k8s tests
+
+from tests.k8s.autoscaling_processes import ProcessNodes  # noqa: E402
+
+from dsv4_common.ports import KV_PORT, sidecar_metrics_port  # noqa: E402
+from dsv4_common.process import dsv4_argv  # noqa: E402
+from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster  # noqa: E402
+from dsv4_operator.devcluster.binaries import ensure_binaries  # noqa: E402
+from dsv4_operator.devcluster.operator_process import OperatorService  # noqa: E402
+
+RELEASE_NAMESPACE = "dsv4-system"
+STEP_TIME = "20,3,0.2"
+TTFT_S, TPOT_S = 1.0, 0.05
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    schedule: list[tuple[float, float]]  # (seconds, requests/s)
+    input_len: int
+    output_len: int
+    prefill_tokens_per_s: int
+
+
+PROFILES = {
+    # 300 words are about 1200 tokens of the byte-level tiny tokenizer: a 263 ms emulated
+    # prefill step, so one prefill instance takes about 3.8 requests/s
+    "prefill-heavy": Profile("prefill-heavy", [(30, 0.5), (90, 5), (90, 0.5)], 300, 8, 4500),
+    # 128 tokens out: one decode instance at 2 requests/s runs about 22 sequences at 86 ms a
+    # step (TPOT breached), two run about 4 each at 33 ms
+    "decode-heavy": Profile("decode-heavy", [(30, 0.3), (90, 2), (90, 0.3)], 16, 128, 4500),
+}
+
+
+def _cr(name: str, p: Profile, autoscaled: bool) -> dict[str, Any]:
+    cpu = {"npusPerNode": 0, "parallelism": {"tp": 1}, "resources": {"requests": {"cpu": "100m"}}}
+    spec: dict[str, Any] = {
+        "model": {"preset": "dsv4-tiny", "servedName": "tiny"},
+        "prefill": dict(cpu, instances=1 if autoscaled else 2),
+        "decode": dict(cpu, instances=1 if autoscaled else 2),
+        "kvTransfer": {"transport": "tcp", "sidecarResources": {"requests": {"cpu": "100m"}}},
+        "gateway": {"replicas": 1, "resources": {"requests": {"cpu": "100m"}}},
+    }
+    if autoscaled:
+        spec["autoscaling"] = {
+            "enabled": True,
+            "ttftSeconds": TTFT_S,
+            "tpotSeconds": TPOT_S,
+            "intervalSeconds": 2,
+            "windowSeconds": 10,
+            "scaleDownStabilizationSeconds": 30,
+            "drainTimeoutSeconds": 120,
+            "prefill": {"min": 1, "max": 2, "tokensPerSecond": p.prefill_tokens_per_s},
+            "decode": {"min": 1, "max": 2, "runningPerInstance": 8},
+        }
+    return {
+        "apiVersion": "serving.dsv4.io/v1alpha1",
+        "kind": "DeepSeekV4Deployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def _epoch(ts: str) -> float:
+    return float(calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+def _events(cluster: LocalCluster, ns: str, name: str) -> list[tuple[float, str, str]]:
+    out = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}", "-o", "json"
+    )
+    items = json.loads(out)["items"]
+    items.sort(key=lambda e: int(e["metadata"]["resourceVersion"]))
+    return [(_epoch(e["firstTimestamp"]), e["reason"], e["message"]) for e in items]
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _good(r: dict[str, Any]) -> bool:
+    return bool(r["ok"]) and r["ttft"] <= TTFT_S and (r["tpot"] is None or r["tpot"] <= TPOT_S)
+
+
+def _instance_seconds(history: list[tuple[float, str, str]], t0: float, t1: float) -> float:
+    """Seconds each engine process existed inside [t0, t1], summed."""
+    alive: dict[str, float] = {}
+    total = 0.0
+    for t, inst, what in history:
+        if what == "started":
+            alive[inst] = t
+        elif what == "stopped" and inst in alive:
+            total += max(0.0, min(t, t1) - max(alive.pop(inst), t0))
+    return total + sum(max(0.0, t1 - max(s, t0)) for s in alive.values())
+
+
+def _direction_changes(events: list[tuple[float, str, str]]) -> int:
+    changes = 0
+    for role in ("prefill", "decode"):
+        moves = [r for _, r, m in events if r in ("ScaledUp", "ScaledDown") and m.startswith(role)]
+        changes += sum(1 for a, b in itertools.pairwise(moves) if a != b)
+    return changes
+
+
+def analyse(
+    p: Profile,
+    t0: float,
+    records: list[dict[str, Any]],
+    events: list[tuple[float, str, str]],
+    history: list[tuple[float, str, str]],
+    t1: float,
+) -> dict[str, Any]:
+    starts, acc = [], 0.0
+    for sec, _ in p.schedule:
+        starts.append(t0 + acc)
+        acc += sec
+    phases = []
+    for i, (sec, rate) in enumerate(p.schedule):
+        mine = [r for r in records if r["phase"] == i]
+        good = sum(1 for r in mine if _good(r))
+        phases.append(
+            {
+                "seconds": sec,
+                "rate": rate,
+                "requests": len(mine),
+                "failed": sum(1 for r in mine if not r["ok"]),
+                "slo_attainment": good / len(mine) if mine else None,
+            }
+        )
+    steps = []
+    for i in range(1, len(p.schedule)):
+        if p.schedule[i][1] <= p.schedule[i - 1][1]:
+            continue
+        step = starts[i]
+        up = next((t for t, r, _ in events if r == "ScaledUp" and t >= step - 1), None)
+        ready = next((t for t, _, w in history if w == "ready" and up and t >= up - 1), None)
+        recovered = None
+        if up is not None:
+            b = up
+            while b < starts[i] + p.schedule[i][0]:
+                rs = [r for r in records if b <= t0 + r["start"] < b + 5]
+                if rs and sum(1 for r in rs if _good(r)) / len(rs) >= 0.9:
+                    recovered = b
+                    break
+                b += 5
+
+        def rel(x: float | None, step: float = step) -> float | None:
+            return None if x is None else round(x - step, 1)
+
+        steps.append(
+            {
+                "phase": i,
+                "decision_s": rel(up),
+                "ready_s": rel(ready),
+                "recovered_s": rel(recovered),
+            }
+        )
+    drains = []
+    for t, r, m in events:
+        if r == "DrainStarted":
+            inst = m.split("instance ", 1)[1].split(":", 1)[0]
+            done = next(
+                (
+                    (t2, r2)
+                    for t2, r2, m2 in events
+                    if r2 in ("DrainCompleted", "DrainTimedOut") and f" {inst} " in m2 and t2 >= t
+                ),
+                None,
+            )
+            drains.append(
+                {
+                    "instance": inst,
+                    "seconds": None if done is None else done[0] - t,
+                    "outcome": None if done is None else done[1],
+                }
+            )
+    scaling = [(t, w) for t, _, w in history]
+    busy = [
+        r
+        for r in records
+        if any(abs(t0 + r["start"] - t) < 30 for t, w in scaling if w in ("started", "stopped"))
+    ]
+    inst_s = _instance_seconds(history, t0, t1)
+    static_s = 4 * (t1 - t0)
+    return {
+        "phases": phases,
+        "steps": steps,
+        "drains": drains,
+        "failed": sum(1 for r in records if not r["ok"]),
+        "failed_near_scaling": sum(1 for r in busy if not r["ok"]),
+        "instance_seconds": inst_s,
+        "static_max_instance_seconds": static_s,
+        "vs_static_max": inst_s / static_s if static_s else None,
+        "direction_changes_per_hour": _direction_changes(events) / max((t1 - t0) / 3600, 1e-9),
+        "scale_events": [(round(t - t0, 1), r, m) for t, r, m in events if r != "SLOAtRisk"],
+    }
+
+
+def run_profile(
+    cluster: LocalCluster,
+    op_kubeconfig: Path,
+    p: Profile,
+    ns: str,
+    autoscaled: bool,
+    engine_args: list[str],
+    work: Path,
+) -> dict[str, Any]:
+    cluster.kubectl("create", "namespace", ns)
+    name = "bench"
+    cr = _cr(name, p, autoscaled)
+    (work / ns).mkdir(parents=True, exist_ok=True)
+    token = work / ns / "kv-token"
+    token.write_text("b" * 32)
+    nodes = ProcessNodes(
+        cluster=cluster,
+        namespace=ns,
+        deployment=name,
+        token_file=token,
+        log_dir=work / ns,
+        engine_args=engine_args,
+        sidecar_metrics_port=sidecar_metrics_port(KV_PORT),
+    )
+    op = OperatorService(
+        op_kubeconfig, cluster.log_dir, ("--autoscaler-address-map", str(nodes.address_map))
+    ).launch()
+    try:
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(cr))
+        nodes.start()
+        gw = nodes.start_gateway()
+        want = 1 if autoscaled else 2
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if all(
+                sum(1 for i in nodes.by_role(r) if i.published) >= want
+                for r in ("prefill", "decode")
+            ):
+                break
+            time.sleep(1)
+        else:
+            raise RuntimeError("engines did not come up")
+        time.sleep(3)  # the gateway's first health round
+        schedule = ",".join(f"{s:g}s@{r:g}" for s, r in p.schedule)
+        records = work / ns / "records.jsonl"
+        argv = dsv4_argv(
+            "bench",
+            *("--url", gw.url, "--model", "tiny", "--json", "--no-progress", "--timeout", "300"),
+            *("--schedule", schedule, "--records", str(records)),
+            *("--input-len", str(p.input_len), "--output-len", str(p.output_len)),
+            *("--ttft-slo", str(TTFT_S), "--tpot-slo", str(TPOT_S)),
+        )
+        t0 = time.time()
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+        if res.returncode != 0:
+            raise RuntimeError(f"bench failed: {res.stderr[-2000:]}")
+        if autoscaled:  # let the last drains finish inside the measurement
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and (
+                len(nodes.by_role("prefill")) > 1 or len(nodes.by_role("decode")) > 1
+            ):
+                time.sleep(1)
+        t1 = time.time()
+        out = analyse(p, t0, _records(records), _events(cluster, ns, name), nodes.history, t1)
+        out["bench"] = {k: v for k, v in json.loads(res.stdout).items() if k != "phases"}
+        return out
+    finally:
+        op.stop()
+        nodes.stop()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _print(name: str, mode: str, auto: dict[str, Any], static: dict[str, Any] | None) -> None:
+    print(f"\n== {name} ({mode}) ==")
+    for i, ph in enumerate(auto["phases"]):
+        att = ph["slo_attainment"]
+        base = static["phases"][i]["slo_attainment"] if static else None
+        print(
+            f"phase {i}: {ph['seconds']:g}s @ {ph['rate']:g}/s  {ph['requests']} requests, "
+            f"{ph['failed']} failed, SLO attainment "
+            f"{'-' if att is None else f'{att:.0%}'}"
+            + ("" if base is None else f" (static max: {base:.0%})")
+        )
+
+    def after(x: float | None) -> str:
+        return "never" if x is None else f"+{x:g}s"
+
+    for s in auto["steps"]:
+        print(
+            f"load step into phase {s['phase']}: decision {after(s['decision_s'])}, "
+            f"Ready {after(s['ready_s'])}, SLO recovered {after(s['recovered_s'])}"
+        )
+    for d in auto["drains"]:
+        secs = "-" if d["seconds"] is None else f"{d['seconds']:.0f}s"
+        print(f"drain {d['instance']}: {secs} ({d['outcome']})")
+    print(
+        f"failed requests: {auto['failed']} ({auto['failed_near_scaling']} within 30 s of a "
+        "scaling action; goal 0)"
+    )
+    print(
+        f"instance-seconds {auto['instance_seconds']:.0f} vs static max "
+        f"{auto['static_max_instance_seconds']:.0f}: {auto['vs_static_max']:.2f}x (goal <= 0.7x)"
+    )
+    print(f"direction changes per hour: {auto['direction_changes_per_hour']:.1f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--profiles", nargs="+", choices=sorted(PROFILES), default=sorted(PROFILES))
+    ap.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply every phase's length (e.g. 0.5)"
+    )
+    ap.add_argument("--engine-mode", choices=["emulated", "real"], default="emulated")
+    ap.add_argument("--step-time", default=STEP_TIME, help="emulated base,per_seq,per_token ms")
+    ap.add_argument(
+        "--baseline", action="store_true", help="also run each schedule at static max (2 + 2)"
+    )
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.time_scale <= 0:
+        ap.error("--time-scale must be > 0")
+    engine_args = ["--num-speculative-tokens", "0", "--num-kv-blocks", "600"]
+    engine_args += ["--max-model-len", "2048"]
+    if args.engine_mode == "emulated":
+        engine_args += ["--emulate-step-time", args.step_time]
+        mode = f"EMULATED engines, step = {args.step_time} ms (base, per sequence, per token)"
+    else:
+        mode = "REAL dsv4-tiny engines on CPU"
+
+    work = Path(tempfile.mkdtemp(prefix="dsv4-bench-autoscaling-"))
+    bin_dir = ensure_binaries()
+    cluster = LocalCluster(
+        ClusterConfig(bin_dir=bin_dir, work_dir=work, node_spec=FakeNodeSpec(pods=110))
+    )
+    results: dict[str, Any] = {"engine_mode": mode, "profiles": {}}
+    with cluster:
+        cluster.start_workloads(2)
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HOME": str(work)}
+        subprocess.run(
+            [
+                str(bin_dir / "helm"),
+                "install",
+                "dsv4",
+                str(REPO / "charts" / "dsv4"),
+                "-n",
+                RELEASE_NAMESPACE,
+                "--create-namespace",
+            ],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "crd/deepseekv4deployments.serving.dsv4.io"
+        )
+        op_kc = cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator")
+        for i, name in enumerate(args.profiles):
+            base = PROFILES[name]
+            p = Profile(
+                name,
+                [(s * args.time_scale, r) for s, r in base.schedule],
+                base.input_len,
+                base.output_len,
+                base.prefill_tokens_per_s,
+            )
+            auto = run_profile(cluster, op_kc, p, f"auto-{i}", True, engine_args, work)
+            static = None
+            if args.baseline:
+                static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work)
+            results["profiles"][name] = {"autoscaled": auto, "static_max": static}
+            if not args.json:
+                _print(name, mode, auto, static)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
