@@ -80,9 +80,13 @@ class Placement:
                 raise PlacementError(f"{name}={raw!r} is not an integer") from None
 
         n = num(nnodes, NNODES_ENV, 1)
+        # A one-node instance's ranks are all in this pod: the operator's leader name (the pod's
+        # own DNS name) does not resolve before the pod is Ready (its Service publishes
+        # not-ready addresses only for multi-node instances), so the env's address is not used.
+        env_addr = env.get(MASTER_ADDR_ENV) if n > 1 else None
         return cls(
             nnodes=n,
             node_rank=num(node_rank, NODE_RANK_ENV, 0),
-            master_addr=master_addr or env.get(MASTER_ADDR_ENV) or "127.0.0.1",
+            master_addr=master_addr or env_addr or "127.0.0.1",
             master_port=num(master_port, MASTER_PORT_ENV, DEFAULT_MASTER_PORT if n > 1 else 0),
         )

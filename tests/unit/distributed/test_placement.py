@@ -36,6 +36,16 @@ def test_the_operators_environment_makes_a_headless_follower() -> None:
     assert p.ranks(Topology(tp=2, dp=2, ep=4, nnodes=2)) == [2, 3]
 
 
+def test_a_one_node_instance_rendezvous_in_its_own_pod() -> None:
+    """The operator sets DSV4_MASTER_ADDR for every instance; for a one-node one (tp 2 in one
+    pod) that name is the pod's own and does not resolve before the pod is Ready (the real-node
+    tier caught it): the ranks meet on 127.0.0.1. A flag still wins."""
+    env = {"DSV4_NODE_RANK": "0", "DSV4_NODES_PER_INSTANCE": "1"}
+    env["DSV4_MASTER_ADDR"] = "v4-prefill-0-0.v4-prefill"
+    assert Placement.resolve(env) == Placement(1, 0, "127.0.0.1", 0)
+    assert Placement.resolve(env, master_addr="10.0.0.5").master_addr == "10.0.0.5"
+
+
 def test_flags_win_over_the_environment() -> None:
     p = Placement.resolve(FOLLOWER_ENV, node_rank=0, master_addr="10.0.0.5", master_port=1234)
     assert p == Placement(2, 0, "10.0.0.5", 1234)
