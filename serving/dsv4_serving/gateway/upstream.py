@@ -31,17 +31,20 @@ class UpstreamError(Exception):
 
 
 class Headers:
-    """A response's headers: ``get`` by lower-case name, ``items`` in the order received."""
+    """A response's headers: ``get`` by name (any case), ``items`` in the order received;
+    decoded only when asked (a prefill answer's never are, unless it failed)."""
 
-    def __init__(self, pairs: list[tuple[str, str]]) -> None:
-        self.pairs = pairs
-        self._by_name = {k.lower(): v for k, v in pairs}
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+        self._by_name: dict[str, str] | None = None
 
     def get(self, name: str, default: str | None = None) -> str | None:
+        if self._by_name is None:
+            self._by_name = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.raw}
         return self._by_name.get(name.lower(), default)
 
     def items(self) -> list[tuple[str, str]]:
-        return self.pairs
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw]
 
 
 class _Connection(asyncio.Protocol):
@@ -54,7 +57,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.response: UpstreamResponse | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self._header_pairs: list[tuple[str, str]] = []
+        self._header_pairs: list[tuple[bytes, bytes]] = []
         self._headers_done: asyncio.Future[None] | None = None
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
@@ -73,7 +76,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         resp = self.response
         if resp is not None and not resp.complete:
-            if resp.status and resp.until_eof:  # a body delimited by the connection's end
+            if resp.status and resp.until_eof():  # a body delimited by the connection's end
                 resp.complete = True
                 resp.wake()
             else:
@@ -88,7 +91,7 @@ class _Connection(asyncio.Protocol):
     # ---- httptools callbacks -------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_pairs.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._header_pairs.append((name, value))
 
     def on_headers_complete(self) -> None:
         resp = self.response
@@ -96,10 +99,6 @@ class _Connection(asyncio.Protocol):
             return
         resp.status = self.parser.get_status_code()
         resp.headers = Headers(self._header_pairs)
-        resp.until_eof = (
-            resp.headers.get("content-length") is None
-            and resp.headers.get("transfer-encoding") is None
-        )
         if self._headers_done is not None and not self._headers_done.done():
             self._headers_done.set_result(None)
 
@@ -167,10 +166,14 @@ class UpstreamResponse:
         self.buffered = 0
         self.complete = False
         self.keep_alive = False
-        self.until_eof = False
         self.error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+
+    def until_eof(self) -> bool:
+        """Whether the body ends with the connection (neither a length nor chunked)."""
+        h = self.headers
+        return h.get("content-length") is None and h.get("transfer-encoding") is None
 
     def wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
