@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from dsv4_serving.kernels import w8a8 as kernel_mod
+from dsv4_serving.kernels import build as build_mod
 from dsv4_serving.kernels.build import available, build
 from dsv4_serving.layers.linear import ReplicatedLinear
 from dsv4_serving.layers.moe import Experts
@@ -113,7 +113,7 @@ def test_the_quant_method_uses_the_kernel_on_cpu_with_the_torch_paths_results() 
 
 
 def test_without_the_kernel_the_method_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel_mod, "available", lambda name, variant="": False)
+    monkeypatch.setattr(build_mod, "available", lambda name, variant="": False)
     method = W8A8()
     layer = ReplicatedLinear(64, 32, method)
     init_dummy_weights(torch.nn.Sequential(layer), seed=5)

@@ -17,13 +17,15 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 log = logging.getLogger("dsv4.kernels")
 HERE = Path(__file__).parent
 
 
 # kernels whose at::parallel_for runs on torch's OpenMP pool (without -fopenmp it runs serially);
 # the extension's libgomp.so.1 resolves to the one torch already loaded, so there is one pool
-OPENMP = {"w8a8"}
+OPENMP = {"w8a8", "fp8"}
 VARIANTS = {"": [], "avx2": ["-mno-avx512f"]}
 
 
@@ -61,3 +63,28 @@ def available(name: str, variant: str = "") -> bool:
     except KernelUnavailable as exc:
         log.info("kernel %s unavailable (%s): using the pure-torch path", name, exc)
         return False
+
+
+class CpuKernel:
+    """A quant method's handle on a kernel, resolved on first use (the build is cached per
+    process). ``use_kernel``: None uses it on CPU when it builds, True requires it, False
+    never. ``variant``: another build of the source (``VARIANTS``; benchmarks)."""
+
+    name = ""
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+
+    def __init__(self, use_kernel: bool | None = None, variant: str = "") -> None:
+        self.use_kernel = use_kernel
+        self.variant = variant
+        self._ext: ModuleType | None = None
+        self._resolved = use_kernel is False
+
+    def get(self, x: torch.Tensor) -> ModuleType | None:
+        """The extension if it applies to ``x`` (CPU, one of ``dtypes``), else None."""
+        if not self._resolved:
+            self._resolved = True
+            if self.use_kernel or available(self.name, self.variant):
+                self._ext = build(self.name, self.variant)  # KernelUnavailable if required
+        if self._ext is not None and x.device.type == "cpu" and x.dtype in self.dtypes:
+            return self._ext
+        return None

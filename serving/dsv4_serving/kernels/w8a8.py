@@ -10,32 +10,11 @@ contiguous, as stored: no repacked copy), ``w_scale`` [N] float32; returns [M, N
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from dsv4_serving.kernels.build import available, build
-
-DTYPES = (torch.float32, torch.bfloat16)
+from dsv4_serving.kernels.build import CpuKernel
 
 
-class W8A8Kernel:
-    """The kernel for a quant method, resolved on first use (the build is cached per process).
-    ``use_kernel``: None uses it on CPU when it builds, True requires it, False never."""
-
-    def __init__(self, use_kernel: bool | None = None, variant: str = "") -> None:
-        """``variant``: another build of the source (``build.VARIANTS``; benchmarks)."""
-        self.use_kernel = use_kernel
-        self.variant = variant
-        self._ext: ModuleType | None = None
-        self._resolved = use_kernel is False
-
-    def get(self, x: torch.Tensor) -> ModuleType | None:
-        """The extension if it applies to ``x`` (CPU, float32/bfloat16), else None."""
-        if not self._resolved:
-            self._resolved = True
-            if self.use_kernel or available("w8a8", self.variant):
-                self._ext = build("w8a8", self.variant)  # KernelUnavailable says why if required
-        if self._ext is not None and x.device.type == "cpu" and x.dtype in DTYPES:
-            return self._ext
-        return None
+class W8A8Kernel(CpuKernel):
+    name = "w8a8"
+    dtypes = (torch.float32, torch.bfloat16)

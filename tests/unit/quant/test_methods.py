@@ -36,7 +36,7 @@ def test_fp8_blocks_dequantize_a_chunk_of_rows_at_a_time_into_one_buffer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(methods, "SCRATCH_ELEMS", 128 * 300)  # one block row per chunk
-    fp8 = Fp8Block((128, 128))
+    fp8 = Fp8Block((128, 128), use_kernel=False)  # the torch path (the kernel: test_fp8_kernel)
     layer = ReplicatedLinear(300, 330, fp8)  # ragged blocks on both dims
     _filled(layer, fp8, "weight", torch.randn(330, 300, generator=torch.Generator().manual_seed(0)))
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (3, 3)

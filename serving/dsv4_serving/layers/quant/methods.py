@@ -7,9 +7,10 @@ at a time): ``create(module, name, shape)`` registers ``name`` and its scale ``n
 index)`` computes. Formats (``docs/quantization.md``):
 
 - ``Unquantized``: the compute dtype, ``F.linear``.
-- ``Fp8Block``: e4m3 with a float32 scale per (bn x bk) block. CPU and CUDA dequantize a chunk
-  of whole block rows at a time into one reusable scratch buffer (bounded extra memory), then
-  matmul. Ascend 910 has no fp8 compute: fails fast.
+- ``Fp8Block``: e4m3 with a float32 scale per (bn x bk) block. On CPU (float32) one call of the
+  C++ kernel (``kernels/fp8.cpp``: 4 rows dequantized at a time in cache, FMAs); else (and
+  CUDA) a chunk of whole block rows at a time dequantized into one reusable scratch buffer
+  (bounded extra memory), then matmul. Ascend 910 has no fp8 compute: fails fast.
 - ``Fp4Experts``: e2m1 packed two per byte (element 2j in the low nibble), one e8m0 exponent
   per 32 inputs; same chunked dequantization.
 - ``W8A8``: int8 with a float32 scale per output channel, activations quantized per token at
@@ -28,6 +29,7 @@ from torch import nn
 
 from dsv4_serving.distributed.comm import all_gather
 from dsv4_serving.distributed.groups import Group
+from dsv4_serving.kernels.fp8 import Fp8Kernel
 from dsv4_serving.kernels.w8a8 import W8A8Kernel
 from dsv4_serving.layers.quant.scheme import NONE, QuantScheme
 from dsv4_serving.layers.shard import ShardSpec
@@ -179,8 +181,10 @@ class _Chunked(QuantMethod):
 class Fp8Block(_Chunked):
     format = "fp8"
 
-    def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
+    def __init__(self, block: tuple[int, int] = (128, 128), use_kernel: bool | None = None) -> None:
+        """``use_kernel``: None uses the CPU kernel (float32) when it builds, False never."""
         super().__init__()
+        self.kernel = Fp8Kernel(use_kernel)
         self.block = block
         self.row_block = block[0]
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -207,6 +211,17 @@ class Fp8Block(_Chunked):
             per_dim = {len(lead): bn, len(lead) + 1: bk}
             block = per_dim.get(spec.dim)
             shards[name + "_scale"] = spec if block is None else _coarsen(spec, block, what)
+
+    def matmul(
+        self, module: nn.Module, name: str, x: torch.Tensor, index: int | None = None
+    ) -> torch.Tensor:
+        ext = self.kernel.get(x)
+        if ext is None:
+            return super().matmul(module, name, x, index)
+        w, s = _param(module, name), _param(module, name + "_scale")
+        bn, bk = self.block
+        y: torch.Tensor = ext.fp8_linear(x, w, s, bn, bk, -1 if index is None else index)
+        return y
 
     def _in_features(self, module: nn.Module, name: str) -> int:
         return int(getattr(module, name).shape[-1])
