@@ -3,7 +3,7 @@
 Everything runs for real on this machine: the local control plane (etcd, kube-apiserver,
 controller manager, scheduler, kwok nodes), ``helm install`` of charts/dsv4, the operator with
 the chart's ServiceAccount, one real gateway, and per instance StatefulSet a ``dsv4 engine`` +
-``dsv4 kv-sidecar`` started by ``tests/k8s/autoscaling_processes.ProcessNodes`` (kwok pods run
+``dsv4 kv-sidecar`` started by ``dsv4_serving.bench.process_nodes.ProcessNodes`` (kwok pods run
 no process). The load is ``dsv4 bench --schedule`` against the gateway.
 
 The engines are EMULATED by default (``--emulate-step-time``): on two cores a second real
@@ -41,16 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4_common.ports import KV_PORT, sidecar_metrics_port
+from dsv4_common.process import dsv4_argv
+from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster
+from dsv4_operator.devcluster.binaries import ensure_binaries
+from dsv4_operator.devcluster.operator_process import OperatorService
+from dsv4_serving.bench.process_nodes import ProcessNodes
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the process kubelet lives with the k8s tests
-
-from tests.k8s.autoscaling_processes import ProcessNodes  # noqa: E402
-
-from dsv4_common.ports import KV_PORT, sidecar_metrics_port  # noqa: E402
-from dsv4_common.process import dsv4_argv  # noqa: E402
-from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster  # noqa: E402
-from dsv4_operator.devcluster.binaries import ensure_binaries  # noqa: E402
-from dsv4_operator.devcluster.operator_process import OperatorService  # noqa: E402
 
 RELEASE_NAMESPACE = "dsv4-system"
 STEP_TIME = "20,3,0.2"

@@ -1,4 +1,5 @@
-"""Engines as local processes behind kwok pods, for the autoscaler on the real control plane.
+"""Engines as local processes behind kwok pods, for the autoscaler on the real control plane
+(``tests/k8s/test_autoscaling_processes.py`` and ``benchmarks/autoscaling.py``).
 
 kwok runs the pods the operator creates but no process behind them. ``ProcessNodes`` plays the
 kubelet for one DeepSeekV4Deployment: for every prefill/decode instance StatefulSet it starts a
@@ -83,15 +84,13 @@ class ProcessNodes:
 
     def start_gateway(self) -> Service:
         """The gateway, once the operator has created its ServiceAccount and Role."""
-        from tests.helpers import wait_for
-
-        wait_for(
-            "the gateway's ServiceAccount",
-            lambda: self.cluster.kubectl(
-                "get", "sa", f"{self.deployment}-gateway", "-n", self.namespace, check=False
-            ),
-            timeout_s=60,
-        )
+        deadline = time.monotonic() + 60
+        while not self.cluster.kubectl(
+            "get", "sa", f"{self.deployment}-gateway", "-n", self.namespace, check=False
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no ServiceAccount {self.deployment}-gateway after 60 s")
+            time.sleep(0.5)
         kubeconfig = self.cluster.service_account_kubeconfig(
             self.namespace, f"{self.deployment}-gateway"
         )
