@@ -3,7 +3,8 @@ scales) and W8A8 int8, on the same model config and the same (dummy) weights qua
 (CPU). The goal: W8A8 decode >= 1.0x the float32 path's tokens/s.
 
     .venv/bin/python benchmarks/quantized.py [--configs dsv3-small anchor]
-        [--formats float32 bfloat16 fp8 w8a8 w8a8-torch w8a8-avx2] [--batches 1 16] [--prompt 64]
+        [--formats float32 bfloat16 fp8 fp8-torch w8a8 w8a8-torch w8a8-avx2]
+        [--batches 1 16] [--prompt 64]
         [--decode-steps 8] [--threads N]
 
 ``anchor`` is ../shared/anchors/dsv3-anchor-config.json (the engine comparison's model).
@@ -23,8 +24,9 @@ from typing import Any
 import torch
 
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.kernels.fp8 import Fp8Kernel
 from dsv4_serving.kernels.w8a8 import W8A8Kernel
-from dsv4_serving.layers.quant.methods import W8A8, cast_model
+from dsv4_serving.layers.quant.methods import W8A8, Fp8Block, cast_model
 from dsv4_serving.layers.quant.scheme import QuantScheme
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.registry import REGISTRY
@@ -38,6 +40,7 @@ FORMATS = {
     "float32": ("none", torch.float32),
     "bfloat16": ("none", torch.bfloat16),
     "fp8": ("fp8", torch.float32),
+    "fp8-torch": ("fp8", torch.float32),  # the pure-torch fp8 path (no C++ kernel)
     "w8a8": ("w8a8", torch.float32),
     "w8a8-torch": ("w8a8", torch.float32),  # the pure-torch W8A8 path (no C++ kernel)
     "w8a8-avx2": ("w8a8", torch.float32),  # the kernel's AVX2 build (where AVX-512 VNNI is)
@@ -57,6 +60,10 @@ def _model(config: dict[str, Any], fmt: str) -> Any:
     cfg = dataclasses.replace(cls.config_class.from_dict(config), quant=QuantScheme.of(scheme))  # type: ignore[arg-type]
     model = cls(cfg)
     init_dummy_weights(model, seed=0)  # the float weights, quantized whole for fp8 / w8a8
+    if fmt == "fp8-torch":
+        for m in model.modules():
+            if isinstance(getattr(m, "quant", None), Fp8Block):
+                m.quant.kernel = Fp8Kernel(use_kernel=False)
     if fmt in ("w8a8-torch", "w8a8-avx2"):
         kernel = W8A8Kernel(False) if fmt == "w8a8-torch" else W8A8Kernel(True, "avx2")
         for m in model.modules():
