@@ -443,7 +443,10 @@ class _Tick:
             return p, d
         base = {r: min(dec[r].target, dec[r].current) for r in ROLES}
         deficit = {r: dec[r].target - base[r] for r in ROLES}
-        free = pol.npu_budget - sum(base[r] * cost[r] for r in ROLES)
+        # NPUs are free only once held by nobody: an instance scaled down (this tick or
+        # draining since an earlier one) keeps its NPUs until its drain ends and it is deleted
+        held = {r: dec[r].current + self.obs.roles[r].draining for r in ROLES}
+        free = pol.npu_budget - sum(held[r] * cost[r] for r in ROLES)
         grant = {r: 0 for r in ROLES}
         while True:
             fits = [r for r in ROLES if grant[r] < deficit[r] and cost[r] <= free]

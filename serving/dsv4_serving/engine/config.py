@@ -194,6 +194,9 @@ class EngineConfig:
             if self.eplb_redundant_experts:
                 raise ConfigError("--eplb-redundant-experts needs --enable-eplb")
             return
+        if self.emulate_step_time is not None:
+            # the emulated runner computes no experts: there would be no load to balance
+            raise ConfigError("--enable-eplb and --emulate-step-time cannot be combined")
         if self.expert_parallel_size < 2:
             raise ConfigError(
                 "--enable-eplb needs --expert-parallel-size > 1: EPLB balances experts over "

@@ -272,7 +272,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         out = self.scheduler.snapshot_stats()
-        eplb = getattr(self.runner, "eplb", None)  # an emulated runner has none
+        eplb = getattr(self.runner, "eplb", None)  # None unless --enable-eplb
         if eplb is not None:
             out.eplb = eplb.stats
         return out

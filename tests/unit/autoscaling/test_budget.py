@@ -86,3 +86,14 @@ def test_the_crd_field_reaches_the_policy_with_each_role_s_npus() -> None:
     assert p.npus_per_instance == {"prefill": 16, "decode": 4}
     unset = parse(make_cr(autoscaling={"enabled": True}))
     assert policy_of(unset.autoscaling, npus_per_instance(unset)).npu_budget is None
+
+
+def test_npus_of_a_draining_instance_are_not_granted_until_it_is_gone() -> None:
+    """Decode holds a fifth instance that is still draining: its 8 NPUs are not free yet, so
+    prefill's increase gets only what nobody holds."""
+    draining = replace(
+        SHORT, roles={**SHORT.roles, "decode": replace(SHORT.roles["decode"], draining=1)}
+    )
+    # held 4x8 + (4 + 1 draining)x8 = 72 of 80: one instance's worth left
+    assert _targets(replace(POLICY, npu_budget=80), draining) == ((5, 4), "BudgetExhausted")
+    assert _targets(replace(POLICY, npu_budget=80)) == ((5, 5), "BudgetExhausted")

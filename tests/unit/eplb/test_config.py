@@ -27,6 +27,10 @@ EP2 = {"data_parallel_size": 2, "expert_parallel_size": 2}
         ),
         ({"enable_eplb": True, "eplb_interval": 0, **EP2}, "--eplb-interval and --eplb-window"),
         ({"enable_eplb": True, "eplb_window": 0, **EP2}, "--eplb-interval and --eplb-window"),
+        (
+            {"enable_eplb": True, "emulate_step_time": "20,3,0.2", **EP2},
+            "--enable-eplb and --emulate-step-time cannot be combined",
+        ),
     ],
 )
 def test_bad_eplb_settings_are_refused_naming_the_flag(kw: dict[str, object], message: str) -> None:
