@@ -147,7 +147,9 @@ def test_engine_pods_run_as_rendered(tiny: Any) -> None:
         assert out[3].split()[2] == "tmpfs", (c, out)
     # every container passed its probes: Ready, no restarts
     statuses = pod["status"]["containerStatuses"]
-    assert all(s["ready"] and s["restartCount"] == 0 for s in statuses), statuses
+    assert all(s["ready"] and s["restartCount"] == 0 for s in statuses), [
+        (s["name"], s["ready"], s["restartCount"], s.get("lastState")) for s in statuses
+    ]
     policies = tiny.kubectl("get", "networkpolicy", "-n", NS, "-o", "name").split()
     assert sorted(policies) == [
         "networkpolicy.networking.k8s.io/tiny-engines",
