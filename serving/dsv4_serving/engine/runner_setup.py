@@ -45,6 +45,12 @@ def setup_runner(
     if lm.device.type == "cpu" and any(isinstance(m, MLAttention) for m in lm.model.modules()):
         # build (or load) the paged attention kernel now, not inside the first request
         available("paged_mla")
+    if lm.device.type == "cpu":
+        # likewise the quantized products' kernels (a g++ -O3 build on a cold cache)
+        scheme = lm.model_config.quant
+        for kernel in ("w8a8", "fp8"):
+            if kernel in (scheme.linear, scheme.experts):
+                available(kernel)
     k = config.num_speculative_tokens
     if k < 0:
         k = 1 if lm.num_mtp_layers else 0
