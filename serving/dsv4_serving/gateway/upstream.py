@@ -212,8 +212,17 @@ class UpstreamResponse:
             await self._more(idle_timeout_s)
 
     async def read(self, idle_timeout_s: float | None = None) -> bytes:
-        parts = [chunk async for chunk in self.iter_chunks(idle_timeout_s)]
-        return b"".join(parts)
+        """The whole body (``iter_chunks``' errors), without an async generator per call: a
+        small answer is usually all there with its headers."""
+        parts: list[bytes] = []
+        while True:
+            if self.chunks:
+                parts.append(self._take())  # taken as it comes: a paused read resumes
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            await self._more(idle_timeout_s)
 
     def close(self) -> None:
         """Release the connection: back to the pool if the answer was read to its end, else

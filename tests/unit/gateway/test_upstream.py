@@ -207,3 +207,29 @@ async def test_unreachable_and_silent_engines() -> None:
             await resp.read(idle_timeout_s=0.2)
         resp.close()
     await client.close()
+
+
+@on_both_loops
+async def test_an_answer_over_the_pause_threshold_comes_whole_read_or_streamed() -> None:
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB: reading pauses at 1 MiB buffered
+
+    async def large(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(r)
+            w.write(answer(big))
+            await w.drain()
+
+    async with server(large) as (url, accepted):
+        client = UpstreamClient(connect_timeout_s=2)
+        resp = await client.post(url, "/v1/completions", b"{}", JSON)
+        assert await resp.read(idle_timeout_s=5) == big
+        resp.close()
+        resp = await client.post(url, "/v1/completions", b"{}", JSON)
+        got = b""
+        async for chunk in resp.iter_chunks(idle_timeout_s=5):
+            got += chunk
+            await asyncio.sleep(0.001)  # a slow client: the engine's bytes wait in the socket
+        assert got == big
+        resp.close()
+        assert len(accepted) == 1
+        await client.close()
