@@ -37,7 +37,8 @@ NODE_NET = "10.98.0"
 POD_NET = "10.99"
 CLUSTER_DOMAIN = "cluster.local"
 REAL_NODE_LABEL = "dsv4.io/real-node"
-NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns", "kube-network-policies")
+NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns")
+NETPOL_BINARY = "kube-network-policies"  # built only where the kernel can run it
 HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "nft", "ip", "unshare", "mount")
 CNI_BIN_DIR = Path("/usr/lib/cni")
 PAUSE_IMAGE = "dsv4.local/pause:3.10"
@@ -83,7 +84,7 @@ _NFT_QUEUE_PROBE = """table inet dsv4-probe {
 """
 
 
-def netpol_unavailable_reason() -> str | None:
+def netpol_unavailable_reason(bin_dir: Path) -> str | None:
     """Why NetworkPolicies cannot be enforced on this host, or None when they can."""
     res = subprocess.run(
         ["nft", "-c", "-f", "-"], input=_NFT_QUEUE_PROBE, capture_output=True, text=True
@@ -97,6 +98,8 @@ def netpol_unavailable_reason() -> str | None:
     bridge_nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
     if not bridge_nf.exists() or bridge_nf.read_text().strip() != "1":
         return "bridged pod traffic bypasses netfilter (br_netfilter off): policies not enforced"
+    if not (bin_dir / NETPOL_BINARY).exists():
+        return f"{bin_dir} lacks {NETPOL_BINARY}: run scripts/k8s-test-binaries --node"
     return None
 
 
@@ -208,7 +211,7 @@ class RealNodes:
             self._start_kubelet(node, kubelet_kc, pki.ca.cert, serving.cert, serving.key)
         self._start_kube_proxy(cluster)
         self._start_coredns(cluster)
-        self.netpol_reason = netpol_unavailable_reason()
+        self.netpol_reason = netpol_unavailable_reason(self.bin_dir)
         if self.netpol_reason is None:
             netpol_kc = self._kubeconfig(cluster, "netpol", "system:kube-network-policies")
             for node in self.nodes:
@@ -515,7 +518,7 @@ class RealNodes:
         self._spawn(
             f"netpol-{node.name}",
             [
-                str(self.bin_dir / "kube-network-policies"),
+                str(self.bin_dir / NETPOL_BINARY),
                 f"--kubeconfig={kubeconfig}",
                 f"--hostname-override={node.name}",
                 f"--nfqueue-id={100 + node.index}",
