@@ -59,6 +59,7 @@ OWNED_ENGINE_FLAGS = (
     "--kv-failure-policy",
     "--kv-pull-timeout",
     "--kv-sidecar",
+    "--kv-sidecar-wait",
     "--max-model-len",
     "--model",
     "--num-speculative-tokens",

@@ -15,6 +15,10 @@ from dsv4_operator.api.spec import DeploymentSpec
 from dsv4_operator.reconcile import names
 
 ENGINE_CONFIG_KEY = "engine.json"
+KV_SIDECAR_WAIT_S = 120
+"""How long an engine waits at start for its pod's KV sidecar (the engine's own default, 10 s,
+suits a sidecar started first by hand): the two containers start together, and on a busy node
+the sidecar can take longer than that to answer, which made the engine exit and be restarted."""
 
 
 def _eplb(spec: DeploymentSpec, value: int) -> int | None:
@@ -32,6 +36,7 @@ _FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
     "kv_sidecar": lambda s: f"http://127.0.0.1:{s.kv.control_port}",
     "kv_failure_policy": lambda s: s.kv.failure_policy,
     "kv_pull_timeout": lambda s: s.kv.pull_timeout_s,
+    "kv_sidecar_wait": lambda s: KV_SIDECAR_WAIT_S,
     # EPLB: only when enabled (the engine's defaults otherwise; the CRD keeps both roles EP > 1)
     "enable_eplb": lambda s: True if s.features.eplb.enabled else None,
     "eplb_redundant_experts": lambda s: _eplb(s, s.features.eplb.redundant_experts),

@@ -55,6 +55,7 @@ def test_engine_json_is_flat_and_names_the_model_source() -> None:
         "kv_sidecar": "http://127.0.0.1:14580",
         "kv_failure_policy": "recompute",
         "kv_pull_timeout": 30,
+        "kv_sidecar_wait": 120,
     }
 
 
