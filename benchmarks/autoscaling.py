@@ -32,7 +32,6 @@ import argparse
 import calendar
 import itertools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -377,24 +376,7 @@ def main() -> int:
     results: dict[str, Any] = {"engine_mode": mode, "profiles": {}}
     with cluster:
         cluster.start_workloads(2)
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HOME": str(work)}
-        subprocess.run(
-            [
-                str(bin_dir / "helm"),
-                "install",
-                "dsv4",
-                str(REPO / "charts" / "dsv4"),
-                "-n",
-                RELEASE_NAMESPACE,
-                "--create-namespace",
-            ],
-            check=True,
-            capture_output=True,
-            env=env,
-        )
-        cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/deepseekv4deployments.serving.dsv4.io"
-        )
+        cluster.install_chart(REPO / "charts" / "dsv4", RELEASE_NAMESPACE)
         op_kc = cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator")
         for i, name in enumerate(args.profiles):
             base = PROFILES[name]

@@ -247,24 +247,7 @@ def main() -> int:
     results = []
     with cluster:
         cluster.start_workloads(args.nodes)
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HOME": str(work)}
-        subprocess.run(
-            [
-                str(bin_dir / "helm"),
-                "install",
-                "dsv4",
-                str(REPO / "charts" / "dsv4"),
-                "-n",
-                RELEASE_NAMESPACE,
-                "--create-namespace",
-            ],
-            check=True,
-            capture_output=True,
-            env=env,
-        )
-        cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/deepseekv4deployments.serving.dsv4.io"
-        )
+        cluster.install_chart(REPO / "charts" / "dsv4", RELEASE_NAMESPACE)
         op = OperatorService(
             cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator"), cluster.log_dir
         ).launch()

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -31,18 +30,7 @@ RELEASE_NAMESPACE = "dsv4-system"
 
 
 def helm(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        "KUBECONFIG": str(cluster.kubeconfig),
-        "HOME": str(cluster.work_dir),
-        "PATH": os.environ["PATH"],
-    }
-    return subprocess.run(
-        [str(cluster.config.bin_dir / "helm"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return cluster.helm(*args)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ Two stages, so a test session pays only for what it uses:
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import subprocess
 import time
@@ -172,6 +173,34 @@ class LocalCluster:
         )
         if check and res.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed: {res.stderr.strip()}")
+        return res.stdout
+
+    def helm(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        """Run helm against this cluster (its state under the work dir); the caller checks."""
+        env = {
+            "KUBECONFIG": str(self.kubeconfig),
+            "HOME": str(self.work_dir),
+            "PATH": os.environ.get("PATH", ""),
+        }
+        return subprocess.run(
+            [str(self.config.bin_dir / "helm"), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+        )
+
+    def install_chart(self, chart: Path, namespace: str, *args: str) -> str:
+        """``helm install dsv4 CHART`` into ``namespace`` (created), then wait for the CRD."""
+        res = self.helm("install", "dsv4", str(chart), "-n", namespace, "--create-namespace", *args)
+        if res.returncode != 0:
+            raise ClusterError(f"helm install failed: {res.stderr.strip()}")
+        self.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/deepseekv4deployments.serving.dsv4.io",
+        )
         return res.stdout
 
     def service_account_kubeconfig(self, namespace: str, account: str) -> Path:
