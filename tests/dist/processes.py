@@ -3,6 +3,7 @@ front end and its ranks) and a greedy completion's token ids."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,15 @@ def group_members(pgid: int) -> dict[int, str]:
         if int(group) == pgid and state != "Z":
             out[int(d.name)] = name
     return out
+
+
+def group_left(pgid: int, since: float, within_s: float = 30.0) -> dict[int, str]:
+    """The members of ``pgid`` still alive ``within_s`` after the monotonic instant ``since``
+    (empty as soon as the group is): a process exits a moment after its parent has, so the
+    group is polled up to the bound the instance promises rather than read once."""
+    while (left := group_members(pgid)) and time.monotonic() - since < within_s:
+        time.sleep(0.2)
+    return left
 
 
 def greedy_tokens(
