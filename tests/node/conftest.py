@@ -45,11 +45,11 @@ class RealClusterHandle:
             ensure_binaries,
             ensure_node_images,
         )
+        from dsv4_operator.devcluster.preflight import unavailable_reason
         from dsv4_operator.devcluster.realnode import (
             BASE_IMAGES,
             RealNodes,
             cluster_with_real_nodes,
-            unavailable_reason,
         )
 
         if self.cluster is not None:

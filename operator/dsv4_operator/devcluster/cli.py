@@ -12,11 +12,11 @@ from pathlib import Path
 from dsv4_operator.devcluster.binaries import cache_root, ensure_binaries, ensure_node_images
 from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster
 from dsv4_operator.devcluster.nodes import FakeNodeSpec
+from dsv4_operator.devcluster.preflight import unavailable_reason
 from dsv4_operator.devcluster.realnode import (
     BASE_IMAGES,
     RealNodes,
     cluster_with_real_nodes,
-    unavailable_reason,
 )
 
 

@@ -19,7 +19,6 @@ import dataclasses
 import fcntl
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -31,17 +30,22 @@ from dsv4_common.process import ManagedProcess, free_port
 from dsv4_operator.devcluster import ocilayout
 from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster, _http_ok, _kubeconfig
 from dsv4_operator.devcluster.hoststate import Ledger, hierarchies, revert_stale
+from dsv4_operator.devcluster.node_config import (
+    PAUSE_IMAGE,
+    POD_NET,
+    cni_config,
+    containerd_config,
+)
+from dsv4_operator.devcluster.preflight import (
+    NETPOL_BINARY,
+    netpol_unavailable_reason,
+    unavailable_reason,
+)
 
 NODE_BRIDGE = "dsv4-nodes"
 NODE_NET = "10.98.0"
-POD_NET = "10.99"
 CLUSTER_DOMAIN = "cluster.local"
 REAL_NODE_LABEL = "dsv4.io/real-node"
-NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns")
-NETPOL_BINARY = "kube-network-policies"  # built only where the kernel can run it
-HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "nft", "ip", "unshare", "mount")
-CNI_BIN_DIR = Path("/usr/lib/cni")
-PAUSE_IMAGE = "dsv4.local/pause:3.10"
 BUSYBOX_IMAGE = "dsv4.local/busybox:1"
 # what every node gets at start (scripts/node-images without --app)
 BASE_IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE)
@@ -56,51 +60,6 @@ KUBELET_SYSCTLS = {
 
 class RealNodeError(RuntimeError):
     """A real node could not be set up; the message says what is missing or which log to read."""
-
-
-def unavailable_reason(bin_dir: Path) -> str | None:
-    """Why real nodes cannot run on this host, or None when they can."""
-    if os.geteuid() != 0:
-        return "real nodes need root (containerd, runc, bridges, iptables, cgroups)"
-    missing = [t for t in HOST_TOOLS if shutil.which(t) is None]
-    if not (CNI_BIN_DIR / "bridge").exists():
-        missing.append(f"{CNI_BIN_DIR}/bridge")
-    if missing:
-        return f"missing host tools {', '.join(missing)}: run scripts/node-host-packages"
-    bins = [b for b in NODE_BINARIES if not (bin_dir / b).exists()]
-    if bins:
-        return f"{bin_dir} lacks {', '.join(bins)}: run scripts/k8s-test-binaries --node"
-    return None
-
-
-# kube-network-policies hands new connections to user space with nftables' queue expression;
-# `nft -c` checks a table using it against the kernel without creating anything.
-_NFT_QUEUE_PROBE = """table inet dsv4-probe {
- chain c {
-  type filter hook postrouting priority 95;
-  queue num 100
- }
-}
-"""
-
-
-def netpol_unavailable_reason(bin_dir: Path) -> str | None:
-    """Why NetworkPolicies cannot be enforced on this host, or None when they can."""
-    res = subprocess.run(
-        ["nft", "-c", "-f", "-"], input=_NFT_QUEUE_PROBE, capture_output=True, text=True
-    )
-    if res.returncode != 0:
-        return (
-            "this kernel's nftables has no queue expression (nft_queue; `nft -c` of a queue "
-            "rule: No such file or directory), which kube-network-policies needs to decide "
-            "new connections: NetworkPolicies are not enforced here"
-        )
-    bridge_nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
-    if not bridge_nf.exists() or bridge_nf.read_text().strip() != "1":
-        return "bridged pod traffic bypasses netfilter (br_netfilter off): policies not enforced"
-    if not (bin_dir / NETPOL_BINARY).exists():
-        return f"{bin_dir} lacks {NETPOL_BINARY}: run scripts/k8s-test-binaries --node"
-    return None
 
 
 def node_ip(index: int) -> str:
@@ -363,8 +322,8 @@ class RealNodes:
             self.ledger.add("mount_roots", str(node.root))
         for d in (node.root, c / "state", cni_conf):
             d.mkdir(parents=True, exist_ok=True)
-        (cni_conf / "10-dsv4.conflist").write_text(_cni_config(node, node.dir / "cni" / "ipam"))
-        (c / "config.toml").write_text(_containerd_config(node, cni_conf))
+        (cni_conf / "10-dsv4.conflist").write_text(cni_config(node, node.dir / "cni" / "ipam"))
+        (c / "config.toml").write_text(containerd_config(node, cni_conf))
         self.ledger.add("sockets", str(node.socket))
         self.ledger.add("bridges", node.cni_bridge)
         node.containerd = self._spawn(
@@ -603,71 +562,3 @@ def _ip(*args: str) -> None:
     res = subprocess.run(["ip", *args], capture_output=True, text=True)
     if res.returncode != 0:
         raise RealNodeError(f"ip {' '.join(args)}: {res.stderr.strip()}")
-
-
-def _cni_config(node: RealNode, ipam_dir: Path) -> str:
-    gateway = f"{POD_NET}.{node.index}.1"
-    return json.dumps(
-        {
-            "cniVersion": "0.4.0",
-            "name": f"dsv4-{node.name}",
-            "plugins": [
-                {
-                    "type": "bridge",
-                    "bridge": node.cni_bridge,
-                    "isGateway": True,
-                    "ipMasq": False,
-                    "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": node.pod_subnet, "gateway": gateway}]],
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "dataDir": str(ipam_dir),
-                    },
-                },
-                {"type": "portmap", "capabilities": {"portMappings": True}},
-            ],
-        },
-        indent=1,
-    )
-
-
-def _containerd_config(node: RealNode, cni_conf: Path) -> str:
-    c = node.dir / "containerd"
-    cri = 'plugins."io.containerd.grpc.v1.cri"'
-    return f"""version = 2
-root = "{node.root}"
-state = "{c / "state"}"
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
-[grpc]
-  address = "{node.socket}"
-[ttrpc]
-  address = "{node.socket}.ttrpc"
-[debug]
-  address = "{c / "debug.sock"}"
-[metrics]
-  address = ""
-[{cri}]
-  sandbox_image = "{PAUSE_IMAGE}"
-  enable_selinux = false
-  # network namespaces under our state dir, not /var/run/netns
-  netns_mounts_under_state_dir = true
-  # without CAP_SYS_RESOURCE nobody may lower oom_score_adj: clamp to containerd's own
-  restrict_oom_score_adj = true
-  max_container_log_line_size = 16384
-  [{cri}.containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [{cri}.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [{cri}.containerd.runtimes.runc.options]
-        BinaryName = "{shutil.which("runc") or "runc"}"
-        SystemdCgroup = false
-  [{cri}.cni]
-    bin_dir = "{CNI_BIN_DIR}"
-    conf_dir = "{cni_conf}"
-    max_conf_num = 1
-  [{cri}.registry]
-    config_path = ""
-"""
