@@ -119,7 +119,9 @@ class EngineCore:
             self.tracing = CoreTracing(tracer, config.role)
             if self.kv_worker is not None:
                 self.kv_worker.traceparent_of = self.tracing.traceparent
-        # the last step ran nothing and produced nothing: every request waits for its KV
+        self._export_spans: dict[str, contextlib.AbstractContextManager[None]] = {}
+        # the last step ran nothing and produced nothing: every request waits for its KV (a
+        # pull, or a prefill's export)
         self.idle_waiting_for_kv = False
         eos = lm.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
@@ -176,7 +178,9 @@ class EngineCore:
         3. ``schedule``, which may park new decode requests with fresh blocks;
         4. ``_start_kv_loads`` again: those pulls start now, not a step later;
         5. the forward and ``update_from_output``;
-        6. ``_save_kv``: prefills finished in 5 export their KV before their blocks are freed.
+        6. ``_save_kv``: prefills finished in 5 start exporting their KV (on the connector's
+           thread; their blocks stay allocated and their last outputs held until it ended);
+           exports that ended since free their blocks and release those outputs.
 
         ``admit=False``: no waiting request starts (DP's BalanceScheduler freeze). Under DP
         every rank's core calls ``step`` every turn of the lockstep, busy or not.
@@ -248,19 +252,34 @@ class EngineCore:
             self.scheduler.update_from_connector(done)
 
     def _save_kv(self, outputs: list[EngineCoreOutput]) -> None:
-        """Export the KV of prefills (for a remote decode) that finished this step."""
+        """Start exporting the KV of prefills (for a remote decode) that finished this step,
+        holding back their last outputs; add those of exports that ended since the last step,
+        now with their ``kv_transfer_params``. The export runs beside the next steps."""
         if self.kv_worker is None:
             return
         assert self.kv_scheduler is not None
         saves = self.kv_scheduler.take_saves()
         if saves:
-            traced = self.tracing.export(saves) if self.tracing else contextlib.nullcontext()
-            with traced:
-                done = self.kv_worker.save_kv(saves)
+            self.scheduler.hold_saving_outputs(outputs)
+            traceparents: dict[str, str | None] = {}
+            if self.tracing is not None:
+                for s in saves:  # a span per export, open until its result is taken
+                    span = self.tracing.export([s])
+                    span.__enter__()
+                    self._export_spans[s.request_id] = span
+                    traceparents[s.request_id] = self.tracing.traceparent(s.request_id)
+            self.kv_worker.start_save_kv(saves, traceparents)
+        done = self.kv_worker.get_finished_saves()
+        if done:
+            for rid in done:
+                span = self._export_spans.pop(rid, None)
+                if span is not None:
+                    span.__exit__(None, None, None)
             self.scheduler.saves_done(done, outputs)
 
     def wait_for_kv(self, timeout_s: float) -> None:
-        """Nothing ran last step (every request waits for its KV): sleep until a pull ends."""
+        """Nothing ran last step (every request waits for its KV): sleep until a pull or an
+        export ends."""
         if self.kv_worker is not None:
             self.kv_worker.wait_for_event(timeout_s)
 

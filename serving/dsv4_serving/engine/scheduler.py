@@ -109,7 +109,9 @@ class Scheduler:
         self.running: list[Request] = []
         # blocks + slot allocated, KV on its way from a prefill engine: never scheduled
         self.waiting_for_remote_kv: dict[str, Request] = {}
-        self._saving: dict[str, Request] = {}  # finished, blocks kept until their KV is saved
+        # finished, blocks and slot kept (and the last output held) until their KV is saved
+        self._saving: dict[str, Request] = {}
+        self._held: dict[str, EngineCoreOutput] = {}
         self._finished_ids: list[str] = []
         self._extra_outputs: list[EngineCoreOutput] = []  # produced outside a forward
         self.stats = SchedulerStats(num_total_blocks=kv.pool.num_blocks)
@@ -139,7 +141,9 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests running or waiting, or finished prefills whose KV export is under way (the
+        engine keeps stepping until their responses are out)."""
+        return bool(self.requests) or bool(self._saving)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -147,7 +151,7 @@ class Scheduler:
         if self.connector is not None and self.connector.request_finished(
             req, status, self.kv.block_ids(rid), self.kv.req_slot.get(rid)
         ):
-            self._saving[rid] = req  # freed by saves_done, in this same engine step
+            self._saving[rid] = req  # freed by saves_done, once the export ended
         else:
             self.kv.free(req)
         del self.requests[rid]
@@ -191,27 +195,37 @@ class Scheduler:
             EngineCoreOutput(req.request_id, [], finish_reason="error", error=failure)
         )
 
+    def hold_saving_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Take the last outputs of prefills whose KV export just started out of ``outputs``:
+        each goes out with its ``kv_transfer_params`` (or the error) once the export ended."""
+        keep = []
+        for o in outputs:
+            if o.request_id in self._saving and o.finish_reason is not None:
+                self._held[o.request_id] = o
+            else:
+                keep.append(o)
+        outputs[:] = keep
+
     def saves_done(
         self,
         results: dict[str, RemotePrefillParams | KVTransferFailure],
         outputs: list[EngineCoreOutput],
     ) -> None:
         """The worker side saved (or failed to save) the KV of finished prefills: free their
-        blocks and put the ``kv_transfer_params`` (or the error) into their last output."""
-        by_id = {o.request_id: o for o in outputs}
+        blocks and add their held last outputs, with the ``kv_transfer_params`` (or the error),
+        to ``outputs``."""
         for rid, res in results.items():
             req = self._saving.pop(rid, None)
             if req is not None:
                 self.kv.free(req)
-            o = by_id.get(rid)
+            o = self._held.pop(rid, None)
             if o is None:
                 continue
             if isinstance(res, KVTransferFailure):
                 o.error = res
             else:
                 o.kv_transfer_params = res
-        for rid in [r for r in self._saving if r not in results]:  # never left behind
-            self.kv.free(self._saving.pop(rid))
+            outputs.append(o)
 
     def take_extra_outputs(self) -> list[EngineCoreOutput]:
         out, self._extra_outputs = self._extra_outputs, []

@@ -11,7 +11,7 @@ from dsv4_serving.engine.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, KVTransferFailure
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
-from dsv4_serving.engine.request import EngineCoreRequest, Request, RequestStatus
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import RunnerResult, Scheduler, SchedulerConfig
 
@@ -107,9 +107,32 @@ def test_a_prefill_for_a_remote_decode_keeps_its_blocks_until_saved() -> None:
     saves = s.connector.take_saves()  # type: ignore[union-attr]
     assert [(x.request_id, x.num_tokens, x.first_token) for x in saves] == [("p", 9, 42)]
     assert kv.num_free_blocks == free - 3  # held for the export
+    s.hold_saving_outputs(outs)
+    assert outs == [] and s.has_unfinished_requests()  # the response waits for the export
+    # steps go on meanwhile: the blocks stay allocated, nothing is sent for the request
+    assert s.update_from_output(s.schedule(), {}) == []
+    assert kv.num_free_blocks == free - 3
     s.saves_done({"p": REMOTE}, outs)
-    assert kv.num_free_blocks == free
+    assert kv.num_free_blocks == free and not s.has_unfinished_requests()
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("p", [42], "length")
+    ]
     assert outs[0].kv_transfer_params is REMOTE
+
+
+def test_a_failed_export_frees_the_blocks_and_errors_the_held_output() -> None:
+    s, kv = make()
+    free = kv.num_free_blocks
+    s.add_request(req("p", 9, PrefillRequestParams(), max_tokens=1))
+    s.add_request(req("l", 5, max_tokens=2))
+    outs = s.update_from_output(s.schedule(), {"p": RunnerResult([42]), "l": RunnerResult([7])})
+    s.hold_saving_outputs(outs)
+    assert [o.request_id for o in outs] == ["l"]  # other requests' outputs are not held
+    failure = KVTransferFailure("export_failed", "KV export failed: staging full")
+    later: list[EngineCoreOutput] = []
+    s.saves_done({"p": failure}, later)
+    assert [(o.request_id, o.error) for o in later] == [("p", failure)]
+    assert kv.num_free_blocks == free - 2  # only l's blocks are still allocated
 
 
 def test_compat_refuses_other_layouts_and_other_prompts() -> None:

@@ -7,7 +7,8 @@
 - worker side (``worker_side.py``): the bytes, through the local ``dsv4 kv-sidecar`` only:
   export a request's paged blocks and state slot into the sidecar's staging region; pull and
   import KV into the blocks and slot allocated for a decode request. It sees the model's cache
-  tensors and is called only between forwards (the cache is never touched while the model runs).
+  tensors; pulls are imported between forwards, exports copy the blocks of finished prefills on
+  the connector's thread while the next forwards run (those blocks stay allocated until then).
 
 ``base.py`` holds the two interfaces, ``metadata.py`` the data they exchange each step (the
 order of the calls is ``EngineCore.step``'s). ``compat.py`` is what both engines must agree on

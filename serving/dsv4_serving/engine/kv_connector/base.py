@@ -45,7 +45,7 @@ class KVConnectorScheduler(ABC):
         self, req: Request, status: RequestStatus, block_ids: list[int], slot: int | None
     ) -> bool:
         """``req`` finished: True to keep its blocks and slot until its KV was saved
-        (``take_saves`` / the worker's ``save_kv``), False to free them now."""
+        (``take_saves`` / the worker's ``start_save_kv``), False to free them now."""
 
     @abstractmethod
     def take_saves(self) -> list[SaveSpec]:
@@ -66,12 +66,24 @@ class KVConnectorWorker(ABC):
         """Loads finished since the last call; successful ones are already in their blocks."""
 
     @abstractmethod
-    def save_kv(self, saves: list[SaveSpec]) -> dict[str, RemotePrefillParams | KVTransferFailure]:
-        """Export each request's KV; -> its ``kv_transfer_params`` or why it failed."""
+    def start_save_kv(self, saves: list[SaveSpec], traceparents: dict[str, str | None]) -> None:
+        """Start exporting each request's KV (asynchronously: its blocks and slot stay
+        allocated until ``get_finished_saves`` returned it); ``traceparents``: the span each
+        export's sidecar calls belong to (tracing on)."""
+
+    @abstractmethod
+    def get_finished_saves(self) -> dict[str, RemotePrefillParams | KVTransferFailure]:
+        """Exports finished since the last call: each request's ``kv_transfer_params`` or why
+        it failed."""
+
+    @abstractmethod
+    def saves_in_flight(self) -> int:
+        """Exports started whose result was not taken yet."""
 
     @abstractmethod
     def wait_for_event(self, timeout_s: float) -> None:
-        """Block until a load finishes or ``timeout_s`` passes (an idle engine's wait)."""
+        """Block until a load or a save finishes or ``timeout_s`` passes (an idle engine's
+        wait)."""
 
     @abstractmethod
     def close(self) -> None: ...

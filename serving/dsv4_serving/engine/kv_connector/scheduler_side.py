@@ -2,9 +2,9 @@
 
 A decode imports every exported token and then recomputes the last prompt token, as vLLM does,
 so its first step produces the logits of the first output token exactly as a local prefill's
-last chunk would. A prefill's blocks are freed in the same engine step that exported them: the
-staging copy lives under the sidecar's lease, so an engine never leaks blocks to a decode that
-does not come.
+last chunk would. A prefill's blocks are freed as soon as its export ended (it runs beside the
+next engine steps): the staging copy lives under the sidecar's lease, so an engine never leaks
+blocks to a decode that does not come.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Loads run on one thread per pull (HTTP long-polls of the sidecar, never the engine loop); the
 copy into the cache happens in ``get_finished``, which the engine core calls between forwards.
 A pull's staging extent is released as soon as it was copied, failed or its request went
-away. Saves are synchronous: reserve, copy, commit, in the step that finished the request.
+away. Saves run on the exporter's thread (``exporter.py``): the step that finished a prefill
+only submits it; a later step takes the result (``get_finished_saves``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 
 from dsv4_kvtransfer.buffers import LayoutError
 from dsv4_kvtransfer.client import PulledKV, PullFailed, SidecarClient, SidecarError
-from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.kv_connector.base import KVConnectorWorker
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible
+from dsv4_serving.engine.kv_connector.exporter import KVExporter
 from dsv4_serving.engine.kv_connector.kv_layout import KVLayout
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorMetadata,
@@ -65,6 +67,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
         self._closed = False
         # tracing on: a request's current KV span, whose context goes with the sidecar call
         self.traceparent_of: Callable[[str], str | None] | None = None
+        self.exporter = KVExporter(self.client, lambda: self.layout, compat, self._event.set)
 
     def register_kv_caches(self, cache: Any) -> None:
         self.layout = KVLayout(cache)
@@ -180,54 +183,35 @@ class SidecarConnectorWorker(KVConnectorWorker):
         return self.layout.load(self.client, kv.buffers, spec.block_ids[:n], spec.state_slot)
 
     def wait_for_event(self, timeout_s: float) -> None:
+        """Until a pull or a save ends (both set the event) or ``timeout_s`` passes."""
         if self._event.wait(timeout_s):
             self._event.clear()
 
-    # ---- prefill: exports ----------------------------------------------------------------
+    # ---- prefill: exports (on the exporter's thread) ----------------------------------------
 
-    def save_kv(self, saves: list[SaveSpec]) -> dict[str, RemotePrefillParams | KVTransferFailure]:
-        out: dict[str, RemotePrefillParams | KVTransferFailure] = {}
+    def start_save_kv(self, saves: list[SaveSpec], traceparents: dict[str, str | None]) -> None:
         for s in saves:
-            t0 = time.monotonic()
-            try:
-                out[s.request_id] = self._save(s)
-                self.stats.exports_ok += 1
-                self.stats.export_seconds.append(time.monotonic() - t0)
-            except (SidecarError, LayoutError, KVParamsError) as e:
-                log.warning("request %s: KV export failed: %s", s.request_id, e)
+            self.exporter.submit(s, traceparents.get(s.request_id))
+
+    def get_finished_saves(self) -> dict[str, RemotePrefillParams | KVTransferFailure]:
+        out: dict[str, RemotePrefillParams | KVTransferFailure] = {}
+        for r in self.exporter.finished():
+            out[r.request_id] = r.outcome
+            # the stats are the engine thread's: counted here, not on the exporter's thread
+            if isinstance(r.outcome, KVTransferFailure):
                 self.stats.export_failures += 1
-                out[s.request_id] = KVTransferFailure("export_failed", f"KV export failed: {e}")
+            else:
+                self.stats.exports_ok += 1
+                self.stats.export_seconds.append(r.seconds)
+                self.stats.bytes_exported += r.nbytes
         return out
 
-    def _save(self, s: SaveSpec) -> RemotePrefillParams:
-        assert self.layout is not None
-        lay = self.layout
-        n = lay.num_blocks(s.num_tokens)
-        extra = self.compat.params_extra(s.prompt_token_ids)
-        res = self.client.reserve_export(
-            s.request_id,
-            lay.specs(n),
-            block_ids=s.block_ids[:n],
-            num_tokens=s.num_tokens,
-            state_slot=s.state_slot if lay.state else None,
-            cache_groups=lay.cache_groups(n),
-            engine_meta={**extra, "first_token": s.first_token},
-            params_extra=extra,
-            traceparent=self.traceparent_of(s.request_id) if self.traceparent_of else None,
-        )
-        try:
-            lay.export(self.client, res.buffers, s.block_ids[:n], s.state_slot)
-            # the sidecar's answer is parsed once, here; the typed params travel on
-            params = RemotePrefillParams.from_dict(self.client.commit_export(res.transfer_id))
-        except BaseException:
-            with contextlib.suppress(SidecarError):
-                self.client.abort_export(res.transfer_id)
-            raise
-        self.stats.bytes_exported += res.total_bytes
-        return params
+    def saves_in_flight(self) -> int:
+        return self.exporter.in_flight
 
     def close(self) -> None:
         self._closed = True
         for p in self._pulls.values():
             p.cancelled.set()
+        self.exporter.close()
         self.client.close()
