@@ -66,10 +66,19 @@ class Profile:
 PROFILES = {
     # 300 words are about 1200 tokens of the byte-level tiny tokenizer: a 263 ms emulated
     # prefill step, so one prefill instance takes about 3.8 requests/s
-    "prefill-heavy": Profile("prefill-heavy", [(30, 0.5), (90, 5), (90, 0.5)], 300, 8, 4500),
+    "prefill-heavy": Profile("prefill-heavy", [(30, 0.5), (60, 5), (120, 0.5)], 300, 8, 4500),
     # 128 tokens out: one decode instance at 2 requests/s runs about 22 sequences at 86 ms a
     # step (TPOT breached), two run about 4 each at 33 ms
-    "decode-heavy": Profile("decode-heavy", [(30, 0.3), (90, 2), (90, 0.3)], 16, 128, 4500),
+    "decode-heavy": Profile("decode-heavy", [(30, 0.3), (60, 2), (120, 0.3)], 16, 128, 4500),
+}
+SHAPES = {
+    # a peak that is shorter than the troughs around it, as diurnal traffic has (docs say why)
+    "diurnal": None,
+    # the first schedules (30 s low, 90 s high, 90 s low): the peak is 43% of the run
+    "legacy": {
+        "prefill-heavy": [(30, 0.5), (90, 5), (90, 0.5)],
+        "decode-heavy": [(30, 0.3), (90, 2), (90, 0.3)],
+    },
 }
 
 
@@ -141,6 +150,35 @@ def _direction_changes(events: list[tuple[float, str, str]]) -> int:
         moves = [r for _, r, m in events if r in ("ScaledUp", "ScaledDown") and m.startswith(role)]
         changes += sum(1 for a, b in itertools.pairwise(moves) if a != b)
     return changes
+
+
+def _cold_starts(
+    t0: float, events: list[tuple[float, str, str]], history: list[tuple[float, str, str]]
+) -> list[dict[str, Any]]:
+    """Per instance made after the load started: its ScaledUp decision -> StatefulSet seen ->
+    pod bound -> processes started -> engine Ready, in seconds after the decision. Events carry
+    whole seconds (truncated), so each figure may be up to 1 s longer than the real one."""
+    out = []
+    for t, inst, what in history:
+        if what != "created" or t < t0:
+            continue
+        role = "prefill" if "-prefill-" in inst else "decode"
+        ups = [te for te, r, m in events if r == "ScaledUp" and m.startswith(role) and te <= t]
+        if not ups:
+            continue
+        decision = ups[-1]
+        marks = {"created": t}
+        for t2, i2, w2 in history:
+            if i2 == inst and t2 >= t and w2 in ("scheduled", "started", "ready"):
+                marks.setdefault(w2, t2)
+        out.append(
+            {
+                "instance": inst,
+                "decision_at_s": round(decision - t0, 1),
+                **{f"{k}_s": round(v - decision, 1) for k, v in marks.items()},
+            }
+        )
+    return out
 
 
 def analyse(
@@ -215,6 +253,8 @@ def analyse(
                     "outcome": None if done is None else done[1],
                 }
             )
+    cold = _cold_starts(t0, events, history)
+    overall = sum(1 for r in records if _good(r)) / len(records) if records else None
     scaling = [(t, w) for t, _, w in history]
     busy = [
         r
@@ -225,7 +265,9 @@ def analyse(
     static_s = 4 * (t1 - t0)
     return {
         "phases": phases,
+        "slo_attainment": overall,
         "steps": steps,
+        "cold_starts": cold,
         "drains": drains,
         "failed": sum(1 for r in records if not r["ok"]),
         "failed_near_scaling": sum(1 for r in busy if not r["ok"]),
@@ -309,17 +351,23 @@ def run_profile(
         cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def _print(name: str, mode: str, auto: dict[str, Any], static: dict[str, Any] | None) -> None:
     print(f"\n== {name} ({mode}) ==")
     for i, ph in enumerate(auto["phases"]):
-        att = ph["slo_attainment"]
         base = static["phases"][i]["slo_attainment"] if static else None
         print(
             f"phase {i}: {ph['seconds']:g}s @ {ph['rate']:g}/s  {ph['requests']} requests, "
-            f"{ph['failed']} failed, SLO attainment "
-            f"{'-' if att is None else f'{att:.0%}'}"
-            + ("" if base is None else f" (static max: {base:.0%})")
+            f"{ph['failed']} failed, SLO attainment {_pct(ph['slo_attainment'])}"
+            + ("" if static is None else f" (static max: {_pct(base)})")
         )
+    print(
+        f"whole run: SLO attainment {_pct(auto['slo_attainment'])}"
+        + ("" if static is None else f" (static max: {_pct(static['slo_attainment'])})")
+    )
 
     def after(x: float | None) -> str:
         return "never" if x is None else f"+{x:g}s"
@@ -328,6 +376,14 @@ def _print(name: str, mode: str, auto: dict[str, Any], static: dict[str, Any] | 
         print(
             f"load step into phase {s['phase']}: decision {after(s['decision_s'])}, "
             f"Ready {after(s['ready_s'])}, SLO recovered {after(s['recovered_s'])}"
+        )
+    for c in auto["cold_starts"]:
+        print(
+            f"cold start {c['instance']} (decision at +{c['decision_at_s']:g}s): "
+            + ", ".join(
+                f"{what} {after(c.get(f'{what}_s'))}"
+                for what in ("created", "scheduled", "started", "ready")
+            )
         )
     for d in auto["drains"]:
         secs = "-" if d["seconds"] is None else f"{d['seconds']:.0f}s"
@@ -351,6 +407,12 @@ def main() -> int:
     ap.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply every phase's length (e.g. 0.5)"
     )
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="diurnal",
+        help="diurnal: 30 s low, 60 s high, 120 s low; legacy: 30 s low, 90 s high, 90 s low",
+    )
     ap.add_argument("--engine-mode", choices=["emulated", "real"], default="emulated")
     ap.add_argument("--step-time", default=STEP_TIME, help="emulated base,per_seq,per_token ms")
     ap.add_argument(
@@ -373,16 +435,18 @@ def main() -> int:
     cluster = LocalCluster(
         ClusterConfig(bin_dir=bin_dir, work_dir=work, node_spec=FakeNodeSpec(pods=110))
     )
-    results: dict[str, Any] = {"engine_mode": mode, "profiles": {}}
+    results: dict[str, Any] = {"engine_mode": mode, "shape": args.shape, "profiles": {}}
     with cluster:
         cluster.start_workloads(2)
         cluster.install_chart(REPO / "charts" / "dsv4", RELEASE_NAMESPACE)
         op_kc = cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator")
         for i, name in enumerate(args.profiles):
             base = PROFILES[name]
+            shape = SHAPES[args.shape]
+            schedule = base.schedule if shape is None else shape[name]
             p = Profile(
                 name,
-                [(s * args.time_scale, r) for s, r in base.schedule],
+                [(s * args.time_scale, r) for s, r in schedule],
                 base.input_len,
                 base.output_len,
                 base.prefill_tokens_per_s,
@@ -393,7 +457,7 @@ def main() -> int:
                 static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work)
             results["profiles"][name] = {"autoscaled": auto, "static_max": static}
             if not args.json:
-                _print(name, mode, auto, static)
+                _print(f"{name}, {args.shape} shape", mode, auto, static)
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

@@ -2,8 +2,8 @@
 (``tests/k8s/test_autoscaling_processes.py`` and ``benchmarks/autoscaling.py``).
 
 kwok runs the pods the operator creates but no process behind them. ``ProcessNodes`` plays the
-kubelet for one DeepSeekV4Deployment: for every prefill/decode instance StatefulSet it starts a
-real ``dsv4 engine`` (real or EMULATED step time) with its ``dsv4 kv-sidecar`` on 127.0.0.1,
+kubelet for one DeepSeekV4Deployment: for every prefill/decode instance StatefulSet whose rank-0
+pod the scheduler has bound (as a kubelet starts only bound pods) it starts a real ``dsv4 engine`` (real or EMULATED step time) with its ``dsv4 kv-sidecar`` on 127.0.0.1,
 and, once the engine is healthy, publishes it in an EndpointSlice of its role (one slice per
 instance, the engine's port, target pod ``<instance>-0``; the gateway's test-only
 ``--endpoint-host 127.0.0.1`` stands for the address, which slices refuse as loopback). One real
@@ -11,7 +11,9 @@ instance, the engine's port, target pod ``<instance>-0``; the gateway's test-onl
 operator's own gateway RBAC. An address map file (the operator's ``--autoscaler-address-map``)
 tells the operator which local address plays which pod port: the gateway pod's 8000, each
 instance's engine (8000) and sidecar metrics port. When a StatefulSet is deleted, its slice
-goes and its processes get SIGTERM (the engine's own drain is the backstop).
+goes and its processes get SIGTERM (the engine's own drain is the backstop); just before that,
+what the victim still held is read and kept (``Instance.at_stop``), so a test can tell whether
+the operator deleted an instance that was still busy (the backstop would hide it otherwise).
 
 Slices of the role Services that the endpointslice controller writes point at kwok IPs; the
 gateway's selector (``dsv4.test/process=true``) leaves them out.
@@ -25,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,8 +55,25 @@ class Instance:
     engine: Service
     sidecar: SidecarService
     started_at: float
+    """Epoch seconds the processes were started."""
+    scheduled_at: float | None = None
+    """When this kubelet first saw the rank-0 pod bound to a node (0.3 s polling)."""
     ready_at: float | None = None
     published: bool = False
+    at_ready: dict[str, float] = field(default_factory=dict)
+    """The sidecar's staging gauges once the engine was healthy (``_STOP_GAUGES``' sidecar half)."""
+    at_stop: dict[str, float] = field(default_factory=dict)
+    """What the instance held just before its SIGTERM: engine running/waiting, sidecar exports,
+    imports, staging free bytes; empty when a read failed."""
+
+
+_ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+_SIDECAR_GAUGES = (
+    "dsv4_kv_active_exports",
+    "dsv4_kv_active_imports",
+    "dsv4_kv_staging_free_bytes",
+    "dsv4_kv_staging_bytes",
+)
 
 
 @dataclass
@@ -66,10 +86,14 @@ class ProcessNodes:
     engine_args: list[str]
     sidecar_metrics_port: int
     """The CR's ``kvTransfer.port + 2``: where the operator reads a prefill's held exports."""
+    sidecar_settings: dict[str, object] = field(default_factory=dict)
+    """More ``SidecarConfig`` settings for every sidecar (e.g. ``send_rate`` to slow pulls)."""
     gateway_kubeconfig: Path | None = None
     instances: dict[str, Instance] = field(default_factory=dict)
     history: list[tuple[float, str, str]] = field(default_factory=list)
-    """(time, instance, "started" | "ready" | "stopped")."""
+    """(epoch s, instance, what): "created" (StatefulSet first seen), "scheduled" (rank-0 pod
+    first seen bound), "started" (processes started), "ready" (engine healthy, then published),
+    "stopped" (StatefulSet gone, processes stopped)."""
 
     def __post_init__(self) -> None:
         self.address_map = self.log_dir / f"address-map-{self.deployment}.json"
@@ -79,6 +103,7 @@ class ProcessNodes:
         self._thread = threading.Thread(target=self._run, name="process-nodes", daemon=True)
         self.gateway: Service | None = None
         self._gateway_pod: str | None = None
+        self._seen: set[str] = set()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -145,9 +170,21 @@ class ProcessNodes:
             s.metadata.name: s
             for s in apps.list_namespaced_stateful_set(self.namespace, label_selector=sel).items
         }
-        for name, sts in live.items():
-            role = (sts.metadata.labels or {}).get("serving.dsv4.io/role")
-            if role in ("prefill", "decode") and name not in self.instances:
+        new = [
+            (name, role)
+            for name, sts in live.items()
+            if (role := (sts.metadata.labels or {}).get("serving.dsv4.io/role"))
+            in ("prefill", "decode")
+            and name not in self.instances
+        ]
+        self._seen &= set(live)  # a name deleted and made again is a new instance
+        for name, _ in new:
+            if name not in self._seen:  # the operator's apply, as this kubelet sees it
+                self._seen.add(name)
+                self.history.append((time.time(), name, "created"))
+        bound = self._bound_pods() if new else set()
+        for name, role in new:
+            if f"{name}-0" in bound:
                 self._launch(name, role)
         for name, inst in list(self.instances.items()):
             if name not in live:
@@ -156,8 +193,15 @@ class ProcessNodes:
             if not inst.published and inst.engine.running() and inst.engine.healthy():
                 inst.ready_at = time.time()
                 self.history.append((inst.ready_at, name, "ready"))
+                inst.at_ready = _read(inst.sidecar, _SIDECAR_GAUGES, "/metrics", inst)
                 self._publish(inst)
         self._write_map()
+
+    def _bound_pods(self) -> set[str]:
+        pods = client.CoreV1Api(self._api).list_namespaced_pod(
+            self.namespace, label_selector=f"app.kubernetes.io/instance={self.deployment}"
+        )
+        return {p.metadata.name for p in pods.items if p.spec and p.spec.node_name}
 
     def _launch(self, name: str, role: str) -> None:
         port = free_port()
@@ -180,16 +224,22 @@ class ProcessNodes:
             transport="tcp",
             engine_url=engine.url,
             shm_name=f"dsv4-as-{name}-{side_port}",
-            staging_bytes=64 << 20,
+            **{"staging_bytes": 64 << 20, **self.sidecar_settings},
         )
         engine.argv += ["--kv-sidecar", f"http://127.0.0.1:{sidecar.control_port}"]
+        scheduled = time.time()
+        self.history.append((scheduled, name, "scheduled"))
         sidecar.start(env=_ENV)
         engine.start(env=_ENV)
         now = time.time()
-        self.instances[name] = Instance(name, role, engine, sidecar, now)
+        self.instances[name] = Instance(name, role, engine, sidecar, now, scheduled)
         self.history.append((now, name, "started"))
 
     def _kill(self, inst: Instance) -> None:
+        inst.at_stop = {
+            **_read(inst.engine, _ENGINE_GAUGES, "/metrics", inst),
+            **_read(inst.sidecar, _SIDECAR_GAUGES, "/metrics", inst),
+        }
         if inst.published:
             with contextlib.suppress(client.ApiException):
                 client.DiscoveryV1Api(self._api).delete_namespaced_endpoint_slice(
@@ -266,3 +316,19 @@ class ProcessNodes:
 
 def _slice_name(instance: str) -> str:
     return f"{instance}-process"
+
+
+def _read(svc: Service, names: tuple[str, ...], path: str, inst: Instance) -> dict[str, float]:
+    """Gauges of a live process ({} if it does not answer: the reader sees a missing key)."""
+    from dsv4_common.process import metric_value
+
+    url = svc.url
+    if isinstance(svc, SidecarService):  # the sidecar's gauges are on its metrics port
+        url = f"http://127.0.0.1:{svc.metrics_port}"
+    try:
+        with urllib.request.urlopen(url + path, timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        log.warning("process nodes: %s unreadable before stop: %s", inst.name, e)
+        return {}
+    return {n: metric_value(text, n) for n in names}
