@@ -13,16 +13,20 @@ dsv4-tiny instead. The report says which.
 Two profiles: prefill-heavy (long prompts, few output tokens) and decode-heavy (short prompts,
 long answers). For each it prints:
 
-- SLO attainment per schedule phase (share of the phase's requests within both objectives);
+- SLO attainment per schedule phase and for the whole run (share of the requests within both
+  objectives), beside the static-max run's with ``--baseline``;
 - for each load step: step -> first ScaledUp (decision) -> new engine Ready -> SLO recovered
   (first 5 s bin after the decision with >= 90% of its requests within both objectives);
+- cold starts: for each instance made by a scale-up, decision -> StatefulSet seen -> pod bound
+  -> processes started -> engine Ready;
 - drain durations (DrainStarted -> DrainCompleted, per instance);
 - failed requests (goal 0), and those sent while any instance was starting or draining;
 - instance-seconds against static provisioning at max (goal <= 0.7x at equal attainment;
   ``--baseline`` also runs the schedule at static max to measure that attainment);
 - direction changes per hour (up after down or down after up, per role).
 
-    .venv/bin/python benchmarks/autoscaling.py                       # both profiles
+    .venv/bin/python benchmarks/autoscaling.py --baseline            # the full run, ~20 min
+    .venv/bin/python benchmarks/autoscaling.py --baseline --shape legacy
     .venv/bin/python benchmarks/autoscaling.py --profiles decode-heavy --time-scale 0.5
 """
 
@@ -96,7 +100,9 @@ def _cr(name: str, p: Profile, autoscaled: bool) -> dict[str, Any]:
             "enabled": True,
             "ttftSeconds": TTFT_S,
             "tpotSeconds": TPOT_S,
-            "intervalSeconds": 2,
+            # 1 s ticks: a scale-up needs two short ticks (breach_ticks), so the tick is most of
+            # the decision delay that is not the metrics window's own lag (docs/autoscaling.md)
+            "intervalSeconds": 1,
             "windowSeconds": 10,
             "scaleDownStabilizationSeconds": 30,
             "drainTimeoutSeconds": 120,
