@@ -75,6 +75,9 @@ class SidecarConfig:
     """Parallel TCP streams per pull (large pulls only)."""
     min_stream_bytes: int = field(default=32 << 20, metadata=_SIZE_FLAG)
     """Smallest range worth its own TCP stream."""
+    copy_threads: int = 0
+    """Threads copying each same-host (shm) pull (0: one per CPU the sidecar may use, at most
+    4)."""
     max_frame_bytes: int = field(default=64 << 20, metadata=_SIZE_FLAG)
     """Largest DATA frame sent or accepted."""
     max_connections: int = 64
@@ -125,6 +128,8 @@ class SidecarConfig:
         check_endpoint(self.otlp_traces_endpoint)
         if self.send_rate < 0 or self.min_stream_bytes < 1:
             raise ValueError("send_rate must be >= 0 and min_stream_bytes >= 1")
+        if self.copy_threads < 0:
+            raise ValueError(f"copy_threads must be >= 0, not {self.copy_threads}")
         for name in ("port", "control_port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:

@@ -14,6 +14,7 @@ from dsv4_kvtransfer.frames import (
     FrameError,
     FrameLimits,
     FrameType,
+    encode,
     read_frame,
     recv_into_exact,
     send_frame,
@@ -97,29 +98,23 @@ class PeerConnection:
         send_frame(self.sock, ftype, meta)
         return self._reply(expect).meta
 
-    def manifest(self, transfer_id: str) -> dict[str, Any]:
-        return self.request(
-            FrameType.MANIFEST_REQ, {"transfer_id": transfer_id}, FrameType.MANIFEST
-        )
+    def reply(self, expect: FrameType) -> dict[str, Any]:
+        """The answer to a request sent earlier (pipelined)."""
+        return self._reply(expect).meta
+
+    def manifest(self, transfer_id: str, pipelined: bytes = b"") -> dict[str, Any]:
+        """The export's manifest. ``pipelined``: frames sent in the same write, right behind the
+        request (the remote answers in order; the caller reads their replies next)."""
+        self.sock.sendall(encode(FrameType.MANIFEST_REQ, {"transfer_id": transfer_id}) + pipelined)
+        return self._reply(FrameType.MANIFEST).meta
 
     def release(self, transfer_id: str) -> None:
         self.request(FrameType.RELEASE, {"transfer_id": transfer_id}, FrameType.RELEASED)
 
-    def read_into(
-        self,
-        transfer_id: str,
-        offset: int,
-        dest: memoryview,
-        progress: Callable[[int], None] = lambda n: None,
-        deadline: float | None = None,
-    ) -> None:
-        """Receive bytes ``[offset, offset + len(dest))`` of the remote export into ``dest``.
-
-        The peer must send DATA frames in order, each inside the range; anything else is a
-        protocol error (a broken or hostile peer cannot write outside ``dest``)."""
-        length = len(dest)
-        send_frame(
-            self.sock,
+    def read_request(self, transfer_id: str, offset: int, length: int) -> bytes:
+        """The READ frame for bytes ``[offset, offset + length)`` of the remote export (sent by
+        ``read_into``, or pipelined behind another request by the caller)."""
+        return encode(
             FrameType.READ,
             # the sender keeps each frame within what we accept
             {
@@ -129,6 +124,24 @@ class PeerConnection:
                 "max_frame": self.limits.max_payload,
             },
         )
+
+    def read_into(
+        self,
+        transfer_id: str,
+        offset: int,
+        dest: memoryview,
+        progress: Callable[[int], None] = lambda n: None,
+        deadline: float | None = None,
+        requested: bool = False,
+    ) -> None:
+        """Receive bytes ``[offset, offset + len(dest))`` of the remote export into ``dest``
+        (``requested``: its READ went out already, pipelined).
+
+        The peer must send DATA frames in order, each inside the range; anything else is a
+        protocol error (a broken or hostile peer cannot write outside ``dest``)."""
+        length = len(dest)
+        if not requested:
+            self.sock.sendall(self.read_request(transfer_id, offset, length))
         pos = 0
         while pos < length:
             frame = self._reply(FrameType.DATA)

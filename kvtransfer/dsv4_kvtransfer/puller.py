@@ -1,8 +1,9 @@
 """Pulls on behalf of the decode engine: one worker per pull, a small pool of peer connections.
 
-A pull: connect (or reuse a pooled connection) -> MANIFEST -> reserve an extent of that size ->
-the transport lands the bytes -> RELEASE (the prefill side frees its export) -> ``done``: the
-extent waits, under a lease, for the engine to copy the KV out and release it. Any failure frees
+A pull: connect (or reuse a pooled connection) -> MANIFEST (with the transport's data request
+in the same write) -> reserve an extent of that size -> the transport lands the bytes ->
+``done`` -> RELEASE (the prefill side frees its export): the extent waits, under a lease, for
+the engine to copy the KV out and release it. Any failure frees
 our extent and leaves the pull ``failed`` with a reason; the remote export stays leased, so a
 retry (or the lease) settles it.
 """
@@ -34,6 +35,8 @@ from dsv4_kvtransfer.transports import FetchJob, TransferFailed, Transport
 PullState = Literal["pending", "done", "failed", "expired"]
 POOL_IDLE_S = 20.0
 POOL_PER_PEER = 2
+# pulls up to this size asked with a wait run on the asking thread (see ``start``)
+INLINE_PULL_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -101,6 +104,8 @@ class Puller:
         self._pool: dict[tuple[str, int], list[tuple[float, PeerConnection]]] = {}
         self._pool_lock = threading.Lock()
         self._exec = ThreadPoolExecutor(self.cfg.max_concurrent_pulls, thread_name_prefix="kv-pull")
+        # pulls running at once, on the pool or inline (``start``)
+        self._slots = threading.BoundedSemaphore(self.cfg.max_concurrent_pulls)
         self.spans: SidecarSpans | None = None
 
     def stop(self) -> None:
@@ -125,8 +130,25 @@ class Puller:
         pull.total_bytes = req.params.remote_total_bytes
         with self._cond:
             self.pulls[pull.pull_id] = pull
-        self._exec.submit(self._run, pull)
+        # the engine waits for the answer anyway: a small pull runs on this thread, with no
+        # hand-off to a worker and back (two thread wake-ups, a good part of its fixed cost)
+        inline = 0 < pull.total_bytes <= INLINE_PULL_BYTES and req.wait_s > 0
+        if inline and self._slots.acquire(blocking=False):
+            try:
+                conn = self._run(pull)
+            finally:
+                self._slots.release()
+            if conn is not None:  # after the answer, not before: off the engine's path
+                self._exec.submit(self._release_remote, conn, pull)
+            return self.status(pull.pull_id)
+        self._exec.submit(self._queued, pull)
         return self.status(pull.pull_id, req.wait_s)
+
+    def _queued(self, pull: Pull) -> None:
+        with self._slots:
+            conn = self._run(pull)
+        if conn is not None:
+            self._release_remote(conn, pull)
 
     def status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         end = time.monotonic() + max(0.0, min(wait_s, 60.0))
@@ -239,21 +261,31 @@ class Puller:
                 return
         conn.close()
 
-    def _manifest(self, pull: Pull) -> tuple[PeerConnection, dict[str, Any]]:
+    def _manifest(self, pull: Pull) -> tuple[PeerConnection, dict[str, Any], bool]:
         """The remote manifest over a pooled connection, or a fresh one if the pooled one went
-        stale (the remote restarted or timed it out)."""
+        stale (the remote restarted or timed it out). The transport's data request goes out in
+        the same write (the remote answers in order): a pull costs one round trip before the
+        bytes flow, not two. -> (connection, manifest, whether the data request went out)."""
         p = pull.params
+        data = b""
+
+        def ask(conn: PeerConnection) -> dict[str, Any]:
+            nonlocal data
+            conn.settimeout(self.cfg.io_timeout_s)
+            data = self.transport.pipelined_request(
+                conn, p.remote_transfer_id, p.remote_total_bytes
+            )
+            return conn.manifest(p.remote_transfer_id, data)
+
         conn = self._pooled(p.remote_host, p.remote_port)
         if conn is not None:
             try:
-                conn.settimeout(self.cfg.io_timeout_s)
-                return conn, conn.manifest(p.remote_transfer_id)
+                return conn, ask(conn), bool(data)
             except (OSError, FrameError):
                 conn.close()
         conn = self._connect(p.remote_host, p.remote_port)
         try:
-            conn.settimeout(self.cfg.io_timeout_s)
-            return conn, conn.manifest(p.remote_transfer_id)
+            return conn, ask(conn), bool(data)
         except BaseException:
             conn.close()
             raise
@@ -264,12 +296,14 @@ class Puller:
         with self._cond:
             pull.bytes_done += n
 
-    def _run(self, pull: Pull) -> None:
+    def _run(self, pull: Pull) -> PeerConnection | None:
+        """Land the pull; -> the connection to tell the remote it may free its export on
+        (``_release_remote``), None if the pull failed."""
         p = pull.params
         t0 = time.monotonic()
         conn: PeerConnection | None = None
         try:
-            conn, manifest = self._manifest(pull)
+            conn, manifest, requested = self._manifest(pull)
             layout = Layout.from_dict(manifest.get("layout"))
             if layout.total_bytes != p.remote_total_bytes:
                 raise TransferFailed(
@@ -294,6 +328,7 @@ class Puller:
                         dest=dest,
                         progress=lambda n: self._progress(pull, n),
                         deadline=pull.deadline,
+                        requested=requested,
                     )
                 )
             data_s = max(time.monotonic() - t_data, 1e-9)
@@ -301,18 +336,22 @@ class Puller:
             if conn is not None:
                 conn.close()
             self._fail(pull, e)
-            return
+            return None
         self._complete(pull, layout, manifest, t0, data_s)
-        # every byte is ours: the engine may go on while the prefill side frees its export
+        return conn
+
+    def _release_remote(self, conn: PeerConnection, pull: Pull) -> None:
+        """Every byte is ours: the prefill side frees its export (the engine goes on meanwhile:
+        the pull is ``done`` already)."""
         try:
             conn.settimeout(self.cfg.io_timeout_s)
-            conn.release(p.remote_transfer_id)
+            conn.release(pull.params.remote_transfer_id)
         except Exception as e:
             conn.close()
             self.log.warning(
                 "pull %s done, but releasing transfer %s failed (its lease will free it): %s",
                 pull.pull_id,
-                p.remote_transfer_id,
+                pull.params.remote_transfer_id,
                 e,
             )
             return

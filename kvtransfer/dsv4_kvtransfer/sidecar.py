@@ -82,7 +82,7 @@ class Sidecar:
         if c.transport == "tcp":
             return {"streams": c.streams, "min_stream_bytes": c.min_stream_bytes}
         if c.transport == "shm":
-            return {"shm_dir": c.shm_dir}
+            return {"shm_dir": c.shm_dir, "copy_threads": c.copy_threads}
         if c.transport in ("hccl", "gloo"):
             return {"timeout_s": c.io_timeout_s}
         return {"hostname": c.advertise_host}

@@ -26,7 +26,7 @@ def make_transport(name: str, **options: Any) -> Transport:
     elif name == "shm":
         from dsv4_kvtransfer.transports.shm import ShmTransport
 
-        t = ShmTransport()
+        t = ShmTransport(**options)
     elif name in ("hccl", "gloo"):
         from dsv4_kvtransfer.transports.collective import CollectiveTransport
 

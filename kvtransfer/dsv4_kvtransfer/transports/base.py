@@ -38,6 +38,9 @@ class FetchJob:
     """Called with the number of bytes that just landed."""
     deadline: float
     """``time.monotonic()`` after which the pull is abandoned."""
+    requested: bool = False
+    """The transport's ``pipelined_request`` went out behind the manifest request: ``fetch``
+    reads its reply instead of asking."""
 
 
 class Transport(ABC):
@@ -45,6 +48,13 @@ class Transport(ABC):
 
     def check_available(self) -> None:  # noqa: B027  (most transports need nothing)
         """Raise ``TransportUnavailable`` with a clear message if this transport cannot run."""
+
+    def pipelined_request(self, conn: PeerConnection, transfer_id: str, total_bytes: int) -> bytes:
+        """The frames that start this transport's data path for a pull of ``total_bytes`` (the
+        params' size; the manifest is checked against it before any byte lands), sent in one
+        write with the manifest request so the pull takes one round trip fewer; ``b""``: none,
+        ``fetch`` asks itself."""
+        return b""
 
     @abstractmethod
     def fetch(self, job: FetchJob) -> None:

@@ -2,7 +2,9 @@
 
 The remote pins the export and answers with its region's name and tag; we open the region by
 name in our own shared-memory directory (same host, same /dev/shm) and check the tag, so a
-name that happens to exist elsewhere is never read. One ``memcpy`` per chunk, no sockets.
+name that happens to exist elsewhere is never read. The mapping is kept (pre-faulted once, not
+per pull), the ``SHM_MAP`` request goes out with the manifest's (one round trip per pull), and
+each chunk is copied by several threads (``parallel_copy``). No sockets on the data path.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import threading
 import time
 
-from dsv4_kvtransfer.frames import FrameType
+from dsv4_kvtransfer.frames import FrameType, encode
+from dsv4_kvtransfer.peer import PeerConnection
 from dsv4_kvtransfer.staging import HEADER_BYTES, StagingError, StagingRegion
 from dsv4_kvtransfer.transports.base import FetchJob, TransferFailed, Transport
+from dsv4_kvtransfer.transports.parallel_copy import ParallelCopy
 
 CHUNK = 64 << 20
 
@@ -20,10 +24,11 @@ CHUNK = 64 << 20
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, shm_dir: str = "/dev/shm") -> None:
+    def __init__(self, shm_dir: str = "/dev/shm", copy_threads: int = 0) -> None:
         self.shm_dir = shm_dir
         self._regions: dict[str, StagingRegion] = {}
         self._lock = threading.Lock()
+        self._copy = ParallelCopy(copy_threads)
 
     def _region(self, name: str, tag: str) -> StagingRegion:
         with self._lock:
@@ -48,9 +53,16 @@ class ShmTransport(Transport):
                 )
             return region
 
+    def pipelined_request(self, conn: PeerConnection, transfer_id: str, total_bytes: int) -> bytes:
+        return encode(FrameType.SHM_MAP, {"transfer_id": transfer_id})
+
     def fetch(self, job: FetchJob) -> None:
-        info = job.control.request(
-            FrameType.SHM_MAP, {"transfer_id": job.transfer_id}, FrameType.SHM_INFO
+        info = (
+            job.control.reply(FrameType.SHM_INFO)
+            if job.requested
+            else job.control.request(
+                FrameType.SHM_MAP, {"transfer_id": job.transfer_id}, FrameType.SHM_INFO
+            )
         )
         name, tag, offset, length = (
             info.get("shm_name"),
@@ -77,10 +89,11 @@ class ShmTransport(Transport):
                 if time.monotonic() > job.deadline:
                     raise TimeoutError("the pull ran past its deadline")
                 end = min(pos + CHUNK, length)
-                job.dest[pos:end] = src[pos:end]
+                self._copy.copy(job.dest[pos:end], src[pos:end])
                 job.progress(end - pos)
 
     def close(self) -> None:
+        self._copy.close()
         with self._lock:
             for r in self._regions.values():
                 r.close()

@@ -43,10 +43,15 @@ class TcpTransport(Transport):
         self.streams = streams
         self.min_stream_bytes = min_stream_bytes
 
+    def pipelined_request(self, conn: PeerConnection, transfer_id: str, total_bytes: int) -> bytes:
+        """The READ of range 0 (the control connection's share)."""
+        ranges = split_ranges(total_bytes, self.streams, self.min_stream_bytes)
+        return conn.read_request(transfer_id, *ranges[0]) if ranges else b""
+
     def fetch(self, job: FetchJob) -> None:
         ranges = split_ranges(len(job.dest), self.streams, self.min_stream_bytes)
         if len(ranges) <= 1:
-            self._read(job.control, job, 0, len(job.dest))
+            self._read(job.control, job, 0, len(job.dest), job.requested)
             return
         errors: list[BaseException] = []
         extra: list[PeerConnection] = []
@@ -74,7 +79,7 @@ class TcpTransport(Transport):
         for t in threads:
             t.start()
         try:
-            self._read(job.control, job, *ranges[0])
+            self._read(job.control, job, *ranges[0], job.requested)
         except BaseException as e:
             with lock:
                 errors.append(e)
@@ -88,7 +93,14 @@ class TcpTransport(Transport):
             raise errors[0]
 
     @staticmethod
-    def _read(conn: PeerConnection, job: FetchJob, off: int, length: int) -> None:
+    def _read(
+        conn: PeerConnection, job: FetchJob, off: int, length: int, requested: bool = False
+    ) -> None:
         conn.read_into(
-            job.transfer_id, off, job.dest[off : off + length], job.progress, job.deadline
+            job.transfer_id,
+            off,
+            job.dest[off : off + length],
+            job.progress,
+            job.deadline,
+            requested,
         )
