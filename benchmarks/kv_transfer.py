@@ -256,6 +256,92 @@ def kv_sizes(config: dict[str, Any], itemsize: int) -> dict[str, float]:
     }
 
 
+def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
+    """A prefill engine (``dsv4-tiny``, in this process) beside a real sidecar: each request is
+    prefilled alone and its KV exported for a remote decode. -> mean milliseconds of the prefill
+    step, of its forward, of the rest of that step, and of the export (reserve, copy, commit),
+    which runs on the connector's thread while the engine steps on."""
+    from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
+    from dsv4_serving.engine.config import EngineConfig
+    from dsv4_serving.engine.engine_core import EngineCore
+    from dsv4_serving.engine.request import EngineCoreRequest
+    from dsv4_serving.engine.sampling_params import SamplingParams
+
+    proc = SidecarService(
+        "engine-export",
+        tmp / "engine-export.log",
+        tmp / "token",
+        free_ports(3, set()),
+        staging_bytes=256 << 20,
+        shm_name=f"dsv4-kv-bench-{os.getpid()}-engine",
+        log_level="warning",
+    )
+    proc.start()
+    proc.wait_ready(60)
+    core = EngineCore(
+        EngineConfig(
+            model="dsv4-tiny",
+            load_format="dummy",
+            dtype="float32",
+            role="prefill",
+            kv_sidecar=proc.url,
+            max_model_len=prompt + 16,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        )
+    )
+    forward: list[float] = []
+    execute = core.runner.execute
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return execute(*args, **kw)
+        finally:
+            forward.append(time.perf_counter() - t)
+
+    core.runner.execute = timed  # type: ignore[method-assign]
+    rng = np.random.default_rng(1)
+    steps, fwd, exports = [], [], []
+    try:
+        for i in range(requests + 1):  # the first warms up
+            ids = [int(x) for x in rng.integers(1, 200, prompt)]
+            sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            core.add_request(
+                EngineCoreRequest(f"x{i}", ids, sp, kv_transfer_params=PrefillRequestParams())
+            )
+            forward.clear()
+            t = time.perf_counter()
+            core.step()  # the whole prompt in one step: its forward, then the export starts
+            step = time.perf_counter() - t
+            f = forward[0]
+            params = None
+            while core.has_unfinished_requests():  # the response waits for the commit
+                for o in core.step():
+                    params = o.kv_transfer_params
+                    if o.error is not None:
+                        raise SystemExit(f"export failed: {o.error.message}")
+                if params is None:
+                    core.wait_for_kv(0.02)
+            if params is None:
+                raise SystemExit("no kv_transfer_params in the prefill response")
+            if i:
+                steps.append(step)
+                fwd.append(f)
+        assert core.kv_scheduler is not None
+        exports = core.kv_scheduler.stats.take().export_seconds[-requests:]
+    finally:
+        core.close()
+        proc.stop(timeout_s=30)
+    ms = 1e3 / requests
+    return {
+        "step": sum(steps) * ms,
+        "forward": sum(fwd) * ms,
+        "rest": (sum(steps) - sum(fwd)) * ms,
+        "export": sum(exports) * ms,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -269,6 +355,14 @@ def main() -> int:
     ap.add_argument(
         "--streams", type=int, default=4, help="TCP streams per pull (sidecar default 4)"
     )
+    ap.add_argument(
+        "--engine-export",
+        type=int,
+        default=4,
+        metavar="N",
+        help="prefill N requests in a dsv4-tiny prefill engine and time its steps beside the "
+        "KV export (0: skip)",
+    )
     args = ap.parse_args()
 
     results: dict[str, dict[int, tuple[float, float]]] = {}
@@ -277,6 +371,7 @@ def main() -> int:
         (tmp / "token").write_text("benchmark-token-" + os.urandom(16).hex())
         for t in args.transports:
             results[t] = run_transport(tmp, t, sorted(args.sizes), args.reps, args.streams)
+        exp = engine_export(tmp, args.engine_export, 256) if args.engine_export else None
 
     base_name = {"tcp": "raw socket", "shm": "memcpy"}
     small = max(args.reps, SMALL_REPS)
@@ -326,6 +421,22 @@ def main() -> int:
         "\n(4K prompt = ceil(4096 / block) paged blocks + one sequence's window ring and "
         "compressor state; time at the bandwidth measured for the smallest size that holds it)"
     )
+    if exp is not None:
+        print(
+            f"\nPrefill engine (dsv4-tiny, 256-token prompts, mean of {args.engine_export}): the "
+            "step that prefills a prompt and starts its KV export, and the export itself"
+        )
+        print(
+            f"{'prefill step':>14} | {'its forward':>11} | {'rest of step':>12} | {'KV export':>9}"
+        )
+        print(
+            f"{exp['step']:11.1f} ms | {exp['forward']:8.1f} ms | {exp['rest']:9.2f} ms | "
+            f"{exp['export']:6.2f} ms"
+        )
+        print(
+            "(the export - reserve, copy to staging, commit - runs on the connector's thread "
+            "while the engine steps on: it is not part of the step)"
+        )
     return 0
 
 
