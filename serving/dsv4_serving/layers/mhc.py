@@ -3,6 +3,10 @@
 Each block reads one input collapsed from the streams (``pre`` weights) and writes its output
 back into every stream (``post`` weights) on top of a doubly-stochastic mix of the old streams
 (``comb``, Sinkhorn-normalised), all computed in float32 from the streams themselves.
+
+On the CPU in float32 the chain after the mixing GEMM runs in the C++ kernel
+(``kernels/mhc.cpp``: one call instead of ~130 tiny ops, most of them the Sinkhorn
+iterations); the torch code below is the fallback and the oracle.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4_serving.kernels.mhc import MHC
 from dsv4_serving.layers.norm import rms_norm
 
 
@@ -26,6 +31,17 @@ def hc_pre(
     t, n, _ = streams.shape
     flat = rms_norm(streams.reshape(t, -1).float(), None, norm_eps)
     mixes = F.linear(flat, fn.float())
+    ext = MHC.get(streams)
+    if ext is not None:
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ext.hc_pre(
+            mixes,
+            base.float().contiguous(),
+            scale.float().contiguous(),
+            streams.contiguous(),
+            sinkhorn_iters,
+            hc_eps,
+        )
+        return out
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     s = scale.float()
@@ -44,6 +60,12 @@ def hc_post(
     block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """New streams: ``post[n] * out + sum_j comb[j, n] * streams[j]``."""
+    ext = MHC.get(streams)
+    if ext is not None and block_out.dtype == streams.dtype:
+        new: torch.Tensor = ext.hc_post(
+            block_out.contiguous(), streams.contiguous(), post.contiguous(), comb.contiguous()
+        )
+        return new
     dtype = streams.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
