@@ -11,10 +11,7 @@ same bytes are moved between the same two staging regions by the plainest means 
 run: one TCP socket over 127.0.0.1 (``sendall`` / ``recv_into``) for the TCP transport, one
 ``memcpy`` for shared memory. GB/s are 1e9 bytes per second; "ratio" is transport / baseline
 (goal >= 70%). Best of ``--reps`` (of at least ``SMALL_REPS`` below 64 MiB: those runs take a
-few milliseconds, where one scheduler hiccup of a busy host is the whole difference). Every
-timed run, transport and baseline alike, starts with the CPU caches holding other data (64 MiB
-written elsewhere): a transfer's bytes were written by an engine, not just read by the
-previous run, and a cache-hot 4 MiB ``memcpy`` measures the cache, not the memory.
+few milliseconds, where one scheduler hiccup of a busy host is the whole difference).
 
 Then the KV bytes of DeepSeek V4 (``dsv4-tiny``, and V4 Flash from its published config)
 computed by the model layer's own cache sizing, and the transfer time a 4K-token prompt implies
@@ -44,13 +41,6 @@ from dsv4_kvtransfer.launch import SidecarService
 
 GB = 1e9
 SMALL_REPS = 15
-EVICT_BYTES = 64 << 20  # twice the L3 of the hosts this runs on
-_scratch = np.zeros(EVICT_BYTES, dtype=np.uint8)
-
-
-def evict_caches() -> None:
-    """Fill the caches with other data (the next run reads and writes memory, not cache)."""
-    np.add(_scratch, 1, out=_scratch)
 
 
 # DeepSeek-V4-Flash's config.json (the KV-relevant values; the rest as published): 43 layers,
@@ -149,7 +139,6 @@ def pull_once(pair: Pair, size: int, state: dict[str, Any], verify: bool) -> tup
         view.release()
         state["filled"] = (placed.offset, size)
     params = pair.src.commit_export(res.transfer_id)
-    evict_caches()
     t0 = time.perf_counter()
     st = pair.dst.start_pull(params, timeout_s=300, wait_s=10)
     kv = st.kv or pair.dst.wait_pull(st.pull_id, 300)
@@ -185,7 +174,6 @@ def raw_socket(src: memoryview, dst: memoryview) -> float:
     t = threading.Thread(target=receive)
     t.start()
     with socket.create_connection(("127.0.0.1", port)) as c:
-        evict_caches()
         t0 = time.perf_counter()
         c.sendall(src)
         done.wait()
@@ -196,7 +184,6 @@ def raw_socket(src: memoryview, dst: memoryview) -> float:
 
 
 def memcpy(src: memoryview, dst: memoryview) -> float:
-    evict_caches()
     t0 = time.perf_counter()
     dst[:] = src
     return time.perf_counter() - t0
@@ -377,7 +364,7 @@ def main() -> int:
     small = max(args.reps, SMALL_REPS)
     print(
         f"\nKV transfer between two sidecars on 127.0.0.1 (best of {args.reps}, of {small} below "
-        "64 MiB; caches evicted before every run; GB/s = 1e9 B/s)"
+        "64 MiB; GB/s = 1e9 B/s)"
     )
     head = f"{'size':>9}"
     for t in args.transports:

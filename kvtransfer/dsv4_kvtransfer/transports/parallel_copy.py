@@ -17,8 +17,9 @@ from types import ModuleType
 
 MAX_THREADS = 4
 PIECE = 1 << 20
-# below this a helper's hand-off costs more than its share of the copy saves
-MIN_PARALLEL = 4 << 20
+# below this one core copies in well under a millisecond: a helper's wake-up (and, on a busy
+# host, waiting for a helper preempted mid-piece) costs more than its share saves
+MIN_PARALLEL = 16 << 20
 
 _np: ModuleType | None
 try:

@@ -11,7 +11,9 @@ from dsv4_kvtransfer.transports.parallel_copy import MIN_PARALLEL, PIECE, Parall
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-@pytest.mark.parametrize("nbytes", [0, 4097, MIN_PARALLEL - 1, MIN_PARALLEL, 5 * PIECE + 12345])
+@pytest.mark.parametrize(
+    "nbytes", [0, 4097, MIN_PARALLEL - 1, MIN_PARALLEL, MIN_PARALLEL + 5 * PIECE + 12345]
+)
 def test_copies_every_byte(threads: int, nbytes: int) -> None:
     src = os.urandom(nbytes)
     dst = bytearray(nbytes + 8)  # bytes past the range stay untouched

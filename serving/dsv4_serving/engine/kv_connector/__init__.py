@@ -10,8 +10,9 @@
   tensors; pulls are imported between forwards, exports copy the blocks of finished prefills on
   the connector's thread while the next forwards run (those blocks stay allocated until then).
 
-``base.py`` holds the two interfaces, ``metadata.py`` the data they exchange each step (the
-order of the calls is ``EngineCore.step``'s). ``compat.py`` is what both engines must agree on
-(block size, MTP lookahead, architecture, dtype, the prompt), checked before any pull;
-``kv_layout.py`` maps the model's cache onto the sidecar's named buffers.
+``exporter.py`` runs the exports on their thread. ``base.py`` holds the two interfaces,
+``metadata.py`` the data they exchange each step (the order of the calls is
+``EngineCore.step``'s). ``compat.py`` is what both engines must agree on (block size, MTP
+lookahead, architecture, dtype, the prompt), checked before any pull; ``kv_layout.py`` maps the
+model's cache onto the sidecar's named buffers.
 """
