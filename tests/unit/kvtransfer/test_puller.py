@@ -1,6 +1,7 @@
 """The puller against a real peer server on loopback, in one process: each pull's status, the
 decode side's ledger and the bytes and frees it accounts, for a pull that lands, one whose data
-path fails, one of an unknown transfer and one the engine gives up on while it runs."""
+path fails, one of an unknown transfer and one the engine gives up on while it runs; a small
+pull asked with a wait on the asking thread, its data request sent with the manifest's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.ledger import Import, Ledger
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_kvtransfer.peer import PeerConnection
 from dsv4_kvtransfer.peer_server import PeerServer, PeerServerConfig
 from dsv4_kvtransfer.puller import Puller
 from dsv4_kvtransfer.staging import HEADER_BYTES, StagingRegion
@@ -252,3 +254,41 @@ def test_a_status_long_poll_returns_when_the_pull_ends(peers: Peers) -> None:
     t0 = time.monotonic()
     assert puller.status(pid, wait_s=10.0)["state"] == "failed"
     assert time.monotonic() - t0 < 5.0
+
+
+class Recording(Transport):
+    """The tcp transport, noting which thread fetched and whether the data request had gone
+    out with the manifest's."""
+
+    name = "tcp"
+
+    def __init__(self) -> None:
+        self.tcp = make_transport("tcp", streams=1)
+        self.threads: list[threading.Thread] = []
+        self.requested: list[bool] = []
+
+    def pipelined_request(self, conn: PeerConnection, transfer_id: str, total_bytes: int) -> bytes:
+        return self.tcp.pipelined_request(conn, transfer_id, total_bytes)
+
+    def fetch(self, job: FetchJob) -> None:
+        self.threads.append(threading.current_thread())
+        self.requested.append(job.requested)
+        self.tcp.fetch(job)
+
+
+def test_a_small_pull_asked_with_a_wait_runs_on_the_asking_thread_in_one_round_trip(
+    peers: Peers,
+) -> None:
+    rec = Recording()
+    puller = peers.puller(rec)
+    st = puller.start(PullRequest(peers.export("t7", PAYLOAD), wait_s=5.0))
+    assert st["state"] == "done" and rec.threads == [threading.current_thread()]
+    assert rec.requested == [True]  # the READ went out with MANIFEST_REQ
+    with peers.dst.region.view(st["offset"], NBYTES) as v:
+        assert bytes(v) == PAYLOAD
+    # the prefill side frees its export after the answer (on a pool thread)
+    until("the export released", lambda: "t7" not in peers.src.ledger.exports)
+    # without a wait (or past INLINE_PULL_BYTES) the pull goes to the pool
+    pid = puller.start(PullRequest(peers.export("t8", PAYLOAD)))["pull_id"]
+    assert puller.status(pid, wait_s=5.0)["state"] == "done"
+    assert rec.threads[1] is not threading.current_thread()
