@@ -277,7 +277,9 @@ class SidecarClient:
         traceparent: str | None = None,
     ) -> PullStatus:
         """Start pulling the KV the params name, and wait up to ``wait_s`` for it in the same
-        request (one round trip fewer for small KV). ``PullFailed`` if it failed already."""
+        request (one round trip fewer for small KV). ``PullFailed`` if it failed already. The
+        sidecar runs a small pull asked with a wait during the request itself, so the answer
+        may take up to the pull's ``timeout_s`` (never longer: its deadline ends it)."""
         params = (
             kv_transfer_params.to_dict()
             if isinstance(kv_transfer_params, RemotePrefillParams)
@@ -286,10 +288,9 @@ class SidecarClient:
         body: dict[str, Any] = {"kv_transfer_params": params, "wait_s": wait_s}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
+        patience = self.timeout_s + wait_s + (timeout_s or 0.0)
         return self._typed(
-            self.request(
-                "POST", "/v1/pulls", body, timeout=self.timeout_s + wait_s, traceparent=traceparent
-            )
+            self.request("POST", "/v1/pulls", body, timeout=patience, traceparent=traceparent)
         )
 
     def poll_pull(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:

@@ -271,7 +271,8 @@ class Puller:
 
         def ask(conn: PeerConnection) -> dict[str, Any]:
             nonlocal data
-            conn.settimeout(self.cfg.io_timeout_s)
+            # bounded by the pull's deadline too: an inline pull answers its caller by then
+            conn.settimeout(min(self.cfg.io_timeout_s, pull.deadline - time.monotonic()))
             data = self.transport.pipelined_request(
                 conn, p.remote_transfer_id, p.remote_total_bytes
             )
