@@ -50,6 +50,9 @@ class Rotary:
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
+_SWAP_SIGN: dict[tuple[torch.device, bool], torch.Tensor] = {}
+
+
 def rotate_tail_interleaved(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
 ) -> torch.Tensor:
@@ -57,16 +60,21 @@ def rotate_tail_interleaved(
 
     ``cos``/``sin`` are [T, half]; middle dims of ``x`` broadcast. ``inverse`` rotates by the
     negative angle (V4 undoes the rotation on its attention output).
+
+    Computed as ``pair * cos + swapped_pair * (-sin, sin)``: the same products and sums as
+    ``(x1 c - x2 s, x2 c + x1 s)`` bit for bit (negation is exact), in 6 ops instead of 9.
     """
     half = cos.shape[-1]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half, 1)
     c = cos.reshape(shape)
-    s = sin.reshape(shape)
-    if inverse:
-        s = -s
-    nope, rope = x[..., : -2 * half], x[..., -2 * half :].float()
-    x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    key = (x.device, inverse)
+    sign = _SWAP_SIGN.get(key)
+    if sign is None:  # (x1, x2) -> (x2, x1) then times (-s, s): ``inverse`` negates s
+        sign = _SWAP_SIGN[key] = torch.tensor([1.0, -1.0] if inverse else [-1.0, 1.0]).to(x.device)
+    s = sin.reshape(shape) * sign
+    nope = x[..., : -2 * half]
+    pairs = x[..., -2 * half :].float().unflatten(-1, (half, 2))
+    out = (pairs * c + pairs.flip(-1) * s).flatten(-2)
     return torch.cat((nope, out.to(x.dtype)), dim=-1)
 
 

@@ -174,8 +174,12 @@ class V4Attention(nn.Module):
             idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
             idx_proj = ix.compressor.project(x)
 
-        out = torch.empty_like(q)
         dec = step.decode
+        if dec is not None and dec.size == t:  # a decode-only step: every row, no gathers
+            out = self._decode(dec, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache)
+            dec = None
+        else:
+            out = torch.empty_like(q)
         if dec is not None:
             r = dec.rows
 
@@ -315,14 +319,26 @@ class V4Attention(nn.Module):
 
         scale = self.head_dim**-0.5
         logits = torch.einsum("nhd,kd->hnk", q.float(), keys.float()) * scale
-        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w_len)
-        logits = logits.masked_fill(~allowed[None], -torch.inf)
+        # the masks depend on the sequence's positions only: built by its first layer
+        key = ("v4-window-hidden", i, w_len)
+        hidden = meta.memo.get(key)
+        if hidden is None:
+            allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w_len)
+            hidden = meta.memo[key] = ~allowed[None]
+        assert isinstance(hidden, torch.Tensor)
+        logits = logits.masked_fill(hidden, -torch.inf)
         parts = [logits]
         values = [keys]
         if comp is not None and comp.shape[0] > 0:
             r = self.ratio
             e = comp.shape[0]
-            visible = torch.arange(e, device=dev)[None, :] < ((qpos + 1) // r)[:, None]  # [n, E]
+            vkey = ("v4-entries-visible", i, r, e)
+            visible = meta.memo.get(vkey)
+            if visible is None:  # [n, E]
+                visible = meta.memo[vkey] = (
+                    torch.arange(e, device=dev)[None, :] < ((qpos + 1) // r)[:, None]
+                )
+            assert isinstance(visible, torch.Tensor)
             if self.indexer is not None:
                 assert idx_q is not None and idx_w is not None and idx_keys is not None
                 visible = visible & self._select(idx_q[a:b], idx_w[a:b], idx_keys, visible)
