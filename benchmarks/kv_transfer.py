@@ -262,6 +262,8 @@ def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
         staging_bytes=256 << 20,
         shm_name=f"dsv4-kv-bench-{os.getpid()}-engine",
         log_level="warning",
+        # its exports are never pulled: exit (and unlink the region) at once on SIGTERM
+        shutdown_timeout=0,
     )
     proc.start()
     proc.wait_ready(60)
