@@ -264,17 +264,17 @@ class EngineCore:
             traceparents: dict[str, str | None] = {}
             if self.tracing is not None:
                 for s in saves:  # a span per export, open until its result is taken
-                    span = self.tracing.export([s])
-                    span.__enter__()
-                    self._export_spans[s.request_id] = span
+                    opened = self.tracing.export([s])
+                    opened.__enter__()
+                    self._export_spans[s.request_id] = opened
                     traceparents[s.request_id] = self.tracing.traceparent(s.request_id)
             self.kv_worker.start_save_kv(saves, traceparents)
         done = self.kv_worker.get_finished_saves()
         if done:
             for rid in done:
-                span = self._export_spans.pop(rid, None)
-                if span is not None:
-                    span.__exit__(None, None, None)
+                ended = self._export_spans.pop(rid, None)
+                if ended is not None:
+                    ended.__exit__(None, None, None)
             self.scheduler.saves_done(done, outputs)
 
     def wait_for_kv(self, timeout_s: float) -> None:
