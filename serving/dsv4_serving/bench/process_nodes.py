@@ -64,7 +64,7 @@ class Instance:
     """The sidecar's staging gauges once the engine was healthy (``_STOP_GAUGES``' sidecar half)."""
     at_stop: dict[str, float] = field(default_factory=dict)
     """What the instance held just before its SIGTERM: engine running/waiting, sidecar exports,
-    imports, staging free bytes; empty when a read failed."""
+    imports, staging free bytes (and KV bytes moved so far); empty when a read failed."""
 
 
 _ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -73,6 +73,7 @@ _SIDECAR_GAUGES = (
     "dsv4_kv_active_imports",
     "dsv4_kv_staging_free_bytes",
     "dsv4_kv_staging_bytes",
+    "dsv4_kv_transfer_bytes_total",  # a counter: KV bytes sent (prefill) or received (decode)
 )
 
 
@@ -87,7 +88,10 @@ class ProcessNodes:
     sidecar_metrics_port: int
     """The CR's ``kvTransfer.port + 2``: where the operator reads a prefill's held exports."""
     sidecar_settings: dict[str, object] = field(default_factory=dict)
-    """More ``SidecarConfig`` settings for every sidecar (e.g. ``send_rate`` to slow pulls)."""
+    """More ``SidecarConfig`` settings for every sidecar."""
+    instance_sidecar_settings: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Settings for the sidecar of one instance (StatefulSet name), over ``sidecar_settings``:
+    e.g. ``send_rate`` to slow the pulls of one prefill instance only."""
     gateway_kubeconfig: Path | None = None
     instances: dict[str, Instance] = field(default_factory=dict)
     history: list[tuple[float, str, str]] = field(default_factory=list)
@@ -224,7 +228,11 @@ class ProcessNodes:
             transport="tcp",
             engine_url=engine.url,
             shm_name=f"dsv4-as-{name}-{side_port}",
-            **{"staging_bytes": 64 << 20, **self.sidecar_settings},
+            **{
+                "staging_bytes": 64 << 20,
+                **self.sidecar_settings,
+                **self.instance_sidecar_settings.get(name, {}),
+            },
         )
         engine.argv += ["--kv-sidecar", f"http://127.0.0.1:{sidecar.control_port}"]
         scheduled = time.time()
