@@ -100,8 +100,8 @@ def _cr(name: str, p: Profile, autoscaled: bool) -> dict[str, Any]:
             "enabled": True,
             "ttftSeconds": TTFT_S,
             "tpotSeconds": TPOT_S,
-            # 1 s ticks: a scale-up needs two short ticks (breach_ticks), so the tick is most of
-            # the decision delay that is not the metrics window's own lag (docs/autoscaling.md)
+            # 1 s ticks: a scale-up needs two short ticks (breach_ticks), so at 2 s ticks the
+            # confirmation alone cost 2-4 s of the decision delay (docs/autoscaling.md)
             "intervalSeconds": 1,
             "windowSeconds": 10,
             "scaleDownStabilizationSeconds": 30,

@@ -154,7 +154,7 @@ class ProcessNodes:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         for inst in list(self.instances.values()):
-            self._kill(inst)
+            self._kill(inst, read=False)  # not a deletion: nothing to check it held
         if self.gateway is not None:
             self.gateway.stop()
 
@@ -243,11 +243,12 @@ class ProcessNodes:
         self.instances[name] = Instance(name, role, engine, sidecar, now, scheduled)
         self.history.append((now, name, "started"))
 
-    def _kill(self, inst: Instance) -> None:
-        inst.at_stop = {
-            **_read(inst.engine, _ENGINE_GAUGES, "/metrics", inst),
-            **_read(inst.sidecar, _SIDECAR_GAUGES, "/metrics", inst),
-        }
+    def _kill(self, inst: Instance, read: bool = True) -> None:
+        if read:
+            inst.at_stop = {
+                **_read(inst.engine, _ENGINE_GAUGES, "/metrics", inst),
+                **_read(inst.sidecar, _SIDECAR_GAUGES, "/metrics", inst),
+            }
         if inst.published:
             with contextlib.suppress(client.ApiException):
                 client.DiscoveryV1Api(self._api).delete_namespaced_endpoint_slice(
