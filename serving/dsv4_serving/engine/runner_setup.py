@@ -51,6 +51,8 @@ def setup_runner(
         for kernel in ("w8a8", "fp8"):
             if kernel in (scheme.linear, scheme.experts):
                 available(kernel)
+        if getattr(lm.model_config, "hc_mult", 0):
+            available("mhc")  # V4's hyper-connections chain
     k = config.num_speculative_tokens
     if k < 0:
         k = 1 if lm.num_mtp_layers else 0
