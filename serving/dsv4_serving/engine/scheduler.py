@@ -412,7 +412,9 @@ class Scheduler:
 
     def _refresh_stats(self) -> None:
         st = self.stats
-        st.num_running = len(self.running)
+        # a finished prefill whose KV export is under way still has its client waiting (its
+        # response goes out with the export's params): running, so a drain waits for it
+        st.num_running = len(self.running) + len(self._saving)
         st.num_waiting = len(self.waiting) + len(self.waiting_for_remote_kv)
         st.kv_usage = self.kv.usage()
         st.num_free_blocks = self.kv.num_free_blocks

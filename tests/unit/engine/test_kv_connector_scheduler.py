@@ -112,8 +112,11 @@ def test_a_prefill_for_a_remote_decode_keeps_its_blocks_until_saved() -> None:
     # steps go on meanwhile: the blocks stay allocated, nothing is sent for the request
     assert s.update_from_output(s.schedule(), {}) == []
     assert kv.num_free_blocks == free - 3
+    # still running for a drain and the metrics: its client waits for the export's params
+    assert (s.snapshot_stats().num_running, s.snapshot_stats().num_waiting) == (1, 0)
     s.saves_done({"p": REMOTE}, outs)
     assert kv.num_free_blocks == free and not s.has_unfinished_requests()
+    assert s.snapshot_stats().num_running == 0
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
         ("p", [42], "length")
     ]
