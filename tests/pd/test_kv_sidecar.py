@@ -462,3 +462,27 @@ def test_sigterm_waits_at_most_for_the_lease(sidecars: SidecarFactory) -> None:
     _sigterm(idle)
     wait_for("exit", lambda: not idle.alive(), 5, 0.05)
     assert idle.exit_code() == 0 and time.monotonic() - t < 2.0
+
+
+def test_a_small_pull_slower_than_the_clients_call_timeout_still_lands(
+    sidecars: SidecarFactory,
+) -> None:
+    """A pull small enough to run during its start request (the inline path) answers when it
+    is done: the engine's client must wait for the pull's own deadline, not give up after its
+    per-call timeout (then it never learns the pull id and the pulled KV stays held)."""
+    src = sidecars.start("--send-rate", "1M")  # 3 MiB: about 3 s, over the 1 s call timeout
+    dst = sidecars.start("--streams", "1")
+    free_dst = dst.free_bytes()
+    specs = [BufferSpec("bulk", "uint8", (3 * MB,), "bulk")]
+    params, data = export(src, specs, 13)
+    impatient = SidecarClient(f"http://127.0.0.1:{dst.control_port}", timeout_s=1.0)
+    t0 = time.monotonic()
+    st = impatient.start_pull(params, timeout_s=30, wait_s=0.5)
+    while st.kv is None:
+        st = impatient.poll_pull(st.pull_id, wait_s=0.5)
+    assert time.monotonic() - t0 > 1.5  # the cap made it slower than the call timeout
+    view = dst.client.view(st.kv.buffers["bulk"])
+    assert bytes(view) == data["bulk"]
+    view.release()
+    impatient.release_pull(st.pull_id)
+    assert dst.free_bytes() == free_dst
