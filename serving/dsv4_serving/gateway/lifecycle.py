@@ -24,6 +24,24 @@ T = TypeVar("T")
 Outcome = Literal["ok", "error", "cancelled", "rejected"]
 
 
+_TEXT_KEYS = (b'"text":', b'"content":', b'"reasoning_content":')
+
+
+def carries_text(chunk: bytes) -> bool:
+    """Whether a streamed chunk has a non-empty text, content or reasoning_content string
+    (either JSON spacing); a byte search, no parse, on the gateway's hot path."""
+    for key in _TEXT_KEYS:
+        i = chunk.find(key)
+        while i >= 0:
+            j = i + len(key)
+            while chunk[j : j + 1] == b" ":
+                j += 1
+            if chunk[j : j + 1] == b'"' and chunk[j + 1 : j + 2] not in (b'"', b""):
+                return True
+            i = chunk.find(key, j)
+    return False
+
+
 class Ticket:
     """An admitted request. ``outcome`` is set by whoever learns it (the proxy for a whole
     answer, the relay for a stream); left unset it counts as an error."""
@@ -45,8 +63,12 @@ class Ticket:
         nothing. The new owner must close what it gets."""
         return self.closer.pop_all()
 
-    def chunk(self) -> None:
-        """A streamed chunk went to the client: TTFT for the first, inter-token latency after."""
+    def chunk(self, data: bytes) -> None:
+        """A streamed chunk went to the client: TTFT for the first that carries text,
+        inter-token latency after (a chunk of only a role, a finish reason, usage or [DONE]
+        times no token, as in vLLM's own histograms and at the client)."""
+        if not carries_text(data):
+            return
         t = time.perf_counter()
         if self.last_chunk is None:
             self.metrics.ttft.observe(t - self.start)

@@ -289,7 +289,7 @@ class Proxy:
         never run or never be closed) releases the connection and the load."""
         try:
             async for chunk in resp.iter_chunks(self.cfg.stream_idle_timeout_s):
-                ticket.chunk()
+                ticket.chunk(chunk)
                 yield chunk
         except (UpstreamError, TimeoutError) as e:
             # mid-stream failure: the client already has a 200; end the stream with an error event

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from dsv4_serving.gateway.lifecycle import Admission
+from dsv4_serving.gateway.lifecycle import Admission, carries_text
 from dsv4_serving.gateway.metrics import GatewayMetrics
 
 
@@ -76,8 +76,10 @@ def test_a_ticket_taken_over_is_closed_by_its_new_owner_only() -> None:
         ticket.closer.callback(released.append, "connection")
         owner = ticket.take_over()
     assert released == [] and admission.inflight == 1 and _statuses(m) == {}
-    ticket.chunk()
-    ticket.chunk()
+    ticket.chunk(b'data: {"choices": [{"text": "a"}]}\n\n')
+    ticket.chunk(b'data: {"choices":[{"text":"b","finish_reason":null}]}\n\n')
+    ticket.chunk(b'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\n')
+    ticket.chunk(b"data: [DONE]\n\n")
     ticket.outcome = "ok"
     owner.close()
     assert released == ["connection"] and admission.inflight == 0
@@ -94,3 +96,22 @@ def test_admission_is_full_at_its_limit_and_rejections_are_counted() -> None:
         admission.reject()
     assert not admission.full
     assert _statuses(m) == {"rejected": 1, "error": 1}
+
+
+@pytest.mark.parametrize(
+    ("chunk", "expected"),
+    [
+        (b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n', True),
+        (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', True),
+        (b'data: {"choices":[{"delta":{"reasoning_content":"why"}}]}\n\n', True),
+        (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n', False),
+        (b'data: {"choices":[{"delta":{"content":null}}]}\n\n', False),
+        (b'data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n\n', False),
+        (b'data: {"choices": [], "usage": {"completion_tokens": 16}}\n\n', False),
+        (b"data: [DONE]\n\n", False),
+        (b'data: {"choices": [{"text": ""}]}\n\ndata: {"choices": [{"text": "z"}]}\n\n', True),
+        (b'"text":', False),  # cut off after the key
+    ],
+)
+def test_a_chunk_times_a_token_only_when_it_carries_text(chunk: bytes, expected: bool) -> None:
+    assert carries_text(chunk) is expected
