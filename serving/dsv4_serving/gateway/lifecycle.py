@@ -25,21 +25,27 @@ Outcome = Literal["ok", "error", "cancelled", "rejected"]
 
 
 _TEXT_KEYS = (b'"text":', b'"content":', b'"reasoning_content":')
+_FINISHED = (b'"finish_reason": "', b'"finish_reason":"')
 
 
 def carries_text(chunk: bytes) -> bool:
-    """Whether a streamed chunk has a non-empty text, content or reasoning_content string
-    (either JSON spacing); a byte search, no parse, on the gateway's hot path."""
+    """Whether a streamed chunk carries a generated token: a text, content or reasoning_content
+    string that is non-empty, or empty in a choice not finished (a token whose bytes do not
+    make a character yet). Not: a finish-only chunk, usage, [DONE]. A byte search, no parse,
+    on the gateway's hot path; either JSON spacing."""
+    empty = False
     for key in _TEXT_KEYS:
         i = chunk.find(key)
         while i >= 0:
             j = i + len(key)
             while chunk[j : j + 1] == b" ":
                 j += 1
-            if chunk[j : j + 1] == b'"' and chunk[j + 1 : j + 2] not in (b'"', b""):
-                return True
+            if chunk[j : j + 1] == b'"':
+                if chunk[j + 1 : j + 2] not in (b'"', b""):
+                    return True
+                empty = True
             i = chunk.find(key, j)
-    return False
+    return empty and not any(f in chunk for f in _FINISHED)
 
 
 class Ticket:
