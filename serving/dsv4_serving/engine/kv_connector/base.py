@@ -77,10 +77,6 @@ class KVConnectorWorker(ABC):
         it failed."""
 
     @abstractmethod
-    def saves_in_flight(self) -> int:
-        """Exports started whose result was not taken yet."""
-
-    @abstractmethod
     def wait_for_event(self, timeout_s: float) -> None:
         """Block until a load or a save finishes or ``timeout_s`` passes (an idle engine's
         wait)."""

@@ -79,20 +79,6 @@ class KVExporter:
         self._in_flight -= len(out)
         return out
 
-    def wait(self, timeout_s: float) -> list[SaveResult]:
-        """Block until every submitted save completed or ``timeout_s`` passed; -> their results
-        (for a caller that needs them now: tests, a synchronous export)."""
-        end = time.monotonic() + timeout_s
-        out = self.finished()
-        while self._in_flight and time.monotonic() < end:
-            try:
-                r = self._done.get(timeout=max(0.0, end - time.monotonic()))
-            except queue.Empty:
-                break
-            self._in_flight -= 1
-            out.append(r)
-        return out
-
     def close(self) -> None:
         self._closed = True
         # a save under way finishes (its lease frees it if nobody pulls); queued ones are dropped

@@ -206,9 +206,6 @@ class SidecarConnectorWorker(KVConnectorWorker):
                 self.stats.bytes_exported += r.nbytes
         return out
 
-    def saves_in_flight(self) -> int:
-        return self.exporter.in_flight
-
     def close(self) -> None:
         self._closed = True
         for p in self._pulls.values():
