@@ -33,6 +33,8 @@ class EngineLoad:
     role: str
     healthy: bool
     waiting: float = 0.0
+    waiting_for_kv: float = 0.0
+    """Of ``waiting``, decode requests parked until their KV is pulled."""
     running: float = 0.0
     kv_usage: float = 0.0
     prompt_tokens: float = 0.0
@@ -80,6 +82,7 @@ def parse_instances(doc: Sequence[Mapping[str, Any]]) -> tuple[EngineLoad, ...]:
                 role=str(inst["role"]),
                 healthy=bool(inst.get("healthy", True)),
                 waiting=total("waiting"),
+                waiting_for_kv=total("waiting_for_kv"),
                 running=total("running"),
                 kv_usage=total("kv_usage") / max(len(ranks), 1),
                 prompt_tokens=total("prompt_tokens"),
@@ -149,7 +152,7 @@ class GatewayWindow:
                 starting=c.starting,
                 draining=c.draining,
                 blocked=c.blocked,
-                waiting=sum(e.waiting for e in now_loads),
+                waiting=sum(max(0.0, e.waiting - e.waiting_for_kv) for e in now_loads),
                 running=sum(e.running for e in now_loads),
                 kv_usage=sum(e.kv_usage for e in now_loads),
                 prompt_tokens_per_s=rate,

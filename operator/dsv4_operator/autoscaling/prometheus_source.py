@@ -33,9 +33,9 @@ class Queries:
         """A series selector. vLLM's names have a colon (``vllm:...``), which OpenMetrics
         scrapes may store as an underscore (prometheus_client >= 0.21 escapes it when the server
         does not ask for UTF-8 names), so either spelling matches."""
-        prefix, _, rest = name.partition(":")
+        prefix, colon, rest = name.partition(":")
         labels = [
-            f'__name__=~"{prefix}[:_]{rest}"',
+            f'__name__=~"{prefix}[:_]{rest}"' if colon else f'__name__="{name}"',
             f'dsv4_deployment="{self.deployment}"',
             f'namespace="{self.namespace}"',
             f'component="{component}"',
@@ -62,6 +62,10 @@ class Queries:
                 return self._m(name, "engine", role)
 
             q[f"{role}_waiting"] = f"sum({m('vllm:num_requests_waiting')})"
+            if role == "decode":  # less those parked for their KV (RoleSignals.waiting)
+                q[f"{role}_waiting"] += (
+                    f" - (sum({m('dsv4_kv_requests_waiting_for_remote_kv')}) or vector(0))"
+                )
             q[f"{role}_running"] = f"sum({m('vllm:num_requests_running')})"
             q[f"{role}_kv_usage"] = f"sum({m('vllm:kv_cache_usage_perc')})"
             q[f"{role}_prompt_tokens_per_s"] = (

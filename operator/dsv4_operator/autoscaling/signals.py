@@ -17,7 +17,10 @@ class RoleSignals:
     blocked: int = 0
     """Of the starting ones, those the scheduler cannot place."""
     waiting: float = 0.0
-    """Sum over instances of requests waiting (vllm:num_requests_waiting)."""
+    """Sum over instances of requests waiting for this role's capacity: vllm:num_requests_waiting
+    less the decode requests parked until their KV is pulled (they hold their blocks already;
+    what they wait for is the prefill side and the transfer, and one such request on a single
+    decode instance would otherwise read as a decode queue and scale decode up)."""
     running: float = 0.0
     """Sum over instances of requests running."""
     kv_usage: float = 0.0

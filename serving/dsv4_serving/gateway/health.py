@@ -16,6 +16,7 @@ log = logging.getLogger("dsv4.gateway")
 
 _SCRAPED = {
     "vllm:num_requests_waiting": "waiting",
+    "dsv4_kv_requests_waiting_for_remote_kv": "waiting_for_kv",
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:prompt_tokens_total": "prompt_tokens",

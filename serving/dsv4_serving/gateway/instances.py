@@ -46,6 +46,9 @@ class RankLoad:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     waiting: float = 0.0  # vllm:num_requests_waiting, scraped
+    # of those, decode requests parked with their blocks until their KV is pulled (scraped
+    # dsv4_kv_requests_waiting_for_remote_kv): they wait for the KV, not for this engine
+    waiting_for_kv: float = 0.0
     running: float = 0.0  # vllm:num_requests_running, scraped
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, scraped (0..1)
     # cumulative counters, scraped: the autoscaler's uncached prompt-token rate comes from them

@@ -61,7 +61,8 @@ def instances(prompt: float, cached: float, running: float = 3.0) -> list[dict[s
             "url": "http://d0",
             "role": "decode",
             "healthy": True,
-            "ranks": [{"waiting": 0.0, "running": running, "kv_usage": 0.5}],
+            # 2 waiting, both parked for their KV: no decode queue
+            "ranks": [{"waiting": 2.0, "waiting_for_kv": 2.0, "running": running, "kv_usage": 0.5}],
         },
         {"url": "http://d1", "role": "decode", "healthy": False, "ranks": [{"running": 9.0}]},
     ]
@@ -80,6 +81,7 @@ def test_parse_instances_sums_ranks_and_averages_kv() -> None:
     loads = parse_instances(instances(100.0, 10.0))
     p0 = loads[0]
     assert (p0.waiting, p0.running, p0.prompt_tokens, p0.cached_tokens) == (3.0, 0.0, 100.0, 10.0)
+    assert (loads[1].waiting, loads[1].waiting_for_kv) == (2.0, 2.0)
     assert p0.kv_usage == pytest.approx(0.3)
 
 
@@ -113,6 +115,7 @@ def test_window_quantiles_and_rates_from_two_gateway_pods() -> None:
     assert (p.ready, p.starting, p.waiting) == (2, 1, 3.0)
     assert p.prompt_tokens_per_s == pytest.approx((6000.0 - 1000.0) / 30.0)
     assert (d.ready, d.running, d.kv_usage) == (1, 3.0, 0.5)  # the unhealthy engine is left out
+    assert d.waiting == 0.0  # requests parked for their KV are not a decode queue
     assert obs.observed_at == 30.0
 
 

@@ -37,6 +37,16 @@ def test_queries_select_the_deployment_and_role() -> None:
         'sum({__name__=~"vllm[:_]num_requests_running",'
         'dsv4_deployment="v4",namespace="ml",component="engine",role="decode"})'
     )
+    assert q["decode_waiting"] == (
+        'sum({__name__=~"vllm[:_]num_requests_waiting",'
+        'dsv4_deployment="v4",namespace="ml",component="engine",role="decode"}) - '
+        '(sum({__name__="dsv4_kv_requests_waiting_for_remote_kv",'
+        'dsv4_deployment="v4",namespace="ml",component="engine",role="decode"}) or vector(0))'
+    )
+    assert q["prefill_waiting"] == (
+        'sum({__name__=~"vllm[:_]num_requests_waiting",'
+        'dsv4_deployment="v4",namespace="ml",component="engine",role="prefill"})'
+    )
     assert "prefix_cache_hits_total" in q["prefill_prompt_tokens_per_s"]
     assert len(q) == 4 + 4 * 2
 

@@ -118,6 +118,19 @@ def test_scrape_reads_vllm_gauges_per_dp_rank() -> None:
     apply_scrape(inst, text)
     assert [r.waiting for r in inst.ranks] == [3.0, 1.0]
     assert inst.ranks[1].kv_usage == 0.5 and inst.ranks[0].running == 7.0
+    assert [r.waiting_for_kv for r in inst.ranks] == [0.0, 0.0]
+
+
+def test_scrape_reads_the_requests_parked_for_their_kv() -> None:
+    inst = Instance(url="http://x:1", role="decode")
+    text = (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        "# TYPE dsv4_kv_requests_waiting_for_remote_kv gauge\n"
+        'dsv4_kv_requests_waiting_for_remote_kv{model_name="m"} 2.0\n'
+    )
+    apply_scrape(inst, text)
+    assert (inst.ranks[0].waiting, inst.ranks[0].waiting_for_kv) == (3.0, 2.0)
 
 
 def test_scrape_reads_the_prompt_and_prefix_cache_token_counters() -> None:
