@@ -21,7 +21,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from dsv4_common import tracing
 from dsv4_kvtransfer.pd_protocol import KVParamsError
 from dsv4_serving.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
 from dsv4_serving.gateway.config import GatewayConfig
@@ -35,6 +34,7 @@ from dsv4_serving.gateway.policies import RouteRequest, make_policy
 from dsv4_serving.gateway.prompt import load_encoder, routing_key
 from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
 from dsv4_serving.gateway.tracing import request_span, routing
+from dsv4_serving.gateway.tracing import setup as setup_tracing
 from dsv4_serving.http_errors import error_response
 
 log = logging.getLogger("dsv4.gateway")
@@ -49,7 +49,7 @@ class Gateway:
         self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
         self.encode = load_encoder(cfg.tokenizer)
         self.drain = Drain(lambda: self.admission.inflight)
-        self.proxy.tracer = tracing.setup(cfg.otlp_traces_endpoint, "dsv4-gateway")
+        self.proxy.tracer = setup_tracing(cfg.otlp_traces_endpoint)
 
     @property
     def pd(self) -> bool:

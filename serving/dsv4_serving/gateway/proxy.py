@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from dsv4_common import tracing
 from dsv4_common.errors import openai_error
+from dsv4_common.light_spans import Recorder, Span
 from dsv4_kvtransfer.pd_protocol import (
     KV_TRANSFER_ERROR_TYPE,
     KVParamsError,
@@ -94,7 +95,7 @@ class Proxy:
     ) -> None:
         self.cfg, self.pool, self.policy, self.metrics = cfg, pool, policy, metrics
         self.client: aiohttp.ClientSession | None = None
-        self.tracer: Any = None  # tracing on: the gateway's Tracer (set by the app)
+        self.tracer: Recorder | None = None  # tracing on: the gateway's spans (set by the app)
         # the engine calls themselves (health checks and scrapes use ``client``)
         self.upstream = UpstreamClient(cfg.connect_timeout_s)
         self._routed: dict[tuple[str, str], Any] = {}  # (role, url) -> its counter child
@@ -105,10 +106,10 @@ class Proxy:
         candidates = [i for i in self.pool.of_role(role) if i.url not in exclude]
         return self.policy.choose(candidates, req)
 
-    def _headers(self, request_id: str, choice: Choice, span: Any = None) -> dict[str, str]:
+    def _headers(self, request_id: str, choice: Choice, span: Span | None = None) -> dict[str, str]:
         h = {"x-request-id": request_id, "content-type": "application/json"}
         if span is not None:
-            h[tracing.TRACEPARENT] = tracing.traceparent(span)
+            h[tracing.TRACEPARENT] = span.traceparent()
         if choice.instance.dp_size > 1:
             h["x-data-parallel-rank"] = str(choice.rank)  # vLLM's header for DP-rank routing
         return h
@@ -240,7 +241,7 @@ class Proxy:
                     self._fail(inst)
                     last = f"{role} on {inst.url} failed: {type(e).__name__}: {e}"
                     if span is not None:
-                        tracing.fail(span, last)
+                        span.fail(last)
                     continue
                 # a response dropped before its end closes the connection: the engine aborts
                 attempt.callback(resp.close)

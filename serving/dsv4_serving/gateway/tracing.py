@@ -4,27 +4,41 @@ decode) with the routing decision: policy, chosen instance and DP rank, attempt 
 attempt's context goes upstream as ``traceparent``; the request's ``X-Request-Id`` is an
 attribute of the request span (``dsv4 trace <id>`` finds the trace by it).
 
-The request span is made current (OpenTelemetry's context, a contextvar) while the request is
-routed, so the attempts made under it are its children without being passed it; it ends when
-the request's ticket closes (for a stream: when the stream ends), and so does a streamed
-decode attempt (it moves to the ticket with the upstream response)."""
+The spans are ``dsv4_common.light_spans`` records, not the OpenTelemetry SDK's (whose cost on the
+event loop was most of the gateway's tracing overhead; docs/tracing.md, "Figures"). The request
+span is the current one (a contextvar) while the request is routed, so the attempts made under
+it are its children without being passed it; it ends when the request's ticket closes (for a
+stream: when the stream ends), and so does a streamed decode attempt (it moves to the ticket
+with the upstream response)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from types import TracebackType
+from typing import Any
 
-from dsv4_common import tracing
+from dsv4_common import light_spans, tracing
+from dsv4_common.light_spans import Recorder, Span
 from dsv4_serving.gateway.policies import Choice
 
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span, Tracer
+SERVICE = "dsv4-gateway"
+_current: ContextVar[Span | None] = ContextVar("dsv4_gateway_span", default=None)
+
+
+def setup(endpoint: str | None) -> Recorder | None:
+    """The gateway's span recorder, or None (tracing off: nothing made, nothing imported)."""
+    return light_spans.setup(endpoint, SERVICE)
+
+
+def flush() -> None:
+    light_spans.flush()
 
 
 @contextmanager
 def request_span(
-    tracer: Tracer,
+    recorder: Recorder,
     headers: Mapping[str, str],
     body: Mapping[str, Any],
     chat: bool,
@@ -43,56 +57,75 @@ def request_span(
     }
     if isinstance(body.get("max_tokens"), int):
         attrs[tracing.GEN_AI_MAX_TOKENS] = body["max_tokens"]
-    span = tracing.start(
-        tracer, f"{operation} {model}".strip(), tracing.extract(headers), attrs, "server"
+    span = recorder.start(
+        f"{operation} {model}".strip(),
+        light_spans.parse_traceparent(headers.get(tracing.TRACEPARENT)),
+        attrs,
+        "server",
     )
     try:
         yield span
     finally:
         result = outcome() or "error"
-        span.set_attribute("dsv4.gateway.outcome", result)
+        span.attributes["dsv4.gateway.outcome"] = result
         if result == "error":
-            tracing.fail(span, "the request failed")
+            span.fail("the request failed")
         span.end()
 
 
 @contextmanager
 def routing(span: Span) -> Iterator[None]:
     """``span`` is the parent of the spans started in this block (and in tasks it creates)."""
-    from opentelemetry import context
-
-    token = context.attach(tracing.parent_of(span))
+    token = _current.set(span)
     try:
         yield
     finally:
-        context.detach(token)
+        _current.reset(token)
+
+
+class _Attempt:
+    """``with``: one upstream attempt's span under the current request span; an exception
+    leaving the block marks it failed."""
+
+    __slots__ = ("attributes", "name", "recorder", "span")
+
+    def __init__(self, recorder: Recorder, name: str, attributes: dict[str, Any]) -> None:
+        self.recorder, self.name, self.attributes = recorder, name, attributes
+
+    def __enter__(self) -> Span:
+        self.span = self.recorder.start(self.name, _current.get(), self.attributes, "client")
+        return self.span
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if e is not None:
+            self.span.fail(f"{kind.__name__ if kind else ''}: {e}")
+        self.span.end()
 
 
 def attempt_span(
-    tracer: Tracer | None, role: str, choice: Choice, attempt: int, policy: str
+    recorder: Recorder | None, role: str, choice: Choice, attempt: int, policy: str
 ) -> Any:
     """A context manager: the span of one upstream attempt (None when tracing is off)."""
-    if tracer is None:
-        return tracing.span(None, "")
-    inst = choice.instance
-    return tracing.span(
-        tracer,
+    if recorder is None:
+        return nullcontext()
+    return _Attempt(
+        recorder,
         f"dsv4.gateway.{role}",
-        None,  # the current context: the request's span
         {
             "dsv4.role": role,
             "dsv4.gateway.policy": policy,
             "dsv4.gateway.attempt": attempt,  # > 0: a retry
-            "server.address": inst.url,
+            "server.address": choice.instance.url,
             "dsv4.dp_rank": choice.rank,
             "dsv4.gateway.predicted_cached_tokens": choice.cached_tokens,
         },
-        "client",
     )
 
 
 def upstream_status(span: Span | None, status: int) -> None:
     if span is not None:
-        span.set_attribute("http.response.status_code", status)
+        span.attributes["http.response.status_code"] = status
         if status >= 500:
-            tracing.fail(span, f"upstream answered {status}")
+            span.fail(f"upstream answered {status}")
