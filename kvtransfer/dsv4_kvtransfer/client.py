@@ -13,14 +13,18 @@ Decode (a request carrying those params)::
     for b in st.kv.buffers.values(): <copy client.view(b) into the cache>
     client.release_pull(st.pull_id)
 
-Blocking calls on a thread-local keep-alive connection (safe from several threads); an asyncio
-engine runs them with ``asyncio.to_thread``. Pure stdlib: no torch, no engine imports.
+Blocking calls (safe from several threads); an asyncio engine runs them with
+``asyncio.to_thread``. Pure stdlib: no torch, no engine imports. The calls go over the sidecar's
+fast control socket (the same API without HTTP, on a unix socket beside the staging region, named
+by ``/v1/info``) when this process can reach it, on pooled connections; else over HTTP on a
+thread-local keep-alive connection.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -31,6 +35,7 @@ from urllib.parse import urlsplit
 
 from dsv4_common.tracing import TRACEPARENT
 from dsv4_kvtransfer.buffers import BufferSpec
+from dsv4_kvtransfer.control_requests import FAST_REPLY, FAST_REQUEST
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.staging import StagingRegion
 
@@ -113,6 +118,49 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = s
 
 
+# after the fast socket could not be reached, HTTP only for this long, then ask /v1/info again
+FAST_RETRY_S = 10.0
+
+
+class _FastUnavailable(Exception):
+    """The fast control socket cannot be reached: the call goes over HTTP."""
+
+
+class _FastConnection:
+    """One connection to the sidecar's fast control socket; one request at a time."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect(path)
+        except BaseException:
+            s.close()
+            raise
+        self.sock = s
+        self.rfile = s.makefile("rb")
+
+    def call(
+        self, method: str, target: str, data: bytes | None, trace: str | None, timeout: float
+    ) -> tuple[int, bytes]:
+        self.sock.settimeout(timeout)
+        line = f"{method} {target} {trace}\n" if trace else f"{method} {target}\n"
+        msg = line.encode() + (data or b"")
+        self.sock.sendall(FAST_REQUEST.pack(len(msg)) + msg)
+        head = self.rfile.read(FAST_REPLY.size)
+        if len(head) < FAST_REPLY.size:
+            raise ConnectionResetError("the sidecar closed the fast control connection")
+        status, n = FAST_REPLY.unpack(head)
+        raw = self.rfile.read(n) if n else b""
+        if len(raw) < n:
+            raise ConnectionResetError("the sidecar closed the fast control connection")
+        return status, raw
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
 class SidecarClient:
     def __init__(
         self,
@@ -120,6 +168,7 @@ class SidecarClient:
         timeout_s: float = 10.0,
         unix_socket: str | None = None,
         shm_dir: str | None = None,
+        fast: bool = True,
     ) -> None:
         u = urlsplit(url)
         self.host = u.hostname or "127.0.0.1"
@@ -130,6 +179,12 @@ class SidecarClient:
         self._local = threading.local()
         self._region: StagingRegion | None = None
         self._region_lock = threading.Lock()
+        # the fast control socket: its path once /v1/info named one ("" none), idle connections
+        self.fast = fast
+        self._fast_path: str | None = None
+        self._fast_checked = -FAST_RETRY_S
+        self._fast_idle: list[_FastConnection] = []
+        self._fast_lock = threading.Lock()
 
     # ---- HTTP ----------------------------------------------------------------------------------
 
@@ -156,37 +211,106 @@ class SidecarClient:
         traceparent: str | None = None,
     ) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
+        timeout = timeout or self.timeout_s
+        if self.fast and self._fast_socket():
+            try:
+                return self._decode(*self._fast_call(method, path, data, traceparent, timeout))
+            except _FastUnavailable:
+                pass
+        return self._decode(*self._http_call(method, path, data, traceparent, timeout))
+
+    def _http_call(
+        self, method: str, path: str, data: bytes | None, trace: str | None, timeout: float
+    ) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        if traceparent is not None:  # tracing on: the sidecar's span joins the engine's trace
-            headers[TRACEPARENT] = traceparent
+        if trace is not None:  # tracing on: the sidecar's span joins the engine's trace
+            headers[TRACEPARENT] = trace
         for attempt in (0, 1):
-            conn = self._conn(timeout or self.timeout_s)
+            conn = self._conn(timeout)
             try:
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
-                raw = resp.read()
-                break
+                return resp.status, resp.read()
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 conn.close()
                 self._local.conn = None
                 # a kept-alive connection the server closed: retry once on a fresh one
                 if attempt or isinstance(e, TimeoutError):
                     raise SidecarError(0, "unreachable", f"KV sidecar unreachable: {e}") from e
+        raise AssertionError("unreachable")
+
+    def _fast_socket(self) -> str | None:
+        """The fast control socket's path, asking ``/v1/info`` (over HTTP) the first time and
+        again a while after it could not be reached."""
+        path = self._fast_path
+        if path is None and time.monotonic() - self._fast_checked > FAST_RETRY_S:
+            self._fast_checked = time.monotonic()
+            self._fast_path = ""  # meanwhile (and if info names none): HTTP
+            try:
+                info = self._decode(*self._http_call("GET", "/v1/info", None, None, self.timeout_s))
+            except SidecarError:  # not a sidecar's control API (its metrics port), or down
+                return None
+            self._learn(info)
+            path = self._fast_path
+        return path or None
+
+    def _learn(self, info: Mapping[str, Any]) -> None:
+        name = info.get("fast_socket")
+        if isinstance(name, str) and name and "/" not in name:
+            self._fast_path = os.path.join(self._shm_dir or str(info["shm_dir"]), name)
+        else:
+            self._fast_path = ""
+
+    def _fast_call(
+        self, method: str, path: str, data: bytes | None, trace: str | None, timeout: float
+    ) -> tuple[int, bytes]:
+        """Over the fast socket, on an idle connection (one that went stale is replaced once:
+        the sidecar restarted); ``_FastUnavailable`` if no connection can be made."""
+        sock_path = self._fast_path
+        assert sock_path
+        for attempt in (0, 1):
+            with self._fast_lock:
+                conn = self._fast_idle.pop() if self._fast_idle else None
+            if conn is None:
+                try:
+                    conn = _FastConnection(sock_path, min(timeout, self.timeout_s))
+                except OSError:
+                    self._fast_path = None  # HTTP for a while, then ask /v1/info again
+                    raise _FastUnavailable() from None
+            try:
+                status, raw = conn.call(method, path, data, trace, timeout)
+            except TimeoutError as e:
+                conn.close()
+                raise SidecarError(0, "unreachable", f"KV sidecar unreachable: {e}") from e
+            except OSError as e:
+                conn.close()
+                if attempt:
+                    raise SidecarError(0, "unreachable", f"KV sidecar unreachable: {e}") from e
+                continue
+            with self._fast_lock:
+                self._fast_idle.append(conn)
+            return status, raw
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _decode(status: int, raw: bytes) -> dict[str, Any]:
         try:
             obj = json.loads(raw) if raw else {}
         except ValueError:
-            raise SidecarError(resp.status, "bad_response", raw[:200].decode("replace")) from None
-        if resp.status >= 400:
+            raise SidecarError(status, "bad_response", raw[:200].decode("replace")) from None
+        if status >= 400:
             err = obj.get("error", {}) if isinstance(obj, dict) else {}
-            raise SidecarError(resp.status, str(err.get("code")), str(err.get("message", obj)))
+            raise SidecarError(status, str(err.get("code")), str(err.get("message", obj)))
         if not isinstance(obj, dict):
-            raise SidecarError(resp.status, "bad_response", "expected a JSON object")
+            raise SidecarError(status, "bad_response", "expected a JSON object")
         return obj
 
     # ---- the staging region --------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        return self.request("GET", "/v1/info")
+        info = self.request("GET", "/v1/info")
+        self._learn(info)
+        return info
 
     def region(self, tag: str | None = None) -> StagingRegion:
         """The sidecar's staging region, mapped once. With ``tag`` (from a reservation or a
@@ -212,6 +336,10 @@ class SidecarClient:
         return self.region().view(placed.offset, placed.nbytes)
 
     def close(self) -> None:
+        with self._fast_lock:
+            idle, self._fast_idle = self._fast_idle, []
+        for conn in idle:
+            conn.close()
         with self._region_lock:
             if self._region is not None:
                 self._region.close()

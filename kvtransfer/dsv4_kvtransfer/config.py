@@ -56,6 +56,10 @@ class SidecarConfig:
     default is the peer port + ports.SIDECAR_CONTROL_OFFSET (any free port when that is 0)."""
     control_socket: str | None = None
     """Also serve the control API on this unix socket path."""
+    fast_control: bool = True
+    """Also serve the control API without HTTP on a unix socket beside the staging region
+    (<shm-dir>/<shm-name>.ctl), which the engine's client prefers: a pull's fixed cost was mostly
+    HTTP parsing."""
     metrics_port: int | None = None
     """Also serve only /health and /metrics on this port, for Prometheus and probes from
     outside the pod (unset: off; 0: any free port)."""

@@ -14,6 +14,14 @@
 
 Bodies are parsed into ``control_requests``; errors are the project's one error body
 (``dsv4_common.errors.openai_error``: ``{"error": {"message", "type", "param", "code"}}``).
+
+The same API without HTTP (``FastControlServer``): a unix socket beside the staging region
+(``<shm_dir>/<shm_name>.ctl``, mode 0600 as the region), named in ``/v1/info`` as
+``fast_socket``; the engine's client uses it when it can reach it, HTTP otherwise. A request is
+``u32 length`` + ``METHOD TARGET[ TRACEPARENT]\n`` + the body; an answer ``u16 status`` +
+``u32 length`` + the body HTTP would have answered (always JSON on the routes a client uses).
+Parsing an HTTP request (``http.server`` builds an ``email`` message of its headers) cost more
+than a small pull's bookkeeping; this one is a split.
 """
 
 from __future__ import annotations
@@ -33,11 +41,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dsv4_common.errors import openai_error
 from dsv4_common.tracing import TRACEPARENT
-from dsv4_kvtransfer.control_requests import ExportRequest, PullRequest, parse_wait
+from dsv4_kvtransfer.control_requests import (
+    FAST_MAX_LINE,
+    FAST_REPLY,
+    FAST_REQUEST,
+    ExportRequest,
+    PullRequest,
+    parse_wait,
+)
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.sidecar import Sidecar
 
 MAX_BODY = 4 << 20
+JSON = "application/json"
+FAST_SUFFIX = ".ctl"
+# sockaddr_un's sun_path holds 108 bytes with the terminating NUL
+UNIX_PATH_MAX = 107
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -46,6 +65,9 @@ class _Handler(BaseHTTPRequestHandler):
     sidecar: Sidecar  # set on the subclass built per server
     probes_only = False  # the metrics listener: /health and /metrics, nothing that changes state
     _raw = b""  # the request's body
+    # a buffered response (flushed after each request): headers and body leave in one write,
+    # one syscall and one wake-up of the client instead of two
+    wbufsize = 64 << 10
 
     def setup(self) -> None:
         super().setup()
@@ -64,11 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _json(self, status: int, obj: Any) -> None:
-        self._send(status, json.dumps(obj).encode())
-
     def _error(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        self._json(status, openai_error(status, message, code=code, param=param))
+        self._send(status, _error_body(status, code, message, param))
 
     def _read_body(self) -> bytes:
         """Every request's body comes off the connection, wanted or not: bytes left unread would
@@ -83,59 +102,20 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(413, "too_large", f"request body over {MAX_BODY} bytes")
         return self.rfile.read(n) if n else b""
 
-    def _body(self) -> dict[str, Any]:
-        raw = self._raw or b"{}"
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            raise ApiError(400, "bad_json", "the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "bad_json", "the request body must be a JSON object")
-        return body
-
     def _route(self, method: str) -> None:
-        url = urlsplit(self.path)
-        parts = [p for p in url.path.split("/") if p]
-        sc = self.sidecar
         try:
             self._raw = self._read_body()
-            if method == "GET" and parts == ["health"]:
-                return self._json(200, sc.health())
-            if method == "GET" and parts == ["ready"]:
-                if sc.ready:
-                    return self._json(200, {"status": "ready"})
-                return self._error(503, "draining", "the KV sidecar is shutting down")
-            if method == "GET" and parts == ["metrics"]:
-                return self._send(200, sc.metrics.render(), CONTENT_TYPE_LATEST)
-            if self.probes_only:
-                return self._error(404, "not_found", "only /health, /ready and /metrics here")
-            if method == "GET" and parts == ["v1", "info"]:
-                return self._json(200, sc.info())
-            if parts[:2] == ["v1", "exports"]:
-                if method == "POST" and len(parts) == 2:
-                    req = ExportRequest.from_body(self._body())
-                    return self._json(200, sc.exports.reserve(req, self.headers.get(TRACEPARENT)))
-                if method == "POST" and len(parts) == 4 and parts[3] == "commit":
-                    return self._json(200, sc.exports.commit(parts[2]))
-                if method == "GET" and len(parts) == 3:
-                    return self._json(200, sc.exports.status(parts[2]))
-                if method == "DELETE" and len(parts) == 3:
-                    return self._json(200, sc.exports.abort(parts[2]))
-            if parts[:2] == ["v1", "pulls"]:
-                if method == "POST" and len(parts) == 2:
-                    pull = PullRequest.from_body(self._body())
-                    return self._json(200, sc.puller.start(pull, self.headers.get(TRACEPARENT)))
-                if method == "GET" and len(parts) == 3:
-                    wait = parse_wait(parse_qs(url.query).get("wait", [None])[0])
-                    return self._json(200, sc.puller.status(parts[2], wait))
-                if method == "DELETE" and len(parts) == 3:
-                    return self._json(200, sc.puller.release(parts[2]))
-            self._error(404, "not_found", f"no route {method} {url.path}")
         except ApiError as e:
-            self._error(e.status, e.code, str(e), e.param)
-        except Exception as e:  # a bug here must not take the sidecar down
-            logging.getLogger("dsv4.kv.control").exception("control API error")
-            self._error(500, "internal", f"{type(e).__name__}: {e}")
+            return self._error(e.status, e.code, str(e), e.param)
+        status, body, ctype = route(
+            self.sidecar,
+            method,
+            self.path,
+            self._raw,
+            self.headers.get(TRACEPARENT),
+            self.probes_only,
+        )
+        self._send(status, body, ctype)
 
     def do_GET(self) -> None:
         self._route("GET")
@@ -152,6 +132,171 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PATCH(self) -> None:
         self._route("PATCH")
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    return _json(openai_error(status, message, code=code, param=param))
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise ApiError(400, "bad_json", "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "bad_json", "the request body must be a JSON object")
+    return body
+
+
+def route(
+    sc: Sidecar,
+    method: str,
+    target: str,
+    raw: bytes,
+    traceparent: str | None = None,
+    probes_only: bool = False,
+) -> tuple[int, bytes, str]:
+    """One control request (``target``: path and query) -> (status, body, content type): the
+    one dispatch behind the HTTP API and the fast socket."""
+    url = urlsplit(target)
+    parts = [p for p in url.path.split("/") if p]
+    try:
+        if method == "GET" and parts == ["health"]:
+            return 200, _json(sc.health()), JSON
+        if method == "GET" and parts == ["ready"]:
+            if sc.ready:
+                return 200, _json({"status": "ready"}), JSON
+            raise ApiError(503, "draining", "the KV sidecar is shutting down")
+        if method == "GET" and parts == ["metrics"]:
+            return 200, sc.metrics.render(), CONTENT_TYPE_LATEST
+        if probes_only:
+            raise ApiError(404, "not_found", "only /health, /ready and /metrics here")
+        if method == "GET" and parts == ["v1", "info"]:
+            return 200, _json(sc.info()), JSON
+        if parts[:2] == ["v1", "exports"]:
+            if method == "POST" and len(parts) == 2:
+                req = ExportRequest.from_body(_parse_body(raw))
+                return 200, _json(sc.exports.reserve(req, traceparent)), JSON
+            if method == "POST" and len(parts) == 4 and parts[3] == "commit":
+                return 200, _json(sc.exports.commit(parts[2])), JSON
+            if method == "GET" and len(parts) == 3:
+                return 200, _json(sc.exports.status(parts[2])), JSON
+            if method == "DELETE" and len(parts) == 3:
+                return 200, _json(sc.exports.abort(parts[2])), JSON
+        if parts[:2] == ["v1", "pulls"]:
+            if method == "POST" and len(parts) == 2:
+                pull = PullRequest.from_body(_parse_body(raw))
+                return 200, _json(sc.puller.start(pull, traceparent)), JSON
+            if method == "GET" and len(parts) == 3:
+                wait = parse_wait(parse_qs(url.query).get("wait", [None])[0])
+                return 200, _json(sc.puller.status(parts[2], wait)), JSON
+            if method == "DELETE" and len(parts) == 3:
+                return 200, _json(sc.puller.release(parts[2])), JSON
+        raise ApiError(404, "not_found", f"no route {method} {url.path}")
+    except ApiError as e:
+        return e.status, _error_body(e.status, e.code, str(e), e.param), JSON
+    except Exception as e:  # a bug here must not take the sidecar down
+        logging.getLogger("dsv4.kv.control").exception("control API error")
+        return 500, _error_body(500, "internal", f"{type(e).__name__}: {e}"), JSON
+
+
+class FastControlServer:
+    """The control API on a unix socket without HTTP (see the module's docstring): a thread per
+    connection, each request answered in order. Only this sidecar's user may connect (the socket
+    is 0600, as is the region it hands out)."""
+
+    def __init__(self, sidecar: Sidecar, path: str) -> None:
+        self.sidecar = sidecar
+        self.path = path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left by a sidecar of the same name that was killed
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o600)  # before listen: nobody connects in between
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept_loop, name="kv-fast-control", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._stopped:
+                    return
+                continue
+            with self._lock:
+                if self._stopped:
+                    conn.close()
+                    return
+                self._open.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="kv-fast-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        log = logging.getLogger("dsv4.kv.control")
+        rfile = conn.makefile("rb")
+        try:
+            while True:
+                head = rfile.read(FAST_REQUEST.size)
+                if len(head) < FAST_REQUEST.size:
+                    return  # the client went away
+                (n,) = FAST_REQUEST.unpack(head)
+                if n > MAX_BODY + FAST_MAX_LINE:
+                    log.warning("fast control: a request of %d bytes; closing", n)
+                    return
+                msg = rfile.read(n)
+                if len(msg) < n:
+                    return
+                line, _, raw = msg.partition(b"\n")
+                words = line.decode("latin-1").split(" ")
+                if len(line) > FAST_MAX_LINE or len(words) not in (2, 3):
+                    log.warning("fast control: a malformed request line; closing")
+                    return
+                trace = words[2] if len(words) == 3 else None
+                status, body, _ = route(self.sidecar, words[0], words[1], raw, trace)
+                conn.sendall(FAST_REPLY.pack(status, len(body)) + body)
+        except OSError as e:
+            log.debug("fast control connection: %s", e)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            rfile.close()
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            conns = list(self._open)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def fast_socket_path(shm_dir: str, shm_name: str) -> str | None:
+    """Where the fast control socket of a region lives (None: the path is too long for one)."""
+    path = os.path.join(shm_dir, shm_name + FAST_SUFFIX)
+    return path if len(os.fsencode(path)) <= UNIX_PATH_MAX else None
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -174,6 +319,7 @@ class ControlServer:
         unix_path: str | None = None,
         metrics_addr: tuple[str, int] | None = None,
     ) -> None:
+        self.sidecar = sidecar
         handler = type("Handler", (_Handler,), {"sidecar": sidecar})
         self.http = ThreadingHTTPServer((host, port), handler)
         self.http.daemon_threads = True
@@ -193,18 +339,33 @@ class ControlServer:
             self.metrics = ThreadingHTTPServer(metrics_addr, probes)
             self.metrics.daemon_threads = True
             self.metrics_port = int(self.metrics.server_address[1])
+        self.fast: FastControlServer | None = None
+        cfg = sidecar.cfg
+        path = fast_socket_path(cfg.shm_dir, cfg.shm_name) if cfg.fast_control else None
+        if path is not None:
+            try:
+                self.fast = FastControlServer(sidecar, path)
+            except OSError as e:  # HTTP still serves everything
+                logging.getLogger("dsv4.kv.control").warning(
+                    "no fast control socket at %s: %s", path, e
+                )
         self._threads: list[threading.Thread] = []
 
     def _servers(self) -> list[socketserver.BaseServer]:
         return [s for s in (self.http, self.unix, self.metrics) if s is not None]
 
     def start(self) -> None:
+        if self.fast is not None:
+            self.fast.start()
+            self.sidecar.fast_socket = os.path.basename(self.fast.path)
         for srv in self._servers():
             t = threading.Thread(target=srv.serve_forever, name="kv-control", daemon=True)
             t.start()
             self._threads.append(t)
 
     def stop(self) -> None:
+        if self.fast is not None:
+            self.fast.stop()
         for srv in self._servers():
             srv.shutdown()
             srv.server_close()

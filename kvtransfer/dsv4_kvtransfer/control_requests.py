@@ -8,6 +8,7 @@ says what to fix. What passes is typed; nothing past this module looks into the 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,13 @@ MAX_BLOCK_IDS = 65536
 MAX_ID_CHARS = 256
 MAX_LEASE_S = 3600.0
 MAX_WAIT_S = 60.0
+
+# the fast control socket's framing (``control.FastControlServer``, ``client.SidecarClient``):
+# a request is FAST_REQUEST (the length of what follows) + b"METHOD TARGET[ TRACEPARENT]\n" +
+# the body; an answer FAST_REPLY (status, body length) + the body
+FAST_REQUEST = struct.Struct("!I")
+FAST_REPLY = struct.Struct("!HI")
+FAST_MAX_LINE = 1024
 
 
 def _bad(field: str, message: str, code: str = "bad_request") -> ApiError:

@@ -85,9 +85,14 @@ class Frame:
     flags: int = 0
 
 
+# one encoder for every frame: ``json.dumps`` with separators builds a new one per call
+# (~20 us, a good part of a small pull's bookkeeping)
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def encode(ftype: FrameType, meta: dict[str, Any] | None = None, payload_len: int = 0) -> bytes:
     """Prefix + meta of a frame (the payload, if any, is sent after it by the caller)."""
-    body = json.dumps(meta or {}, separators=(",", ":")).encode()
+    body = _encode_json(meta or {}).encode()
     return PREFIX.pack(MAGIC, VERSION, int(ftype), 0, len(body), payload_len) + body
 
 

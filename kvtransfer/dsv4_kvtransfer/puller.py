@@ -58,6 +58,7 @@ class Pull:
     finished: float | None = None
     traceparent: str | None = None  # tracing on: the engine's pull span
     started_ns: int = 0
+    timing: tuple[float, float] = (0.0, 0.0)  # a landed pull's start and data seconds
 
 
 def classify(e: BaseException) -> str:
@@ -139,7 +140,7 @@ class Puller:
             finally:
                 self._slots.release()
             if conn is not None:  # after the answer, not before: off the engine's path
-                self._exec.submit(self._release_remote, conn, pull)
+                self._exec.submit(self._landed, conn, pull)
             return self.status(pull.pull_id)
         self._exec.submit(self._queued, pull)
         return self.status(pull.pull_id, req.wait_s)
@@ -148,7 +149,13 @@ class Puller:
         with self._slots:
             conn = self._run(pull)
         if conn is not None:
-            self._release_remote(conn, pull)
+            self._landed(conn, pull)
+
+    def _landed(self, conn: PeerConnection, pull: Pull) -> None:
+        """After a pull landed (and, inline, after its answer): the metrics record it, then the
+        remote frees its export."""
+        self._record(pull)
+        self._release_remote(conn, pull)
 
     def status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         end = time.monotonic() + max(0.0, min(wait_s, 60.0))
@@ -361,7 +368,7 @@ class Puller:
     def _complete(
         self, pull: Pull, layout: Layout, manifest: dict[str, Any], t0: float, data_s: float
     ) -> None:
-        name = self.transport.name
+        pull.timing = (t0, data_s)
         with self._cond:
             pull.finished = time.monotonic()
             if pull.cancelled:
@@ -374,16 +381,21 @@ class Puller:
                 pull.remote_meta = meta if isinstance(meta, dict) else {}
                 pull.state = "done"
             self._cond.notify_all()
-        self.metrics.pulls.labels("done").inc()
-        self.metrics.bytes_moved.labels("received", name).inc(layout.total_bytes)
-        self.metrics.transfer_seconds.labels(name).observe(time.monotonic() - t0)
-        self.metrics.bandwidth.labels(name).observe(layout.total_bytes / data_s)
-        if self.spans is not None:
+        if self.spans is not None:  # ends now (the metrics wait until after the answer)
             p = pull.params
             remote = f"{p.remote_host}:{p.remote_port}"
             self.spans.transfer(
                 pull.traceparent, pull.started_ns, layout.total_bytes, data_s, remote
             )
+
+    def _record(self, pull: Pull) -> None:
+        """A landed pull in the metrics."""
+        name, nbytes = self.transport.name, pull.total_bytes
+        (t0, data_s), end = pull.timing, pull.finished or time.monotonic()
+        self.metrics.pulls.labels("done").inc()
+        self.metrics.bytes_moved.labels("received", name).inc(nbytes)
+        self.metrics.transfer_seconds.labels(name).observe(end - t0)
+        self.metrics.bandwidth.labels(name).observe(nbytes / data_s)
 
     def _fail(self, pull: Pull, e: BaseException) -> None:
         reason = classify(e)

@@ -76,6 +76,8 @@ class Sidecar:
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.engine_status = "unknown"
+        # the fast control socket's name in shm_dir, once the control server listens on it
+        self.fast_socket: str | None = None
 
     def _transport_options(self) -> dict[str, Any]:
         c = self.cfg
@@ -174,6 +176,7 @@ class Sidecar:
             "pulls": self.puller.count(),
             "lease_seconds": self.cfg.lease_seconds,
             "max_frame_bytes": self.cfg.max_frame_bytes,
+            "fast_socket": self.fast_socket,
         }
 
     def health(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import time
@@ -323,6 +324,44 @@ def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
     # a reservation the engine never commits (it died mid-write) is freed the same way
     src.client.reserve_export("req-dead", specs)
     wait_for("reservation expiry", lambda: src.free_bytes() == free_src, 5, 0.05)
+
+
+def test_the_fast_control_socket_serves_the_same_api_and_http_stays(
+    sidecars: SidecarFactory,
+) -> None:
+    """The engine's client prefers the fast socket beside the region (0600, named by /v1/info);
+    answers and errors are the HTTP API's; a client that cannot reach it uses HTTP."""
+    sc = sidecars.start(staging="16M")
+    free = sc.free_bytes()
+    info = sc.client.info()
+    assert info["fast_socket"] == sc.shm_name + ".ctl"
+    path = os.path.join("/dev/shm", info["fast_socket"])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    fast, http = SidecarClient(sc.url), SidecarClient(sc.url, fast=False)
+    for c in (fast, http):
+        with pytest.raises(SidecarError) as e:
+            c.start_pull({"do_remote_prefill": True, "remote_port": "x"})
+        assert (e.value.status, e.value.code) == (400, "bad_kv_transfer_params")
+        with pytest.raises(SidecarError) as e:
+            c.request("GET", "/v1/nothing")
+        assert (e.value.status, e.value.code) == (404, "not_found")
+        res = c.reserve_export("r", [BufferSpec("x", "uint8", (10,))])
+        assert c.abort_export(res.transfer_id) is None
+    assert fast._fast_idle and not http._fast_idle  # one went over the socket, one did not
+    # a malformed request ends that connection only
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(path)
+        raw.sendall(struct.pack("!I", 5) + b"junk\n")
+        assert raw.recv(1) == b""
+    # the socket out of reach (another shm mount): HTTP
+    elsewhere = SidecarClient(sc.url, shm_dir=str(sidecars.tmp))
+    assert elsewhere.request("GET", "/v1/info")["shm_name"] == sc.shm_name
+    assert not elsewhere._fast_idle and elsewhere._fast_path is None
+    assert sc.free_bytes() == free
+    for c in (fast, http, elsewhere):
+        c.close()
+    sc.stop()
+    assert sc.exit_code() == 0 and not os.path.exists(path)
 
 
 def test_control_api_refuses_bad_requests_clearly(sidecars: SidecarFactory) -> None:
