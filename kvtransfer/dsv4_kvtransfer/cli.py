@@ -136,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    # a timed wait: a signal the kernel hands to another thread only sets a flag, and a main
+    # thread blocked in an untimed wait would never run the handler (a SIGTERM was lost so)
+    while not stop.wait(0.1):
+        pass
     if not hurry.is_set():
         sidecar.drain(cfg.shutdown_timeout, hurry)
     # if the orderly stop below hangs, every thread's stack goes to the log
