@@ -4,6 +4,10 @@ same upstreams in the same run. The baseline is the client doing prefill then de
 
     .venv/bin/python benchmarks/gateway_overhead.py [--requests 400] [--concurrency 32]
 
+``--span-cpu N`` measures instead what tracing costs per request in CPU, in this process: the
+gateway's own tracing calls (a request span, a prefill and a decode attempt with their
+``traceparent``) N times, exporting to ``--otlp-traces-endpoint``, then a flush.
+
 vllm-router is installed on first use into ~/.cache/dsv4/vllm-router-venv (PyPI `vllm-router`).
 """
 
@@ -97,6 +101,42 @@ async def measure(call: Any, base: str, requests: int, concurrency: int) -> dict
     }
 
 
+def span_cpu(endpoint: str, n: int) -> dict[str, float]:
+    """CPU per traced request (us): the caller's thread (the event loop's share), and the whole
+    process with the export (encoding and POST on the exporter's thread, and the final flush)."""
+    from dsv4_serving.gateway import tracing
+    from dsv4_serving.gateway.instances import Instance
+    from dsv4_serving.gateway.policies import Choice
+
+    recorder = tracing.setup(endpoint)
+    choice = Choice(Instance("http://127.0.0.1:1", "prefill"), 0, 16)
+
+    def one(i: int) -> None:
+        with (
+            tracing.request_span(recorder, {}, BODY, False, f"r{i}", lambda: "ok") as span,
+            tracing.routing(span),
+        ):
+            for role in ("prefill", "decode"):
+                with tracing.attempt_span(recorder, role, choice, 0, "dplb") as a:
+                    a.traceparent()
+                    tracing.upstream_status(a, 200)
+
+    for i in range(min(n, 500)):  # warm the code paths, the connection, the encoding's cache
+        one(i)
+    tracing.flush()
+    c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+    for i in range(n):
+        one(i)
+    t1, w1 = time.thread_time(), time.perf_counter()
+    tracing.flush()
+    c2 = time.process_time()
+    return {
+        "request_path_us": 1e6 * (t1 - t0) / n,
+        "with_export_us": 1e6 * (c2 - c0) / n,
+        "wall_us": 1e6 * (w1 - w0) / n,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,6 +151,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--json", action="store_true")
     p.add_argument(
+        "--span-cpu",
+        type=int,
+        metavar="N",
+        help="only measure the CPU per request of the gateway's tracing calls (N requests, "
+        "needs --otlp-traces-endpoint)",
+    )
+    p.add_argument(
         "--otlp-traces-endpoint",
         metavar="URL",
         help="also measure a second gateway tracing every request to this OTLP/HTTP endpoint "
@@ -119,6 +166,18 @@ def main() -> int:
     args = p.parse_args()
     if args.requests < 10 or args.concurrency < 1 or args.rounds < 1:
         p.error("--requests must be >= 10, --concurrency and --rounds >= 1")
+    if args.span_cpu is not None:
+        if not args.otlp_traces_endpoint or args.span_cpu < 1:
+            p.error("--span-cpu N needs N >= 1 and --otlp-traces-endpoint")
+        cost = span_cpu(args.otlp_traces_endpoint, args.span_cpu)
+        print(
+            json.dumps(cost)
+            if args.json
+            else f"tracing CPU per request ({args.span_cpu} requests, 3 spans each): "
+            f"{cost['request_path_us']:.1f} us on the request path, "
+            f"{cost['with_export_us']:.1f} us with the export"
+        )
+        return 0
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv4-gw-bench-{os.getpid()}"
     services: list[Service] = []

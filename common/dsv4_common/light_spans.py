@@ -203,11 +203,13 @@ class Recorder:
             # the swap: an append racing it lands in the list taken here, which is exported
             done, self._done = self._done, []
             for i in range(0, len(done), self.max_batch):
-                body = self.encode(done[i : i + self.max_batch])
+                batch = done[i : i + self.max_batch]
                 try:
-                    self._post(body)
+                    self._post(self.encode(batch))
                 except Exception as e:  # a backend down must not stop the gateway: drop
-                    log.warning("dropped %d spans: export to %s failed: %s", len(done), self.url, e)
+                    log.warning(
+                        "dropped %d spans: export to %s failed: %s", len(batch), self.url, e
+                    )
 
     def shutdown(self) -> None:
         self._stop.set()

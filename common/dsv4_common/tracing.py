@@ -13,6 +13,9 @@ ended by a peer) are recorded with explicit times (``record``).
 
 Names follow the OpenTelemetry GenAI semantic conventions where they define one
 (``gen_ai.request.model``, ``gen_ai.usage.input_tokens``, ...); ours are ``dsv4.*``.
+
+The gateway records its spans with ``light_spans`` instead (no SDK object on its event loop);
+the engines and sidecars use this module.
 """
 
 from __future__ import annotations

@@ -104,10 +104,12 @@ def test_a_client_traceparent_is_the_parent_and_a_failure_is_an_error(
     recorder: Recorder, sent: list[bytes]
 ) -> None:
     with (
-        pytest.raises(TimeoutError), gt.request_span(
+        pytest.raises(TimeoutError),
+        gt.request_span(
             recorder, {"traceparent": CLIENT}, {"model": "m"}, True, "rid-2", lambda: None
         ) as root,
-        gt.routing(root),gt.attempt_span(recorder, "decode", _choice("http://d"), 0, "dplb")
+        gt.routing(root),
+        gt.attempt_span(recorder, "decode", _choice("http://d"), 0, "dplb"),
     ):
         raise TimeoutError("slow")
     got = _spans(recorder, sent)
