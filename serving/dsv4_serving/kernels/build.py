@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 
 # kernels whose at::parallel_for runs on torch's OpenMP pool (without -fopenmp it runs serially);
 # the extension's libgomp.so.1 resolves to the one torch already loaded, so there is one pool
-OPENMP = {"w8a8", "fp8", "mhc", "paged_mla"}
+OPENMP = {"w8a8", "fp8", "mhc", "paged_mla", "v4_attn"}
 VARIANTS = {"": [], "avx2": ["-mno-avx512f"]}
 
 

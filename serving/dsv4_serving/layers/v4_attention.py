@@ -17,15 +17,17 @@ the shared KV head, compressor, indexer and the cache are replicated on every TP
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.paged import gather_entries, scatter_entries
 from dsv4_serving.cache.v4 import V4LayerCache
 from dsv4_serving.cache.v4_step import RatioPlan, V4DecodeStep, V4Step
 from dsv4_serving.distributed.groups import SOLO, Group
+from dsv4_serving.kernels.v4_attn import V4_ATTN
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm, rms_norm
 from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
@@ -189,10 +191,10 @@ class V4Attention(nn.Module):
             out[r] = self._decode(
                 dec, q[r], kv[r], pick(comp_proj), pick(idx_q), pick(idx_w), pick(idx_proj), cache
             )
-        for i in step.prefill:
-            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[a:b] = self._sequence(
-                i, a, b, q[a:b], kv[a:b], comp_proj, idx_q, idx_w, idx_proj, meta, cache
+        if step.prefill:
+            chunks = prefill_chunks(step)
+            out[chunks.rows] = self._prefill(
+                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache
             )
         out = rotate_tail_interleaved(out, cos, sin, inverse=True)
         g = self.o_groups
@@ -218,17 +220,13 @@ class V4Attention(nn.Module):
         ring = dec.ring(win.shape[1], self.window)
         flat = win.view(-1, win.shape[-1])
         flat[ring.write] = kv.to(win.dtype)  # the ring never holds p - W + 1 .. p twice
-        keys = flat[ring.read]  # [B, W, d], positions p - W + 1 .. p
-        scale = self.head_dim**-0.5
-        qf = q.float()
-        logits = torch.einsum("bhd,bkd->bhk", qf, keys.float()) * scale
-        parts = [logits.masked_fill(~ring.read_valid[:, None, :], -torch.inf)]
-        values = [keys]
+        ext = self._kernel(q, cache)
+        comp = visible = None
         if self.compressor is not None:
             assert cache.comp is not None and comp_proj is not None
             plan = dec.ratio(self.ratio)
             comp = self._advance_decode(
-                self.compressor, cache.comp, cache.comp_state, dec, plan, comp_proj
+                self.compressor, cache.comp, cache.comp_state, dec, plan, comp_proj, ext is None
             )
             visible = plan.entries_valid
             if self.indexer is not None:
@@ -237,15 +235,53 @@ class V4Attention(nn.Module):
                 idx_keys = self._advance_decode(
                     self.indexer.compressor, cache.index, cache.index_state, dec, plan, idx_proj
                 )
+                assert idx_keys is not None
                 scores = torch.einsum("bhd,bed->bhe", idx_q.float(), idx_keys.float())
                 visible = visible & self._topk(scores, idx_w, visible)
-            if plan.num_entries:
-                cl = torch.einsum("bhd,bed->bhe", qf, comp.float()) * scale
-                parts.append(cl.masked_fill(~visible[:, None, :], -torch.inf))
-                values.append(comp)
+            if not plan.num_entries:
+                comp = visible = None
+            elif ext is not None:
+                assert cache.comp is not None
+                cidx = torch.where(visible, plan.entries, -1)
+                out = ext.v4_attn(
+                    q.contiguous(),
+                    flat,
+                    torch.where(ring.read_valid, ring.read, -1),
+                    cache.comp.view(-1, cache.comp.shape[-1]),
+                    cidx,
+                    self.attn_sink.float(),
+                    self.head_dim**-0.5,
+                )
+                return out
+        if ext is not None:
+            return ext.v4_attn(
+                q.contiguous(),
+                flat,
+                torch.where(ring.read_valid, ring.read, -1),
+                flat,
+                ring.read[:, :0],
+                self.attn_sink.float(),
+                self.head_dim**-0.5,
+            )
+        keys = flat[ring.read]  # [B, W, d], positions p - W + 1 .. p
+        scale = self.head_dim**-0.5
+        qf = q.float()
+        logits = torch.einsum("bhd,bkd->bhk", qf, keys.float()) * scale
+        parts = [logits.masked_fill(~ring.read_valid[:, None, :], -torch.inf)]
+        values = [keys]
+        if comp is not None and visible is not None:
+            cl = torch.einsum("bhd,bed->bhe", qf, comp.float()) * scale
+            parts.append(cl.masked_fill(~visible[:, None, :], -torch.inf))
+            values.append(comp)
         probs = self._with_sinks(parts, head_dim=1)
         v = torch.cat(values, dim=1).float()
         return torch.einsum("bhk,bkd->bhd", probs, v).to(q.dtype)
+
+    def _kernel(self, q: torch.Tensor, cache: V4LayerCache) -> ModuleType | None:
+        """The attention kernel when it applies (CPU, float32 queries and cache), else None."""
+        if cache.window.dtype != torch.float32:
+            return None
+        return V4_ATTN.get(q)
 
     def _advance_decode(
         self,
@@ -255,9 +291,11 @@ class V4Attention(nn.Module):
         dec: V4DecodeStep,
         plan: RatioPlan,
         proj: torch.Tensor,
-    ) -> torch.Tensor:
-        """``_advance`` for one token per sequence: keep its raw row, pool the blocks it
-        completes, return every sequence's entries so far ``[B, E, head_dim]``."""
+        gather: bool = True,
+    ) -> torch.Tensor | None:
+        """``_advance_prefill`` for one token per sequence: keep its raw row, pool the blocks
+        it completes, return every sequence's entries so far ``[B, E, head_dim]`` (``gather``;
+        else None)."""
         assert state is not None
         r, span = comp.ratio, comp.state_len
         ring = dec.ring(state.shape[1], span)
@@ -270,7 +308,7 @@ class V4Attention(nn.Module):
             prev = rows[:, :r] if comp.overlap else None
             pooled = comp.pool_rows(rows[:, span - r :], prev, plan.done_win, self.rotary_comp)
             flat_store[plan.done_entry] = pooled.to(store.dtype)
-        return flat_store[plan.entries]
+        return flat_store[plan.entries] if gather else None
 
     def _with_sinks(self, parts: list[torch.Tensor], head_dim: int) -> torch.Tensor:
         """Softmax over the concatenated logits with each head's sink in the denominator."""
@@ -278,83 +316,6 @@ class V4Attention(nn.Module):
         shape[head_dim] = -1
         sink = self.attn_sink.float().view(shape).expand(*parts[0].shape[:-1], 1)
         return torch.cat([*parts, sink], dim=-1).softmax(dim=-1)[..., :-1]
-
-    def _sequence(
-        self,
-        i: int,
-        a: int,
-        b: int,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        comp_proj: torch.Tensor | None,
-        idx_q: torch.Tensor | None,
-        idx_w: torch.Tensor | None,
-        idx_proj: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: V4LayerCache,
-    ) -> torch.Tensor:
-        ctx, n, slot = meta.context_lens[i], b - a, meta.state_slots[i]
-        w_len = self.window
-        ring = cache.window.shape[1]  # >= w_len: speculative rows must not evict live ones
-        dev = q.device
-        qpos = torch.arange(ctx, ctx + n, device=dev)
-        # read everything from the rings before this step overwrites them
-        prev_start = max(0, ctx - w_len + 1)
-        prev_pos = torch.arange(prev_start, ctx, device=dev)
-        keys = torch.cat((cache.window[slot, prev_pos % ring], kv), dim=0)
-        kpos = torch.cat((prev_pos, qpos))
-        snaps = meta.snapshots[i] if meta.snapshots else ()
-        for boundary, dst in snaps:
-            # the ring as it stood after position boundary - 1, for a later prefix-cache hit
-            ps = torch.arange(max(0, boundary - w_len + 1), boundary, device=dev)
-            cache.window[dst, ps % ring] = keys[ps - prev_start].to(cache.window.dtype)
-        comp = idx_keys = None
-        if self.compressor is not None:
-            assert comp_proj is not None
-            block_row = meta.block_tables[i]
-            comp, idx_keys = self._compress_step(
-                i, a, b, ctx, n, slot, block_row, comp_proj, idx_proj, cache, snaps
-            )
-        self._write_window(cache, slot, ctx, kv)
-
-        scale = self.head_dim**-0.5
-        logits = torch.einsum("nhd,kd->hnk", q.float(), keys.float()) * scale
-        # the masks depend on the sequence's positions only: built by its first layer
-        key = ("v4-window-hidden", i, w_len)
-        hidden = meta.memo.get(key)
-        if hidden is None:
-            allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w_len)
-            hidden = meta.memo[key] = ~allowed[None]
-        assert isinstance(hidden, torch.Tensor)
-        logits = logits.masked_fill(hidden, -torch.inf)
-        parts = [logits]
-        values = [keys]
-        if comp is not None and comp.shape[0] > 0:
-            r = self.ratio
-            e = comp.shape[0]
-            vkey = ("v4-entries-visible", i, r, e)
-            visible = meta.memo.get(vkey)
-            if visible is None:  # [n, E]
-                visible = meta.memo[vkey] = (
-                    torch.arange(e, device=dev)[None, :] < ((qpos + 1) // r)[:, None]
-                )
-            assert isinstance(visible, torch.Tensor)
-            if self.indexer is not None:
-                assert idx_q is not None and idx_w is not None and idx_keys is not None
-                visible = visible & self._select(idx_q[a:b], idx_w[a:b], idx_keys, visible)
-            cl = torch.einsum("nhd,ed->hne", q.float(), comp.float()) * scale
-            parts.append(cl.masked_fill(~visible[None], -torch.inf))
-            values.append(comp)
-        probs = self._with_sinks(parts, head_dim=0)
-        v = torch.cat(values, dim=0).float()
-        return torch.einsum("hnk,kd->nhd", probs, v).to(q.dtype)
-
-    def _select(
-        self, iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor
-    ) -> torch.Tensor:
-        """Indexer top-k over the visible entries of one sequence: [n, E] bool."""
-        scores = torch.einsum("nhd,ed->nhe", iq.float(), ik.float())
-        return self._topk(scores, iw, visible)
 
     def _topk(self, scores: torch.Tensor, iw: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """``scores`` [n, H, E] (query-key dot products per indexer head), ``iw`` [n, H] ->
@@ -372,96 +333,383 @@ class V4Attention(nn.Module):
         chosen.scatter_(1, top, True)
         return chosen
 
-    def _write_window(self, cache: V4LayerCache, slot: int, ctx: int, kv: torch.Tensor) -> None:
-        n, w_len = kv.shape[0], cache.window.shape[1]
-        keep = min(n, w_len)
-        pos = torch.arange(ctx + n - keep, ctx + n, device=kv.device)
-        cache.window[slot, pos % w_len] = kv[n - keep :].to(cache.window.dtype)
-
-    def _compress_step(
+    def _prefill(
         self,
-        i: int,
-        a: int,
-        b: int,
-        ctx: int,
-        n: int,
-        slot: int,
-        block_row: torch.Tensor,
-        comp_proj: torch.Tensor,
+        chunks: PrefillChunks,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        comp_proj: torch.Tensor | None,
+        idx_q: torch.Tensor | None,
+        idx_w: torch.Tensor | None,
         idx_proj: torch.Tensor | None,
         cache: V4LayerCache,
-        snaps: Sequence[tuple[int, int]] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pool the blocks this step completes, store them, return all entries so far."""
-        assert self.compressor is not None and cache.comp is not None
-        r = self.ratio
-        first_w = ctx // r
-        total = (ctx + n) // r
-        n_win = total - first_w
-        comp = self._advance(
-            self.compressor,
-            cache.comp,
-            cache.comp_state,
-            slot,
-            block_row,
-            ctx,
-            n,
-            comp_proj[a:b],
-            first_w,
-            n_win,
-            total,
-            snaps,
-        )
-        idx_keys = None
-        if self.indexer is not None:
-            assert idx_proj is not None and cache.index is not None
-            idx_keys = self._advance(
-                self.indexer.compressor,
-                cache.index,
-                cache.index_state,
-                slot,
-                block_row,
-                ctx,
-                n,
-                idx_proj[a:b],
-                first_w,
-                n_win,
-                total,
-                snaps,
+    ) -> torch.Tensor:
+        """Every sequence with more than one new token at once, as a padded batch
+        ``[S, N]``: window keys (the ring's older rows, then the chunk's own), the compressed
+        entries (the blocks the chunks complete pooled first), the indexer's top-k, sinks.
+        Returns the chunks' rows ``[R, h, d]`` (``chunks.rows`` of the batch). With the kernel
+        every query reads its window keys and selected entries in place instead."""
+        win = cache.window
+        flat_win = win.view(-1, win.shape[-1])
+        ext = self._kernel(q, cache)
+        wp = chunks.window(win.shape[1], self.window)
+        keys = None
+        if ext is None or chunks.snapshots:
+            keys = kv[chunks.index]  # [S, N, d]
+            if wp.read.shape[1]:  # positions before the chunks, read before the ring is written
+                keys = torch.cat((flat_win[wp.read].to(kv.dtype), keys), dim=1)
+            if chunks.snapshots:
+                self._snapshot_window(chunks, wp, keys, win)
+        ksrc = None
+        if ext is not None:  # the chunks' keys, then the ring rows before them
+            wk = chunks.window_rows(win.shape[1], self.window)
+            ksrc = kv if not wk.older.numel() else torch.cat((kv, flat_win[wk.older].to(kv.dtype)))
+        comp = idx_keys = None
+        if self.compressor is not None:
+            assert cache.comp is not None and comp_proj is not None
+            comp = self._advance_prefill(
+                self.compressor, cache.comp, cache.comp_state, chunks, comp_proj, ext is None
             )
-        return comp, idx_keys
+            if self.indexer is not None:
+                assert cache.index is not None and idx_proj is not None
+                idx_keys = self._advance_prefill(
+                    self.indexer.compressor, cache.index, cache.index_state, chunks, idx_proj
+                )
+        flat_win[wp.write] = kv[wp.write_src].to(win.dtype)
 
-    def _advance(
+        visible = None
+        if self.compressor is not None:
+            assert cache.comp is not None
+            rp = chunks.ratio(self.ratio, cache.comp.shape[1])
+            if rp.entries.shape[1]:
+                visible = rp.visible
+                if self.indexer is not None:
+                    assert idx_q is not None and idx_w is not None and idx_keys is not None
+                    s, n = chunks.index.shape
+                    scores = torch.einsum(
+                        "snhd,sed->snhe", idx_q[chunks.index].float(), idx_keys.float()
+                    )
+                    chosen = self._topk(
+                        scores.flatten(0, 1),
+                        idx_w[chunks.index].flatten(0, 1),
+                        visible.flatten(0, 1),
+                    )
+                    visible = visible & chosen.view(s, n, -1)
+        if ext is not None:
+            assert ksrc is not None
+            sink = self.attn_sink.float()
+            if visible is None:
+                csrc, cidx = ksrc, wk.kidx[:, :0]
+            else:
+                assert cache.comp is not None
+                csrc = cache.comp.view(-1, cache.comp.shape[-1])
+                ent = rp.entries[chunks.seq_of_row]
+                cidx = torch.where(visible.flatten(0, 1)[chunks.sel], ent, -1)
+            return ext.v4_attn(
+                q[chunks.rows].contiguous(), ksrc, wk.kidx, csrc, cidx, sink, self.head_dim**-0.5
+            )
+
+        assert keys is not None
+        scale = self.head_dim**-0.5
+        qf = q[chunks.index].float()  # [S, N, h, d]
+        logits = torch.einsum("snhd,skd->shnk", qf, keys.float()) * scale
+        parts = [logits.masked_fill(wp.hidden[:, None], -torch.inf)]
+        values = [keys]
+        if comp is not None and visible is not None:
+            cl = torch.einsum("snhd,sed->shne", qf, comp.float()) * scale
+            parts.append(cl.masked_fill(~visible[:, None], -torch.inf))
+            values.append(comp)
+        probs = self._with_sinks(parts, head_dim=1)
+        v = torch.cat(values, dim=1).float()
+        out = torch.einsum("shnk,skd->snhd", probs, v).to(q.dtype)
+        return out.flatten(0, 1)[chunks.sel]
+
+    def _advance_prefill(
         self,
         comp: Compressor,
         store: torch.Tensor,
         state: torch.Tensor | None,
-        slot: int,
-        block_row: torch.Tensor,
-        ctx: int,
-        n: int,
+        chunks: PrefillChunks,
         proj: torch.Tensor,
-        first_w: int,
-        n_win: int,
-        total: int,
-        snaps: Sequence[tuple[int, int]] = (),
-    ) -> torch.Tensor:
+        gather: bool = True,
+    ) -> torch.Tensor | None:
+        """Pool the blocks the chunks complete (their rows from the state ring and the chunks'
+        own projections), store them, keep the chunks' last rows in the ring, and return every
+        sequence's entries so far ``[S, E, head_dim]`` (padded with row 0)."""
         assert state is not None
-        # the ring may be longer than the compressor needs (room for speculative rows)
+        per, s_len = store.shape[1], state.shape[1]
+        pp = chunks.pool(comp.ratio, per, s_len, comp.overlap)
+        flat_state = state.view(-1, state.shape[-1])
+        flat_store = store.view(-1, store.shape[-1])
+        src = proj
+        if pp.old.numel():  # rows of positions before the chunks, from the ring
+            src = torch.cat((proj, flat_state[pp.old].to(proj.dtype)))
+        if chunks.snapshots:
+            self._snapshot_state(chunks, pp, comp, state, src)
+        if pp.wins.numel():
+            prev = src[pp.prev] if comp.overlap else None
+            pooled = comp.pool_rows(src[pp.cur], prev, pp.wins, self.rotary_comp)
+            flat_store[pp.new_entry] = pooled.to(store.dtype)
+        flat_state[pp.write] = proj[pp.write_src].to(state.dtype)
+        return flat_store[chunks.ratio(comp.ratio, per).entries] if gather else None
+
+    def _snapshot_window(
+        self, chunks: PrefillChunks, wp: WindowPlan, keys: torch.Tensor, win: torch.Tensor
+    ) -> None:
+        """The ring as it stood after position ``boundary - 1``, for a later prefix-cache hit."""
+        ring, older = win.shape[1], wp.read.shape[1]
+        for s, snaps in enumerate(chunks.snapshots):
+            ctx = chunks.ctx[s]
+            prev_start = max(0, ctx - self.window + 1)
+            for boundary, dst in snaps:
+                ps = torch.arange(max(0, boundary - self.window + 1), boundary, device=keys.device)
+                col = torch.where(ps < ctx, ps - prev_start, older + ps - ctx)
+                win[dst, ps % ring] = keys[s, col].to(win.dtype)
+
+    def _snapshot_state(
+        self,
+        chunks: PrefillChunks,
+        pp: PoolPlan,
+        comp: Compressor,
+        state: torch.Tensor,
+        src: torch.Tensor,
+    ) -> None:
+        """The rows a step starting at ``boundary`` reads (none for HCA: blocks end there)."""
         r, s_len = comp.ratio, state.shape[1]
-        dev = proj.device
-        base = max(0, (first_w - 1) * r) if comp.overlap else first_w * r
-        old_pos = torch.arange(base, ctx, device=dev)
-        rows = torch.cat((state[slot, old_pos % s_len].to(proj.dtype), proj), dim=0)
-        for boundary, dst in snaps:
-            # the rows a step starting at ``boundary`` reads (none for HCA: blocks end there)
-            lo = max(0, (boundary // r - 1) * r) if comp.overlap else boundary // r * r
-            ps = torch.arange(lo, boundary, device=dev)
-            state[dst, ps % s_len] = rows[ps - base].to(state.dtype)
-        if n_win > 0:
-            pooled = comp.pool(rows, base, first_w, n_win, self.rotary_comp)
-            scatter_entries(store, block_row, torch.arange(first_w, total, device=dev), pooled)
-        keep = min(n, s_len)
-        pos = torch.arange(ctx + n - keep, ctx + n, device=dev)
-        state[slot, pos % s_len] = proj[n - keep :].to(state.dtype)
-        return gather_entries(store, block_row, total)
+        for s, snaps in enumerate(chunks.snapshots):
+            for boundary, dst in snaps:
+                lo = max(0, (boundary // r - 1) * r) if comp.overlap else boundary // r * r
+                ps = torch.arange(lo, boundary, device=src.device)
+                state[dst, ps % s_len] = src[pp.source(s, ps)].to(state.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPlan:
+    """The sliding window of a prefill batch for one ring length and window."""
+
+    read: torch.Tensor  # [S, P] flat ring rows of the positions before the chunks (0: padding)
+    hidden: torch.Tensor  # [S, N, P + N] bool: key not in the query's window (or padding)
+    write: torch.Tensor  # [R] flat ring rows of the chunks' last positions
+    write_src: torch.Tensor  # [R] their rows in the flat batch
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRows:
+    """The sliding window of a prefill batch as the kernel reads it: key rows of a source
+    ``cat(kv, ring_rows[older])``, the batch's keys then the ring rows before the chunks."""
+
+    older: torch.Tensor  # [O] flat ring rows appended to the source
+    kidx: torch.Tensor  # [R, W] per query row, its window's source rows (-1: before 0)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryPlan:
+    """One compression ratio's entries as seen by a prefill batch."""
+
+    entries: torch.Tensor  # [S, E] flat store rows of entries 0 .. E-1 (0: padding)
+    visible: torch.Tensor  # [S, N, E] bool: entry complete before the query (e < (t+1)//r)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """What a compressor does for a prefill batch. Rows are addressed in a source tensor
+    ``cat(proj, state_rows[old])``: the batch's projections, then the ring rows of the
+    positions each chunk's first new block needs from before the chunk."""
+
+    old: torch.Tensor  # [O] flat state rows appended to the source
+    cur: torch.Tensor  # [Nw, r] source rows of each new entry's own block
+    prev: torch.Tensor  # [Nw, r] source rows of the block before (clamped at 0; overlap)
+    wins: torch.Tensor  # [Nw] the new entries' indices
+    new_entry: torch.Tensor  # [Nw] their flat store rows
+    write: torch.Tensor  # [R] flat state rows of the chunks' last positions
+    write_src: torch.Tensor  # [R] their rows in the flat batch
+    starts: list[int]  # per sequence: first batch row, context, first old position, offset
+    ctx: list[int]
+    base: list[int]
+    old_off: list[int]
+    num_rows: int  # rows of the flat batch (where the old rows start in the source)
+
+    def source(self, s: int, pos: torch.Tensor) -> torch.Tensor:
+        """Source rows of positions ``pos`` of sequence ``s``."""
+        ctx = self.ctx[s]
+        return torch.where(
+            pos >= ctx,
+            self.starts[s] + pos - ctx,
+            self.num_rows + self.old_off[s] + pos - self.base[s],
+        )
+
+
+def prefill_chunks(step: V4Step) -> PrefillChunks:
+    """The step's prefill batch, built by its first layer and shared by the others."""
+    key = "v4-prefill-chunks"
+    got = step.meta.memo.get(key)
+    if got is None:
+        got = step.meta.memo[key] = PrefillChunks(step.meta, step.prefill)
+    assert isinstance(got, PrefillChunks)
+    return got
+
+
+class PrefillChunks:
+    """The sequences of a step with more than one new token, as a padded batch ``[S, N]``,
+    and the index plans the layers share (built by the first layer that asks, per ring
+    length, window and ratio)."""
+
+    def __init__(self, meta: AttentionMetadata, seqs: list[int]) -> None:
+        qsl = meta.query_start_loc
+        dev = meta.positions.device
+        self.meta, self.seqs, self.dev = meta, seqs, dev
+        self.starts = [qsl[i] for i in seqs]
+        self.ctx = [meta.context_lens[i] for i in seqs]
+        self.lens = [qsl[i + 1] - qsl[i] for i in seqs]
+        self.slots = [meta.state_slots[i] for i in seqs]
+        self.num_rows = meta.num_tokens
+        snaps = meta.snapshots
+        self.snapshots: list[Sequence[tuple[int, int]]] = (
+            [snaps[i] for i in seqs] if snaps and any(snaps[i] for i in seqs) else []
+        )
+        self._n = torch.tensor(self.lens, device=dev)
+        self._ctx = torch.tensor(self.ctx, device=dev)
+        self._slot = torch.tensor(self.slots, device=dev)
+        j = torch.arange(max(self.lens), device=dev)
+        self.valid = j[None, :] < self._n[:, None]  # [S, N]
+        self.index = torch.where(
+            self.valid, torch.tensor(self.starts, device=dev)[:, None] + j[None, :], 0
+        )
+        self.pos = self._ctx[:, None] + j[None, :]  # [S, N]
+        self.sel = self.valid.flatten().nonzero().flatten()  # valid cells of [S * N]
+        self.rows = self.index.flatten()[self.sel]  # their rows in the flat batch
+        self.seq_of_row = self.sel // self.index.shape[1]  # [R] each row's sequence
+        self.table = meta.block_tables[torch.tensor(seqs, device=dev)]
+        self._j = j
+        self._plans: dict[tuple[object, ...], object] = {}
+
+    def _tail(self, keep_max: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat ring rows and batch rows of each chunk's last ``min(n, keep_max)`` positions."""
+        keep = self._n.clamp(max=keep_max)
+        mask = self.valid & (self._j[None, :] >= (self._n - keep)[:, None])
+        cells = mask.flatten().nonzero().flatten()
+        rows = (self._slot[:, None] * ring + self.pos % ring).flatten()[cells]
+        return rows, self.index.flatten()[cells]
+
+    def window(self, ring: int, w_len: int) -> WindowPlan:
+        key = ("window", ring, w_len)
+        got = self._plans.get(key)
+        if got is None:
+            prev_start = (self._ctx - w_len + 1).clamp(min=0)
+            older = self._ctx - prev_start
+            jp = torch.arange(int(older.max()), device=self.dev)
+            p_valid = jp[None, :] < older[:, None]
+            p_pos = prev_start[:, None] + jp[None, :]
+            read = torch.where(p_valid, self._slot[:, None] * ring + p_pos % ring, 0)
+            kpos = torch.cat((p_pos, self.pos), dim=1)[:, None, :]
+            k_valid = torch.cat((p_valid, self.valid), dim=1)[:, None, :]
+            qpos = self.pos[:, :, None]
+            allowed = k_valid & (kpos <= qpos) & (kpos > qpos - w_len)
+            got = self._plans[key] = WindowPlan(read, ~allowed, *self._tail(ring, ring))
+        assert isinstance(got, WindowPlan)
+        return got
+
+    def window_rows(self, ring: int, w_len: int) -> WindowRows:
+        key = ("window-rows", ring, w_len)
+        got = self._plans.get(key)
+        if got is None:
+            dev = self.dev
+            prev_start = [max(0, c - w_len + 1) for c in self.ctx]
+            n_old = [c - p for c, p in zip(self.ctx, prev_start, strict=True)]
+            older = [
+                slot * ring + p % ring
+                for slot, p0, c in zip(self.slots, prev_start, self.ctx, strict=True)
+                for p in range(p0, c)
+            ]
+            off = torch.tensor([sum(n_old[:i]) for i in range(len(n_old))], device=dev)
+            seq = self.seq_of_row
+            pos = self.pos.flatten()[self.sel][:, None]  # [R, 1]
+            kpos = pos - (w_len - 1) + torch.arange(w_len, device=dev)[None, :]  # [R, W]
+            ctx = self._ctx[seq][:, None]
+            start = torch.tensor(self.starts, device=dev)[seq][:, None]
+            p0 = torch.tensor(prev_start, device=dev)[seq][:, None]
+            rows = torch.where(
+                kpos >= ctx, start + kpos - ctx, self.num_rows + off[seq][:, None] + kpos - p0
+            )
+            got = self._plans[key] = WindowRows(
+                torch.tensor(older, dtype=torch.long, device=dev),
+                torch.where(kpos >= 0, rows, -1).contiguous(),
+            )
+        assert isinstance(got, WindowRows)
+        return got
+
+    def ratio(self, ratio: int, per: int) -> EntryPlan:
+        key = ("entries", ratio, per)
+        got = self._plans.get(key)
+        if got is None:
+            total = (self._ctx + self._n) // ratio
+            e = torch.arange(int(total.max()), device=self.dev)
+            valid = e[None, :] < total[:, None]
+            flat = self.table[:, e // per] * per + e % per
+            visible = e[None, None, :] < ((self.pos + 1) // ratio)[:, :, None]
+            got = self._plans[key] = EntryPlan(
+                torch.where(valid, flat, 0), visible & valid[:, None, :]
+            )
+        assert isinstance(got, EntryPlan)
+        return got
+
+    def pool(self, ratio: int, per: int, s_len: int, overlap: bool) -> PoolPlan:
+        key = ("pool", ratio, per, s_len, overlap)
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = self._pool(ratio, per, s_len, overlap)
+        assert isinstance(got, PoolPlan)
+        return got
+
+    def _pool(self, r: int, per: int, s_len: int, overlap: bool) -> PoolPlan:
+        dev, s = self.dev, len(self.seqs)
+        first_w = [c // r for c in self.ctx]
+        total = [(c + n) // r for c, n in zip(self.ctx, self.lens, strict=True)]
+        base = [max(0, (f - 1) * r) if overlap else f * r for f in first_w]
+        n_old = [c - b for c, b in zip(self.ctx, base, strict=True)]
+        old_off = [sum(n_old[:i]) for i in range(s)]
+        old = [
+            self.slots[i] * s_len + p % s_len for i in range(s) for p in range(base[i], self.ctx[i])
+        ]
+        plan = PoolPlan(
+            torch.tensor(old, dtype=torch.long, device=dev),
+            torch.empty(0, r, dtype=torch.long, device=dev),
+            torch.empty(0, r, dtype=torch.long, device=dev),
+            torch.empty(0, dtype=torch.long, device=dev),
+            torch.empty(0, dtype=torch.long, device=dev),
+            *self._tail(s_len, s_len),
+            self.starts,
+            self.ctx,
+            base,
+            old_off,
+            self.num_rows,
+        )
+        who = [i for i in range(s) for _ in range(first_w[i], total[i])]
+        if not who:
+            return plan
+        seq = torch.tensor(who, device=dev)
+        wins = torch.tensor([w for i in range(s) for w in range(first_w[i], total[i])], device=dev)
+        pos = wins[:, None] * r + torch.arange(r, device=dev)[None, :]  # [Nw, r]
+
+        def source(p: torch.Tensor) -> torch.Tensor:
+            ctx = self._ctx[seq][:, None]
+            starts = torch.tensor(self.starts, device=dev)[seq][:, None]
+            off = torch.tensor(old_off, device=dev)[seq][:, None]
+            b = torch.tensor(base, device=dev)[seq][:, None]
+            return torch.where(p >= ctx, starts + p - ctx, self.num_rows + off + p - b)
+
+        new_entry = self.table[seq, wins // per] * per + wins % per
+        return PoolPlan(
+            plan.old,
+            source(pos),
+            source((pos - r).clamp(min=0)),
+            wins,
+            new_entry,
+            plan.write,
+            plan.write_src,
+            self.starts,
+            self.ctx,
+            base,
+            old_off,
+            self.num_rows,
+        )
