@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -33,7 +34,7 @@ from dsv4_operator.api.rolescale import ROLE_SCALE_KIND
 from dsv4_operator.api.spec import DeploymentSpec, parse
 from dsv4_operator.autoscaling import drain as drains
 from dsv4_operator.autoscaling.counts import BLOCKED_AFTER_S, role_counts
-from dsv4_operator.autoscaling.decide import Event, State, decide
+from dsv4_operator.autoscaling.decide import Decision, Event, State, decide
 from dsv4_operator.autoscaling.external import external_decision
 from dsv4_operator.autoscaling.from_spec import npus_per_instance, policy_of
 from dsv4_operator.autoscaling.gateway_source import (
@@ -157,6 +158,19 @@ class _Tick:
         self.resumed = False
         self.posted: dict[tuple[str, str], float] = {}
         self.last_scale: str | None = None
+        self.last_logged = ""
+
+    def _log(self, decision: Decision) -> None:
+        """Each tick's decision per role in the log: at INFO when it differs from the last
+        one by more than its figures (why a role holds is otherwise only in the status)."""
+        line = "; ".join(
+            f"{r} {d.current}->{d.target} {d.direction}: {d.reason}"
+            for r, d in decision.roles.items()
+        )
+        shape = re.sub(r"[0-9.]+", "#", line)
+        level = logging.INFO if shape != self.last_logged else logging.DEBUG
+        self.last_logged = shape
+        log.log(level, "%s/%s: %s", *self.key, line)
 
     async def run(self, http: aiohttp.ClientSession) -> float | None:
         """One tick; the seconds to the next, or None when the loop should end."""
@@ -193,6 +207,7 @@ class _Tick:
         else:
             obs = await self._observe(http, spec, counts)
             decision, self.state = decide(obs, self.state, policy, now)
+            self._log(decision)
         targets = dict(base.targets)
         events: list[Event] = list(decision.events)
         for r in ROLES:
