@@ -13,6 +13,7 @@ import dsv4_serving.layers.v4_attention as v4a
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.kernels.build import available, build
 from dsv4_serving.kernels.v4_attn import V4AttnKernel
+from dsv4_serving.layers.rope import rotate_tail_interleaved
 
 from .v4_common import build_ours, tiny_v4_dict
 
@@ -64,22 +65,31 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
         pytest.fail("the v4_attn kernel does not build here (g++ and ninja: make install)")
     ext = build("v4_attn")
     g = torch.Generator().manual_seed(0)
-    t, h, d, k, e = 9, 4, 40, 12, 6
+    t, h, d, k, e, half = 9, 4, 72, 12, 6, 8
     q = torch.randn(t, h, d, generator=g)
     ksrc, csrc = torch.randn(30, d, generator=g), torch.randn(20, d, generator=g)
     kidx = torch.randint(-1, 30, (t, k), generator=g)
     cidx = torch.randint(-1, 20, (t, e), generator=g)
     sink = torch.randn(h, generator=g)
-    out = ext.v4_attn(q, ksrc, kidx, csrc, cidx, sink, d**-0.5)
-    for i in (0, 4, 8):
-        alone = ext.v4_attn(
-            q[i : i + 1], ksrc, kidx[i : i + 1], csrc, cidx[i : i + 1], sink, d**-0.5
-        )
-        assert torch.equal(alone[0], out[i])
-    # against the definition: softmax over the row's keys and the sink, times the keys
-    i = 3
-    rows = [ksrc[j] for j in kidx[i] if j >= 0] + [csrc[j] for j in cidx[i] if j >= 0]
-    keys = torch.stack(rows).double()
-    logits = torch.einsum("hd,kd->hk", q[i].double(), keys) * d**-0.5
-    probs = torch.cat((logits, sink.double()[:, None]), dim=1).softmax(dim=1)[:, :-1]
-    assert torch.allclose(out[i].double(), probs @ keys, atol=1e-5)
+    cos, sin = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
+    none = torch.empty(0)
+    for c, s in ((none, none), (cos, sin)):
+        out = ext.v4_attn(q, ksrc, kidx, csrc, cidx, sink, d**-0.5, c, s)
+        for i in (0, 4, 8):
+            one = slice(i, i + 1)
+            cs = (c[one], s[one]) if c.numel() else (c, s)
+            alone = ext.v4_attn(q[one], ksrc, kidx[one], csrc, cidx[one], sink, d**-0.5, *cs)
+            assert torch.equal(alone[0], out[i])
+        # against the definition: softmax over the row's keys and the sink, times the keys;
+        # with cos / sin the query is rotated first and the output rotated back
+        qr = rotate_tail_interleaved(q, cos, sin) if c.numel() else q
+        want = torch.empty_like(q)
+        for i in range(t):
+            rows = [ksrc[j] for j in kidx[i] if j >= 0] + [csrc[j] for j in cidx[i] if j >= 0]
+            keys = torch.stack(rows).double()
+            logits = torch.einsum("hd,kd->hk", qr[i].double(), keys) * d**-0.5
+            probs = torch.cat((logits, sink.double()[:, None]), dim=1).softmax(dim=1)[:, :-1]
+            want[i] = (probs @ keys).float()
+        if c.numel():
+            want = rotate_tail_interleaved(want, cos, sin, inverse=True)
+        assert torch.allclose(out, want, atol=1e-4)

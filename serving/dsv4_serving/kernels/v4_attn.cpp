@@ -43,20 +43,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #endif
 }
 
-// y += p * x
-inline void axpy(float* y, float p, const float* x, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vp = _mm256_set1_ps(p);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  }
-  for (; i < n; ++i) y[i] += p * x[i];
-#else
-  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
-#endif
-}
-
 void check(const torch::Tensor& t, const char* name, int64_t dim, torch::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims");
@@ -66,11 +52,70 @@ void check(const torch::Tensor& t, const char* name, int64_t dim, torch::ScalarT
 
 }  // namespace
 
+// Rotate the trailing 2 * half channels of x [D] in pairs by (c, sign * s), as
+// layers/rope.py:rotate_tail_interleaved: (x0 c - x1 s, x1 c + x0 s) (sign -1: the inverse).
+inline void rotate_tail(float* x, int64_t D, int64_t half, const float* c, const float* s,
+                        float sign) {
+  float* p = x + D - 2 * half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x0 = p[2 * i], x1 = p[2 * i + 1], si = sign * s[i];
+    p[2 * i] = x0 * c[i] + x1 * -si;
+    p[2 * i + 1] = x1 * c[i] + x0 * si;
+  }
+}
+
+// out[h] = sum_j p[h][j] * rows[j], accumulated in registers 64 channels at a time
+inline void weighted_sum(float* out, const float* p, const float* const* rows, int64_t n,
+                         int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+           a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(),
+           a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 w = _mm256_set1_ps(p[j]);
+      const float* r = rows[j] + c;
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+      a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 32), a4);
+      a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 40), a5);
+      a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 48), a6);
+      a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 56), a7);
+    }
+    _mm256_storeu_ps(out + c, a0);
+    _mm256_storeu_ps(out + c + 8, a1);
+    _mm256_storeu_ps(out + c + 16, a2);
+    _mm256_storeu_ps(out + c + 24, a3);
+    _mm256_storeu_ps(out + c + 32, a4);
+    _mm256_storeu_ps(out + c + 40, a5);
+    _mm256_storeu_ps(out + c + 48, a6);
+    _mm256_storeu_ps(out + c + 56, a7);
+  }
+  for (; c < D; ++c) {
+    float a = 0.f;
+    for (int64_t j = 0; j < n; ++j) a += p[j] * rows[j][c];
+    out[c] = a;
+  }
+#else
+  for (int64_t c = 0; c < D; ++c) {
+    float a = 0.f;
+    for (int64_t j = 0; j < n; ++j) a += p[j] * rows[j][c];
+    out[c] = a;
+  }
+#endif
+}
+
 // q [T, H, D] float32, ksrc [Rk, D], kidx [T, K] int64, csrc [Rc, D], cidx [T, E] int64,
-// sink [H] float32 -> out [T, H, D]
+// sink [H] float32, cos / sin [T, half] (or empty: q is rotated, the output stays rotated)
+// -> out [T, H, D]. With cos / sin each query head is rotated by its row's angle first and
+// the output rotated back, as the torch path does around its attention.
 torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const torch::Tensor& kidx,
                       const torch::Tensor& csrc, const torch::Tensor& cidx,
-                      const torch::Tensor& sink, double scale) {
+                      const torch::Tensor& sink, double scale, const torch::Tensor& cos,
+                      const torch::Tensor& sin) {
   check(q, "q", 3, torch::kFloat32);
   check(ksrc, "ksrc", 2, torch::kFloat32);
   check(kidx, "kidx", 2, torch::kInt64);
@@ -82,37 +127,52 @@ torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const t
   TORCH_CHECK(kidx.size(0) == T && cidx.size(0) == T, "one index row per query row");
   TORCH_CHECK(ksrc.size(1) == D && (csrc.size(1) == D || E == 0), "key width != head dim");
   TORCH_CHECK(sink.size(0) == H, "one sink per head");
-  auto out = torch::zeros_like(q);
+  const bool rope = cos.numel() > 0;
+  int64_t half = 0;
+  if (rope) {
+    check(cos, "cos", 2, torch::kFloat32);
+    check(sin, "sin", 2, torch::kFloat32);
+    half = cos.size(1);
+    TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes() && 2 * half <= D, "cos / sin");
+  }
+  TORCH_CHECK(kidx.numel() == 0 || kidx.max().item<int64_t>() < ksrc.size(0), "window row");
+  TORCH_CHECK(cidx.numel() == 0 || cidx.max().item<int64_t>() < csrc.size(0), "entry row");
+  auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = ksrc.data_ptr<float>();
   const float* cp = csrc.data_ptr<float>();
   const int64_t* ki = kidx.data_ptr<int64_t>();
   const int64_t* ci = cidx.data_ptr<int64_t>();
   const float* sp = sink.data_ptr<float>();
+  const float* cosp = rope ? cos.data_ptr<float>() : nullptr;
+  const float* sinp = rope ? sin.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t nk = ksrc.size(0), nc = csrc.size(0);
-  TORCH_CHECK(kidx.numel() == 0 || kidx.max().item<int64_t>() < nk, "window row out of range");
-  TORCH_CHECK(cidx.numel() == 0 || cidx.max().item<int64_t>() < nc, "entry row out of range");
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     std::vector<const float*> rows(K + E);
     std::vector<float> logit(H * (K + E));
+    std::vector<float> qbuf(H * D);
     for (int64_t t = lo; t < hi; ++t) {
       int64_t n = 0;
       for (int64_t j = 0; j < K; ++j) {
         const int64_t r = ki[t * K + j];
-        if (r < 0) continue;
-        rows[n++] = kp + r * D;
+        if (r >= 0) rows[n++] = kp + r * D;
       }
       for (int64_t j = 0; j < E; ++j) {
         const int64_t r = ci[t * E + j];
-        if (r < 0) continue;
-        rows[n++] = cp + r * D;
+        if (r >= 0) rows[n++] = cp + r * D;
       }
       const float* qt = qp + t * H * D;
+      if (rope) {
+        std::copy(qt, qt + H * D, qbuf.data());
+        for (int64_t h = 0; h < H; ++h)
+          rotate_tail(qbuf.data() + h * D, D, half, cosp + t * half, sinp + t * half, 1.f);
+        qt = qbuf.data();
+      }
       for (int64_t j = 0; j < n; ++j) {
         for (int64_t h = 0; h < H; ++h) logit[h * n + j] = dot(qt + h * D, rows[j], D) * sc;
       }
+      float* ot = op + t * H * D;
       for (int64_t h = 0; h < H; ++h) {
         float* l = logit.data() + h * n;
         float m = sp[h];
@@ -125,10 +185,8 @@ torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const t
         z += std::exp(sp[h] - m);
         const float inv = 1.f / z;
         for (int64_t j = 0; j < n; ++j) l[j] *= inv;
-      }
-      float* ot = op + t * H * D;
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t h = 0; h < H; ++h) axpy(ot + h * D, logit[h * n + j], rows[j], D);
+        weighted_sum(ot + h * D, l, rows.data(), n, D);
+        if (rope) rotate_tail(ot + h * D, D, half, cosp + t * half, sinp + t * half, -1.f);
       }
     }
   });

@@ -155,15 +155,18 @@ class V4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: V4Step, cache: V4LayerCache) -> torch.Tensor:
         """``step``: this step's plan from the attention backend (``platform/v4_torch.py``),
-        built once per step: every decode sequence in one batched pass, longer chunks one
-        sequence at a time."""
+        built once per step: every decode sequence in one batched pass, the longer chunks in
+        another. With the kernel the queries' rope (and its inverse on the output) happens
+        inside it."""
         meta = step.meta
         t = x.shape[0]
         h, d = self.n_heads, self.head_dim
         cos, sin = meta.cos_sin(self.rotary)
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
-        q = rotate_tail_interleaved(q, cos, sin)
+        kernel = self._kernel(q, cache) is not None
+        if not kernel:
+            q = rotate_tail_interleaved(q, cos, sin)
         kv = rotate_tail_interleaved(self.kv_norm(self.wkv(x)), cos, sin)
 
         comp_proj = self.compressor.project(x) if self.compressor is not None else None
@@ -178,7 +181,8 @@ class V4Attention(nn.Module):
 
         dec = step.decode
         if dec is not None and dec.size == t:  # a decode-only step: every row, no gathers
-            out = self._decode(dec, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache)
+            rope = (cos, sin) if kernel else None
+            out = self._decode(dec, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope)
             dec = None
         else:
             out = torch.empty_like(q)
@@ -188,15 +192,17 @@ class V4Attention(nn.Module):
             def pick(y: torch.Tensor | None) -> torch.Tensor | None:
                 return None if y is None else y[r]
 
-            out[r] = self._decode(
-                dec, q[r], kv[r], pick(comp_proj), pick(idx_q), pick(idx_w), pick(idx_proj), cache
-            )
+            rope = (cos[r], sin[r]) if kernel else None
+            args = (pick(comp_proj), pick(idx_q), pick(idx_w), pick(idx_proj))
+            out[r] = self._decode(dec, q[r], kv[r], *args, cache, rope)
         if step.prefill:
             chunks = prefill_chunks(step)
+            rope = (cos[chunks.rows], sin[chunks.rows]) if kernel else None
             out[chunks.rows] = self._prefill(
-                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache
+                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope
             )
-        out = rotate_tail_interleaved(out, cos, sin, inverse=True)
+        if not kernel:
+            out = rotate_tail_interleaved(out, cos, sin, inverse=True)
         g = self.o_groups
         wo_a = self.wo_a.weight.view(g, -1, h * d // g)
         grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wo_a)
@@ -212,6 +218,7 @@ class V4Attention(nn.Module):
         idx_w: torch.Tensor | None,
         idx_proj: torch.Tensor | None,
         cache: V4LayerCache,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Every sequence with one new token at once: ``q`` ``[B, h, d]`` -> ``[B, h, d]``.
         Same math as ``_sequence`` (window keys, compressed entries the indexer keeps, sinks),
@@ -251,6 +258,7 @@ class V4Attention(nn.Module):
                     cidx,
                     self.attn_sink.float(),
                     self.head_dim**-0.5,
+                    *self._rope_args(rope),
                 )
                 return out
         if ext is not None:
@@ -262,6 +270,7 @@ class V4Attention(nn.Module):
                 ring.read[:, :0],
                 self.attn_sink.float(),
                 self.head_dim**-0.5,
+                *self._rope_args(rope),
             )
         keys = flat[ring.read]  # [B, W, d], positions p - W + 1 .. p
         scale = self.head_dim**-0.5
@@ -276,6 +285,15 @@ class V4Attention(nn.Module):
         probs = self._with_sinks(parts, head_dim=1)
         v = torch.cat(values, dim=1).float()
         return torch.einsum("bhk,bkd->bhd", probs, v).to(q.dtype)
+
+    @staticmethod
+    def _rope_args(
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's cos / sin rows (empty: the queries are rotated already)."""
+        if rope is None:
+            return torch.empty(0), torch.empty(0)
+        return rope[0].contiguous(), rope[1].contiguous()
 
     def _kernel(self, q: torch.Tensor, cache: V4LayerCache) -> ModuleType | None:
         """The attention kernel when it applies (CPU, float32 queries and cache), else None."""
@@ -343,6 +361,7 @@ class V4Attention(nn.Module):
         idx_w: torch.Tensor | None,
         idx_proj: torch.Tensor | None,
         cache: V4LayerCache,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Every sequence with more than one new token at once, as a padded batch
         ``[S, N]``: window keys (the ring's older rows, then the chunk's own), the compressed
@@ -405,8 +424,10 @@ class V4Attention(nn.Module):
                 csrc = cache.comp.view(-1, cache.comp.shape[-1])
                 ent = rp.entries[chunks.seq_of_row]
                 cidx = torch.where(visible.flatten(0, 1)[chunks.sel], ent, -1)
+            q_rows = q[chunks.rows].contiguous()
+            scale = self.head_dim**-0.5
             return ext.v4_attn(
-                q[chunks.rows].contiguous(), ksrc, wk.kidx, csrc, cidx, sink, self.head_dim**-0.5
+                q_rows, ksrc, wk.kidx, csrc, cidx, sink, scale, *self._rope_args(rope)
             )
 
         assert keys is not None
