@@ -209,8 +209,14 @@ class _Tick:
         pol, p, o = self.policy, self.p, self.obs
         rec, why, panic = 0, "", False
         if capacity:
-            rec = ceil_div(p.prompt_tokens_per_s, pol.utilization * capacity)
-            why = f"{p.prompt_tokens_per_s:.0f} prompt tok/s over {capacity:.0f}/instance"
+            # the recent rate only raises the recommendation: a step up acts within a few
+            # ticks, a step down still waits for the window (and the stabilisation)
+            rate, over = p.prompt_tokens_per_s, ""
+            recent = p.prompt_tokens_per_s_recent
+            if recent is not None and recent > rate:
+                rate, over = recent, " recently"
+            rec = ceil_div(rate, pol.utilization * capacity)
+            why = f"{rate:.0f} prompt tok/s{over} over {capacity:.0f}/instance"
         queue = p.waiting / max(p.ready, 1)
         if queue > pol.waiting_per_instance:
             rec, why = (
@@ -478,6 +484,8 @@ class _Tick:
             "waitingPerInstance": self.p.waiting / max(self.p.ready, 1),
             "promptTokensPerSecond": self.p.prompt_tokens_per_s,
         }
+        if self.p.prompt_tokens_per_s_recent is not None:
+            sig["promptTokensPerSecondRecent"] = self.p.prompt_tokens_per_s_recent
         if self.obs.ttft_p90 is not None:
             sig["ttftP90"] = self.obs.ttft_p90
         if capacity:

@@ -107,6 +107,9 @@ class GatewayWindow:
     """Snapshots per gateway pod over the window; ``observations`` turns them into one tick."""
 
     window_s: float
+    recent_s: float | None = None
+    """Also a prompt-token rate over about this long (the newest snapshots): a step in the
+    load shows there within a few ticks, where the window's average lags by half the window."""
     snapshots: dict[str, list[Snapshot]] = field(default_factory=dict)
 
     def add(self, pod: str, snap: Snapshot) -> None:
@@ -123,6 +126,17 @@ class GatewayWindow:
             if pod not in live:
                 del self.snapshots[pod]
 
+    def _recent_start(self, last: Snapshot) -> Snapshot | None:
+        """The oldest snapshot of ``last``'s pod within ``recent_s`` of it (None: no such pair)."""
+        if self.recent_s is None:
+            return None
+        for ring in self.snapshots.values():
+            if ring and ring[-1] is last:
+                for s in ring:
+                    if s is not last and last.at - s.at <= self.recent_s:
+                        return s
+        return None
+
     def observations(self, counts: Mapping[Role, RoleCounts]) -> Observations | None:
         pairs = [(ring[0], ring[-1]) for ring in self.snapshots.values() if ring]
         if not pairs:
@@ -131,21 +145,10 @@ class GatewayWindow:
         observed_at = min(new.at for _, new in pairs)  # the stalest pod bounds freshness
         hist = {name: _window_sum(pairs, name) for name in (TTFT, ITL)}
         first, last = newest
-        span = last.at - first.at
+        recent = self._recent_start(last)
         roles: dict[Role, RoleSignals] = {}
         for role in ROLES:
             now_loads = [e for e in last.engines if e.role == role and e.healthy]
-            before = {e.url: e for e in first.engines}
-            rate = 0.0
-            if span > 0:
-                for e in now_loads:
-                    b = before.get(e.url)
-                    if b is None or e.prompt_tokens < b.prompt_tokens:
-                        continue  # new or restarted engine: no rate yet
-                    uncached = (e.prompt_tokens - e.cached_tokens) - (
-                        b.prompt_tokens - b.cached_tokens
-                    )
-                    rate += max(0.0, uncached) / span
             c = counts[role]
             roles[role] = RoleSignals(
                 ready=c.ready,
@@ -155,7 +158,10 @@ class GatewayWindow:
                 waiting=sum(max(0.0, e.waiting - e.waiting_for_kv) for e in now_loads),
                 running=sum(e.running for e in now_loads),
                 kv_usage=sum(e.kv_usage for e in now_loads),
-                prompt_tokens_per_s=rate,
+                prompt_tokens_per_s=_uncached_rate(first, last, now_loads),
+                prompt_tokens_per_s_recent=(
+                    _uncached_rate(recent, last, now_loads) if recent is not None else None
+                ),
             )
         return Observations(
             observed_at=observed_at,
@@ -164,6 +170,22 @@ class GatewayWindow:
             tpot_p90=quantile(QUANTILE, hist[ITL]),
             requests=int(count(hist[TTFT])),
         )
+
+
+def _uncached_rate(first: Snapshot, last: Snapshot, loads: Sequence[EngineLoad]) -> float:
+    """Uncached prompt tokens per second of ``loads`` (engines of ``last``) since ``first``."""
+    span = last.at - first.at
+    if span <= 0:
+        return 0.0
+    before = {e.url: e for e in first.engines}
+    rate = 0.0
+    for e in loads:
+        b = before.get(e.url)
+        if b is None or e.prompt_tokens < b.prompt_tokens:
+            continue  # new or restarted engine: no rate yet
+        uncached = (e.prompt_tokens - e.cached_tokens) - (b.prompt_tokens - b.cached_tokens)
+        rate += max(0.0, uncached) / span
+    return rate
 
 
 def _window_sum(pairs: Sequence[tuple[Snapshot, Snapshot]], name: str) -> dict[float, float]:

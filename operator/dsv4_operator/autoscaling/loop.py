@@ -68,6 +68,8 @@ DRAIN_MIN_GAP_S = 2.0
 """Two idle reads of a victim at least this far apart (the gateway's health interval): a request
 routed just before every gateway saw the drain shows up between them."""
 HTTP_TIMEOUT_S = 3.0
+RECENT_TICKS = 3
+"""The gateway source's recent prompt-token rate spans this many ticks (capped at the window)."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +191,12 @@ class _Tick:
         now = time.time()
         if self.state is None:
             self.state = State(started_at=now)
-        if self.window is None or self.window.window_s != a.window_s:
-            self.window = GatewayWindow(float(a.window_s))
+        recent_s = min(float(a.window_s), RECENT_TICKS * a.interval_s)
+        if self.window is None or (self.window.window_s, self.window.recent_s) != (
+            a.window_s,
+            recent_s,
+        ):
+            self.window = GatewayWindow(float(a.window_s), recent_s)
         base = self.o.plans.plan_for(spec, body.get("status"))
         assert base is not None
         if not self.resumed:

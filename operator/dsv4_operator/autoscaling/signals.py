@@ -27,6 +27,9 @@ class RoleSignals:
     """Sum over instances of KV-cache usage fractions."""
     prompt_tokens_per_s: float = 0.0
     """Uncached prompt tokens per second over the window (prompt minus prefix-cache hits)."""
+    prompt_tokens_per_s_recent: float | None = None
+    """The same over the last few ticks (None: not measured): scale-up reacts to it, as
+    Knative's panic window does, scale-down only to the window's rate."""
     latency_p90: float | None = None
     """This role's own p90: prefill engine TTFT for prefill, ITL for decode."""
 

@@ -270,3 +270,20 @@ def test_learned_batch_target_from_itl_samples() -> None:
         dec, st = tick(o, st, now=15.0 * i)
     assert dec is not None
     assert dec.roles["decode"].signals["batchTarget"] == pytest.approx(17.5)
+
+
+def test_a_step_in_the_recent_prompt_rate_scales_prefill_before_the_window_shows_it() -> None:
+    policy = replace(POLICY, prefill_tokens_per_s=1000.0)  # planned at 0.8 x: 800 tok/s each
+    # the window's average still fits one instance; the last ticks' rate needs two
+    o = obs(RoleSignals(ready=1, prompt_tokens_per_s=700.0, prompt_tokens_per_s_recent=1500.0))
+    dec, st = tick(o, policy=policy)
+    assert dec.roles["prefill"].recommended == 2 and targets(dec) == (1, 1)
+    assert dec.roles["prefill"].reason.startswith("1500 prompt tok/s recently over 1000/instance")
+    assert dec.roles["prefill"].signals["promptTokensPerSecondRecent"] == 1500.0
+    dec, st = tick(o, st, now=1, policy=policy)
+    assert dec.roles["prefill"].direction == "up" and targets(dec)[0] == 2
+    # a recent rate below the window's does not lower the recommendation
+    o = obs(RoleSignals(ready=2, prompt_tokens_per_s=1500.0, prompt_tokens_per_s_recent=100.0))
+    dec, _ = tick(o, policy=policy)
+    assert dec.roles["prefill"].recommended == 2
+    assert dec.roles["prefill"].reason == "1500 prompt tok/s over 1000/instance"

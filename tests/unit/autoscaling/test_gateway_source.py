@@ -149,3 +149,24 @@ def test_window_slides_and_forgets_gone_pods() -> None:
     assert obs.ttft_p90 == pytest.approx(quantile(0.9, {2.5: 0.0, 5.0: 4.0, math.inf: 4.0}))
     win.forget([])
     assert win.observations(COUNTS) is None
+
+
+def test_the_recent_rate_spans_the_newest_snapshots_only() -> None:
+    gw = FakeGateway()
+    win = GatewayWindow(window_s=60.0, recent_s=3.0)
+    # 100 uncached tok/s for 20 s, then 1000 tok/s for the last 3 s
+    for at, prompt in ((0.0, 0.0), (10.0, 1000.0), (20.0, 2000.0), (21.0, 3000.0)):
+        win.add(
+            "gw", Snapshot(at, parse_histograms(gw.text()), parse_instances(instances(prompt, 0.0)))
+        )
+    win.add(
+        "gw", Snapshot(23.0, parse_histograms(gw.text()), parse_instances(instances(5000.0, 0.0)))
+    )
+    p = win.observations(COUNTS).roles["prefill"]  # type: ignore[union-attr]
+    assert p.prompt_tokens_per_s == pytest.approx(5000.0 / 23.0)
+    assert p.prompt_tokens_per_s_recent == pytest.approx((5000.0 - 2000.0) / 3.0)
+    # without recent_s there is none; with one snapshot in the span, none either
+    assert GatewayWindow(window_s=60.0).observations(COUNTS) is None
+    lone = GatewayWindow(window_s=60.0, recent_s=0.5)
+    lone.snapshots = win.snapshots
+    assert lone.observations(COUNTS).roles["prefill"].prompt_tokens_per_s_recent is None  # type: ignore[union-attr]
