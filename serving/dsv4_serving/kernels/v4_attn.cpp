@@ -52,6 +52,28 @@ void check(const torch::Tensor& t, const char* name, int64_t dim, torch::ScalarT
 
 }  // namespace
 
+// out[k] = q . r[k] for four rows at once: four independent chains, each q load used four
+// times, one transposed reduction
+inline void dot4(const float* q, const float* const* r, int64_t n, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(),
+           s3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[0] + i), s0);
+      s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[1] + i), s1);
+      s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[2] + i), s2);
+      s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[3] + i), s3);
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    return;
+  }
+#endif
+  for (int k = 0; k < 4; ++k) out[k] = dot(q, r[k], n);
+}
+
 // Rotate the trailing 2 * half channels of x [D] in pairs by (c, sign * s), as
 // layers/rope.py:rotate_tail_interleaved: (x0 c - x1 s, x1 c + x0 s) (sign -1: the inverse).
 inline void rotate_tail(float* x, int64_t D, int64_t half, const float* c, const float* s,
@@ -169,8 +191,12 @@ torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const t
           rotate_tail(qbuf.data() + h * D, D, half, cosp + t * half, sinp + t * half, 1.f);
         qt = qbuf.data();
       }
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t h = 0; h < H; ++h) logit[h * n + j] = dot(qt + h * D, rows[j], D) * sc;
+      for (int64_t h = 0; h < H; ++h) {
+        float* l = logit.data() + h * n;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) dot4(qt + h * D, rows.data() + j, D, l + j);
+        for (; j < n; ++j) l[j] = dot(qt + h * D, rows[j], D);
+        for (j = 0; j < n; ++j) l[j] *= sc;
       }
       float* ot = op + t * H * D;
       for (int64_t h = 0; h < H; ++h) {
