@@ -247,31 +247,18 @@ class V4Attention(nn.Module):
                 visible = visible & self._topk(scores, idx_w, visible)
             if not plan.num_entries:
                 comp = visible = None
-            elif ext is not None:
-                assert cache.comp is not None
-                cidx = torch.where(visible, plan.entries, -1)
-                out = ext.v4_attn(
-                    q.contiguous(),
-                    flat,
-                    torch.where(ring.read_valid, ring.read, -1),
-                    cache.comp.view(-1, cache.comp.shape[-1]),
-                    cidx,
-                    self.attn_sink.float(),
-                    self.head_dim**-0.5,
-                    *self._rope_args(rope),
-                )
-                return out
         if ext is not None:
-            return ext.v4_attn(
-                q.contiguous(),
-                flat,
-                torch.where(ring.read_valid, ring.read, -1),
-                flat,
-                ring.read[:, :0],
-                self.attn_sink.float(),
-                self.head_dim**-0.5,
-                *self._rope_args(rope),
+            csrc, cidx = flat, ring.read[:, :0]
+            if visible is not None:
+                assert cache.comp is not None
+                csrc = cache.comp.view(-1, cache.comp.shape[-1])
+                cidx = torch.where(visible, plan.entries, -1)
+            kidx = torch.where(ring.read_valid, ring.read, -1)
+            sink, scale = self.attn_sink.float(), self.head_dim**-0.5
+            out: torch.Tensor = ext.v4_attn(
+                q.contiguous(), flat, kidx, csrc, cidx, sink, scale, *self._rope_args(rope)
             )
+            return out
         keys = flat[ring.read]  # [B, W, d], positions p - W + 1 .. p
         scale = self.head_dim**-0.5
         qf = q.float()
@@ -371,7 +358,7 @@ class V4Attention(nn.Module):
         win = cache.window
         flat_win = win.view(-1, win.shape[-1])
         ext = self._kernel(q, cache)
-        wp = chunks.window(win.shape[1], self.window)
+        wp = chunks.window(win.shape[1], self.window, mask=ext is None)
         keys = None
         if ext is None or chunks.snapshots:
             keys = kv[chunks.index]  # [S, N, d]
@@ -426,14 +413,16 @@ class V4Attention(nn.Module):
                 cidx = torch.where(visible.flatten(0, 1)[chunks.sel], ent, -1)
             q_rows = q[chunks.rows].contiguous()
             scale = self.head_dim**-0.5
-            return ext.v4_attn(
+            out: torch.Tensor = ext.v4_attn(
                 q_rows, ksrc, wk.kidx, csrc, cidx, sink, scale, *self._rope_args(rope)
             )
+            return out
 
         assert keys is not None
         scale = self.head_dim**-0.5
         qf = q[chunks.index].float()  # [S, N, h, d]
         logits = torch.einsum("snhd,skd->shnk", qf, keys.float()) * scale
+        assert wp.hidden is not None
         parts = [logits.masked_fill(wp.hidden[:, None], -torch.inf)]
         values = [keys]
         if comp is not None and visible is not None:
@@ -509,7 +498,8 @@ class WindowPlan:
     """The sliding window of a prefill batch for one ring length and window."""
 
     read: torch.Tensor  # [S, P] flat ring rows of the positions before the chunks (0: padding)
-    hidden: torch.Tensor  # [S, N, P + N] bool: key not in the query's window (or padding)
+    hidden: torch.Tensor | None  # [S, N, P + N] bool: key not in the query's window (or
+    # padding); None where the kernel reads the window through ``WindowRows`` instead
     write: torch.Tensor  # [R] flat ring rows of the chunks' last positions
     write_src: torch.Tensor  # [R] their rows in the flat batch
 
@@ -612,8 +602,8 @@ class PrefillChunks:
         rows = (self._slot[:, None] * ring + self.pos % ring).flatten()[cells]
         return rows, self.index.flatten()[cells]
 
-    def window(self, ring: int, w_len: int) -> WindowPlan:
-        key = ("window", ring, w_len)
+    def window(self, ring: int, w_len: int, mask: bool = True) -> WindowPlan:
+        key = ("window", ring, w_len, mask)
         got = self._plans.get(key)
         if got is None:
             prev_start = (self._ctx - w_len + 1).clamp(min=0)
@@ -622,11 +612,13 @@ class PrefillChunks:
             p_valid = jp[None, :] < older[:, None]
             p_pos = prev_start[:, None] + jp[None, :]
             read = torch.where(p_valid, self._slot[:, None] * ring + p_pos % ring, 0)
-            kpos = torch.cat((p_pos, self.pos), dim=1)[:, None, :]
-            k_valid = torch.cat((p_valid, self.valid), dim=1)[:, None, :]
-            qpos = self.pos[:, :, None]
-            allowed = k_valid & (kpos <= qpos) & (kpos > qpos - w_len)
-            got = self._plans[key] = WindowPlan(read, ~allowed, *self._tail(ring, ring))
+            hidden = None
+            if mask:
+                kpos = torch.cat((p_pos, self.pos), dim=1)[:, None, :]
+                k_valid = torch.cat((p_valid, self.valid), dim=1)[:, None, :]
+                qpos = self.pos[:, :, None]
+                hidden = ~(k_valid & (kpos <= qpos) & (kpos > qpos - w_len))
+            got = self._plans[key] = WindowPlan(read, hidden, *self._tail(ring, ring))
         assert isinstance(got, WindowPlan)
         return got
 
