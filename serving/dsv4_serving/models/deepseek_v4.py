@@ -14,6 +14,7 @@ from dsv4_serving.cache.metadata import AttentionMetadata
 from dsv4_serving.cache.v4 import V4KVCache
 from dsv4_serving.cache.v4_step import V4Step
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
+from dsv4_serving.kernels.v4_attn import V4_ATTN
 from dsv4_serving.layers.mhc import hc_head, hc_post, hc_pre
 from dsv4_serving.layers.moe import V4MoE
 from dsv4_serving.layers.norm import RMSNorm
@@ -184,9 +185,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """``lookahead``: the most positions a step may write past what is kept (speculative
         tokens); the per-sequence rings get that much slack."""
         w = self.embed.weight
-        return self.attention_backend(w.device).allocate_cache(
+        cache: V4KVCache = self.attention_backend(w.device).allocate_cache(
             self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype, lookahead
         )
+        if w.device.type == "cpu":  # build (or load) the attention kernel now, not in a request
+            V4_ATTN.get(w)
+        return cache
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: V4KVCache
