@@ -93,3 +93,18 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
         if c.numel():
             want = rotate_tail_interleaved(want, cos, sin, inverse=True)
         assert torch.allclose(out, want, atol=1e-4)
+
+
+def test_rope_matches_the_torch_rotation() -> None:
+    if not available("v4_attn"):
+        pytest.fail("the v4_attn kernel does not build here (g++ and ninja: make install)")
+    ext = build("v4_attn")
+    g = torch.Generator().manual_seed(0)
+    for shape in ((7, 48), (7, 3, 48), (7, 2, 3, 32)):
+        x = torch.randn(*shape, generator=g)
+        cos, sin = torch.randn(7, 16, generator=g), torch.randn(7, 16, generator=g)
+        for inverse in (False, True):
+            want = rotate_tail_interleaved(x, cos, sin, inverse)
+            got = ext.rope_tail(x, cos, sin, inverse)
+            assert torch.allclose(got, want, atol=1e-6)
+            assert torch.equal(got[..., :-32], x[..., :-32])

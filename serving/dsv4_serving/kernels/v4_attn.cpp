@@ -219,6 +219,32 @@ torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const t
   return out;
 }
 
+// x [T, ..., D] float32 -> a copy with each row's trailing 2 * half channels rotated by that
+// row's cos / sin [T, half] (inverse: by the negative angle), as rotate_tail_interleaved
+torch::Tensor rope_tail(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        bool inverse) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be contiguous float32 on the CPU");
+  TORCH_CHECK(x.dim() >= 2, "x must be [T, ..., D]");
+  check(cos, "cos", 2, torch::kFloat32);
+  check(sin, "sin", 2, torch::kFloat32);
+  const int64_t T = x.size(0), D = x.size(-1), half = cos.size(1);
+  const int64_t M = T ? x.numel() / (T * D) : 0;
+  TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes() && 2 * half <= D, "cos / sin");
+  auto out = x.clone();
+  float* op = out.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float sign = inverse ? -1.f : 1.f;
+  at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t m = 0; m < M; ++m)
+        rotate_tail(op + (t * M + m) * D, D, half, cp + t * half, sp + t * half, sign);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("v4_attn", &v4_attn, "V4 attention over gathered window and entry rows, with sinks");
+  m.def("rope_tail", &rope_tail, "rotate the trailing channels in pairs (interleaved rope)");
 }

@@ -36,6 +36,18 @@ from dsv4_serving.layers.shard import ShardSpec
 from dsv4_serving.models.config import DeepseekV4Config
 
 
+def rotate_tail(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """``rotate_tail_interleaved``, in one pass of the kernel on CPU float32 (the torch chain
+    is ~8 ops, and slow where the rows broadcast over heads)."""
+    ext = V4_ATTN.get(x)
+    if ext is None or cos.dtype != torch.float32:
+        return rotate_tail_interleaved(x, cos, sin, inverse)
+    out: torch.Tensor = ext.rope_tail(x.contiguous(), cos.contiguous(), sin.contiguous(), inverse)
+    return out
+
+
 class Compressor(nn.Module):
     """Gated pooling of ``ratio`` tokens (two overlapping series when ``overlap``)."""
 
@@ -94,7 +106,7 @@ class Compressor(nn.Module):
         pooled = (k * g.softmax(dim=1)).sum(dim=1).to(cur.dtype)
         pooled = self.norm(pooled)
         cos, sin = rotary.cos_sin(wins * r)
-        return rotate_tail_interleaved(pooled, cos, sin)
+        return rotate_tail(pooled, cos, sin)
 
 
 class Indexer(nn.Module):
@@ -166,8 +178,8 @@ class V4Attention(nn.Module):
         q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
         kernel = self._kernel(q, cache) is not None
         if not kernel:
-            q = rotate_tail_interleaved(q, cos, sin)
-        kv = rotate_tail_interleaved(self.kv_norm(self.wkv(x)), cos, sin)
+            q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
 
         comp_proj = self.compressor.project(x) if self.compressor is not None else None
         idx_q = idx_w = idx_proj = None
@@ -175,7 +187,7 @@ class V4Attention(nn.Module):
             ix = self.indexer
             ccos, csin = meta.cos_sin(self.rotary_comp)
             idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
-            idx_q = rotate_tail_interleaved(idx_q, ccos, csin)
+            idx_q = rotate_tail(idx_q, ccos, csin)
             idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
             idx_proj = ix.compressor.project(x)
 
@@ -202,7 +214,7 @@ class V4Attention(nn.Module):
                 chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope
             )
         if not kernel:
-            out = rotate_tail_interleaved(out, cos, sin, inverse=True)
+            out = rotate_tail(out, cos, sin, inverse=True)
         g = self.o_groups
         wo_a = self.wo_a.weight.view(g, -1, h * d // g)
         grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wo_a)
