@@ -217,17 +217,32 @@ class _Tick:
                 rate, over = recent, " recently"
             rec = ceil_div(rate, pol.utilization * capacity)
             why = f"{rate:.0f} prompt tok/s{over} over {capacity:.0f}/instance"
+        delay = self._backlog_delay(capacity, p.ready)
+        limit = pol.backlog_ttft_fraction * pol.ttft_s
+        if delay is not None and delay > limit:
+            rec, why = (
+                max(rec, p.ready + 1),
+                f"prefill backlog {p.backlog_tokens:.0f} tokens, {delay:.2f}s at capacity",
+            )
+            panic = delay >= pol.panic * limit
         queue = p.waiting / max(p.ready, 1)
         if queue > pol.waiting_per_instance:
             rec, why = (
                 max(rec, p.ready + 1),
                 f"prefill queue {queue:.1f}/instance > {pol.waiting_per_instance:g}",
             )
-            panic = queue >= pol.panic * pol.waiting_per_instance
+            panic = panic or queue >= pol.panic * pol.waiting_per_instance
         if blame == "prefill" and o.ttft_p90 is not None:
             rec, why = max(rec, p.ready + 1), f"ttft p90 {o.ttft_p90:.3g}s > {pol.ttft_s:g}s"
             panic = panic or o.ttft_p90 >= pol.panic * pol.ttft_s
         return rec, why, panic
+
+    def _backlog_delay(self, capacity: float | None, instances: int) -> float | None:
+        """Seconds the prefill backlog takes ``instances`` at ``capacity`` (None: unknown)."""
+        tokens = self.p.backlog_tokens
+        if not capacity or tokens is None or instances < 1:
+            return None
+        return tokens / (instances * capacity)
 
     def _decode_rec(self, blame: Blame | None, bstar: float) -> tuple[int, str, bool]:
         pol, d, o = self.policy, self.d, self.obs
@@ -381,6 +396,9 @@ class _Tick:
             if s.waiting > 0:
                 return "prefill requests are waiting"
             cap = pol.prefill_tokens_per_s or self.state.roles["prefill"].capacity
+            delay = self._backlog_delay(cap, left)
+            if delay is not None and delay > pol.backlog_ttft_fraction * pol.ttft_s:
+                return f"the prefill backlog would take {left} instance(s) {delay:.2f}s"
             if cap and s.prompt_tokens_per_s / (left * cap) > pol.utilization:
                 return f"{s.prompt_tokens_per_s:.0f} prompt tok/s would exceed {left} instance(s)"
             return None
@@ -484,6 +502,8 @@ class _Tick:
             "waitingPerInstance": self.p.waiting / max(self.p.ready, 1),
             "promptTokensPerSecond": self.p.prompt_tokens_per_s,
         }
+        if capacity and (delay := self._backlog_delay(capacity, self.p.ready)) is not None:
+            sig["backlogSeconds"] = delay
         if self.p.prompt_tokens_per_s_recent is not None:
             sig["promptTokensPerSecondRecent"] = self.p.prompt_tokens_per_s_recent
         if self.obs.ttft_p90 is not None:

@@ -41,6 +41,9 @@ class EngineLoad:
     """Cumulative prompt tokens (vllm:prompt_tokens_total)."""
     cached_tokens: float = 0.0
     """Cumulative prompt tokens served from the prefix cache (vllm:prefix_cache_hits_total)."""
+    inflight_tokens: float = 0.0
+    """Uncached prompt tokens this gateway pod has in flight at the engine (for prefill: prompts
+    being prefilled or queued there). Counted at arrival, not when processed."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ def parse_instances(doc: Sequence[Mapping[str, Any]]) -> tuple[EngineLoad, ...]:
                 kv_usage=total("kv_usage") / max(len(ranks), 1),
                 prompt_tokens=total("prompt_tokens"),
                 cached_tokens=total("cached_tokens"),
+                inflight_tokens=total("inflight_tokens"),
             )
         )
     return tuple(loads)
@@ -146,9 +150,14 @@ class GatewayWindow:
         hist = {name: _window_sum(pairs, name) for name in (TTFT, ITL)}
         first, last = newest
         recent = self._recent_start(last)
+        latest = [new for _, new in pairs if new.engines]
         roles: dict[Role, RoleSignals] = {}
         for role in ROLES:
             now_loads = [e for e in last.engines if e.role == role and e.healthy]
+            # every gateway pod routes its own requests: their in-flight prompts add up
+            backlog = sum(
+                e.inflight_tokens for s in latest for e in s.engines if e.role == role and e.healthy
+            )
             c = counts[role]
             roles[role] = RoleSignals(
                 ready=c.ready,
@@ -162,6 +171,7 @@ class GatewayWindow:
                 prompt_tokens_per_s_recent=(
                     _uncached_rate(recent, last, now_loads) if recent is not None else None
                 ),
+                backlog_tokens=backlog if latest else None,
             )
         return Observations(
             observed_at=observed_at,

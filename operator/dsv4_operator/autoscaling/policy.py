@@ -46,6 +46,9 @@ class Policy:
     waiting_per_instance: float = 2.0
     """Mean prefill queue per instance above which prefill is short."""
     decode_waiting_per_instance: float = 0.5
+    backlog_ttft_fraction: float = 0.5
+    """Prefill is short when its backlog (in-flight prompt tokens over the instances' capacity)
+    would delay a new prompt by more than this fraction of the TTFT objective."""
     running_per_instance: int = 16
     """Decode batch target until enough (running, TPOT) samples are learned."""
     prefill_tokens_per_s: float | None = None

@@ -30,6 +30,11 @@ class RoleSignals:
     prompt_tokens_per_s_recent: float | None = None
     """The same over the last few ticks (None: not measured): scale-up reacts to it, as
     Knative's panic window does, scale-down only to the window's rate."""
+    backlog_tokens: float | None = None
+    """Uncached prompt tokens the gateways have in flight at this role's instances (None: not
+    measured). Over prefill's capacity it is the queueing delay a new prompt meets, and it
+    grows from the first second of a load step, where the processed-token rate is capped at
+    what the instances already do."""
     latency_p90: float | None = None
     """This role's own p90: prefill engine TTFT for prefill, ITL for decode."""
 

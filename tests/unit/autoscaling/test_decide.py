@@ -287,3 +287,37 @@ def test_a_step_in_the_recent_prompt_rate_scales_prefill_before_the_window_shows
     dec, _ = tick(o, policy=policy)
     assert dec.roles["prefill"].recommended == 2
     assert dec.roles["prefill"].reason == "1500 prompt tok/s over 1000/instance"
+
+
+def test_a_prefill_backlog_over_half_the_ttft_scales_prefill_and_blocks_consolidation() -> None:
+    # TTFT 2 s: short when the backlog would take the instances more than 1 s
+    policy = replace(POLICY, prefill_tokens_per_s=1000.0)
+    o = obs(RoleSignals(ready=2, prompt_tokens_per_s=100.0, backlog_tokens=2400.0))
+    dec, st = tick(o, policy=policy)
+    p = dec.roles["prefill"]
+    assert (p.recommended, p.target) == (3, 2)  # 1.2 s: short, not panic (1.5 s)
+    assert p.reason.startswith("prefill backlog 2400 tokens, 1.20s at capacity")
+    assert p.signals["backlogSeconds"] == pytest.approx(1.2)
+    dec, _ = tick(o, st, now=1, policy=policy)
+    assert targets(dec) == (3, 1)
+    # panic: 1.5 x the limit acts in the first tick
+    o = obs(RoleSignals(ready=2, prompt_tokens_per_s=100.0, backlog_tokens=3000.0))
+    dec, _ = tick(o, policy=policy)
+    assert targets(dec) == (3, 1)
+    # under the limit nothing moves, and unknown capacity means no backlog signal
+    dec, _ = tick(obs(RoleSignals(ready=2, backlog_tokens=1900.0)), policy=policy)
+    assert (
+        dec.roles["prefill"].recommended <= 2 and "backlogSeconds" in dec.roles["prefill"].signals
+    )
+    dec, _ = tick(obs(RoleSignals(ready=2, backlog_tokens=99_000.0)))
+    assert "backlog" not in dec.roles["prefill"].reason
+    assert "backlogSeconds" not in dec.roles["prefill"].signals
+    # 1200 tokens fit two instances (0.6 s) but not one (1.2 s): no scale-down to one
+    quiet = State(started_at=LONG_AGO)
+    dec, _ = tick(obs(RoleSignals(ready=2, backlog_tokens=1200.0)), quiet, now=1000, policy=policy)
+    assert dec.roles["prefill"].direction == "hold"
+    assert dec.roles["prefill"].reason == (
+        "not scaling down: the prefill backlog would take 1 instance(s) 1.20s"
+    )
+    dec, _ = tick(obs(RoleSignals(ready=2, backlog_tokens=900.0)), quiet, now=1000, policy=policy)
+    assert dec.roles["prefill"].direction == "down"

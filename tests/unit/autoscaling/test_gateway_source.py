@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from dsv4_operator.autoscaling.gateway_source import (
     ITL,
     TTFT,
+    EngineLoad,
     GatewayWindow,
     RoleCounts,
     Snapshot,
@@ -170,3 +172,36 @@ def test_the_recent_rate_spans_the_newest_snapshots_only() -> None:
     lone = GatewayWindow(window_s=60.0, recent_s=0.5)
     lone.snapshots = win.snapshots
     assert lone.observations(COUNTS).roles["prefill"].prompt_tokens_per_s_recent is None  # type: ignore[union-attr]
+
+
+def test_the_backlog_adds_every_gateway_pods_in_flight_prompts() -> None:
+    def with_inflight(tokens: float) -> tuple[EngineLoad, ...]:
+        loads = parse_instances(instances(0.0, 0.0))
+        return tuple(replace(e, inflight_tokens=tokens) for e in loads)
+
+    gw = FakeGateway()
+    win = GatewayWindow(window_s=60.0)
+    win.add("gw-a", Snapshot(0.0, parse_histograms(gw.text()), with_inflight(1000.0)))
+    win.add("gw-b", Snapshot(0.0, parse_histograms(gw.text()), with_inflight(500.0)))
+    win.add("gw-b", Snapshot(1.0, parse_histograms(gw.text()), with_inflight(700.0)))
+    obs = win.observations(COUNTS)
+    assert obs is not None
+    # the newest snapshot of each pod; the unhealthy decode engine left out
+    assert obs.roles["prefill"].backlog_tokens == 1700.0
+    assert obs.roles["decode"].backlog_tokens == 1700.0
+    assert (
+        parse_instances(
+            [
+                {
+                    "url": "u",
+                    "role": "prefill",
+                    "ranks": [{"inflight_tokens": 3}, {"inflight_tokens": 4}],
+                }
+            ]
+        )[0].inflight_tokens
+        == 7.0
+    )
+    # no instance list (histograms only): not measured
+    bare = GatewayWindow(window_s=60.0)
+    bare.add("gw", Snapshot(0.0, parse_histograms(gw.text())))
+    assert bare.observations(COUNTS).roles["prefill"].backlog_tokens is None  # type: ignore[union-attr]
