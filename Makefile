@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install --no-deps -e .
 	@# the CPU kernels (g++ + ninja; cached in ~/.cache/torch_extensions): built here once, not
 	@# inside the first engine or test that needs them (they fall back to torch without a compiler)
-	$(BIN)/python -c 'from dsv4_serving.kernels.build import available; available("paged_mla"); available("w8a8"); available("w8a8", "avx2"); available("fp8"); available("mhc")'
+	$(BIN)/python -c 'from dsv4_serving.kernels.build import available; available("paged_mla"); available("w8a8"); available("w8a8", "avx2"); available("fp8"); available("mhc"); available("v4_attn")'
 	touch $@
 
 # Re-resolve every extra at today's newest versions (Linux x86-64, Python 3.11), then `make test`
