@@ -286,6 +286,12 @@ class SidecarClient:
                 conn.close()
                 if attempt:
                     raise SidecarError(0, "unreachable", f"KV sidecar unreachable: {e}") from e
+                # a stale connection means the sidecar restarted: every idle one is stale too,
+                # so the retry opens a fresh one (two stale ones in a row failed a pull)
+                with self._fast_lock:
+                    stale, self._fast_idle = self._fast_idle, []
+                for c in stale:
+                    c.close()
                 continue
             with self._fast_lock:
                 self._fast_idle.append(conn)

@@ -20,7 +20,7 @@ import pytest
 
 from dsv4_kvtransfer.auth import proof
 from dsv4_kvtransfer.buffers import BufferSpec
-from dsv4_kvtransfer.client import PullFailed, SidecarClient, SidecarError
+from dsv4_kvtransfer.client import PullFailed, SidecarClient, SidecarError, _FastConnection
 from dsv4_kvtransfer.frames import HANDSHAKE_LIMITS, FrameType, encode, read_frame, send_frame
 from dsv4_kvtransfer.launch import sidecar_argv
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
@@ -423,6 +423,29 @@ def test_control_api_errors_are_the_openai_body_naming_the_field(
             "code": "bad_request",
         }
     }
+
+
+def test_a_restarted_sidecar_is_reached_past_every_stale_fast_connection(
+    sidecars: SidecarFactory,
+) -> None:
+    """Several idle fast connections to a sidecar that was killed and replaced on the same
+    region name: the next call reaches the new one (it once failed on the second stale one)."""
+    old = sidecars.start(staging="16M")
+    client = SidecarClient(old.url)
+    client.request("GET", "/v1/info")  # learns the socket, keeps one connection
+    assert client._fast_path
+    # two more idle connections, as concurrent calls leave them
+    client._fast_idle += [_FastConnection(client._fast_path, 5.0) for _ in range(2)]
+    assert len(client._fast_idle) == 3
+    old.kill()
+    new = sidecars.start(
+        "--control-port", str(old.control_port), staging="16M", shm_name=old.shm_name
+    )
+    assert client.request("GET", "/v1/info")["shm_name"] == old.shm_name
+    assert client._fast_path and len(client._fast_idle) == 1  # the new socket, one connection
+    client.close()
+    new.stop()
+    assert new.exit_code() == 0
 
 
 @pytest.mark.parametrize(("transport", "needs"), [("hccl", "torch_npu"), ("rdma", "mooncake")])
