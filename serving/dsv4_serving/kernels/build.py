@@ -6,6 +6,10 @@ pays for it). ``DSV4_KERNELS=off`` skips every build (the pure-torch paths run i
 
 A ``variant`` builds the same source with other flags under another name: ``avx2`` turns off
 AVX-512 so an AVX-512 machine can test the AVX2 code path too.
+
+``python -m dsv4_serving.kernels.build`` builds every kernel (``make install``), one process per
+kernel and as many at once as there are CPUs: each is one translation unit, so ninja alone keeps
+one core busy and a cold machine paid for them one after another.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -88,3 +95,47 @@ class CpuKernel:
         if self._ext is not None and x.device.type == "cpu" and x.dtype in self.dtypes:
             return self._ext
         return None
+
+
+# every kernel `make install` prebuilds: (name, variant)
+ALL = (
+    ("paged_mla", ""),
+    ("w8a8", ""),
+    ("w8a8", "avx2"),
+    ("fp8", ""),
+    ("mhc", ""),
+    ("v4_attn", ""),
+)
+
+
+def prebuild(kernels: tuple[tuple[str, str], ...] = ALL, jobs: int | None = None) -> list[str]:
+    """Build ``kernels`` in ``jobs`` child processes (default: one per CPU), each taking its
+    share in turn (one torch import per child, not per kernel: a warm cache costs seconds); the
+    names of those that did not build (each child logs why; the engine falls back to torch)."""
+    code = (
+        "import sys\n"
+        "from dsv4_serving.kernels.build import available\n"
+        "for k in sys.argv[1:]:\n"
+        "    if not available(*k.split(':')):\n"
+        "        print(k.rstrip(':'))\n"
+    )
+    n = max(1, min(len(kernels), jobs or os.cpu_count() or 1))
+    shares = [[f"{name}:{variant}" for name, variant in kernels[i::n]] for i in range(n)]
+
+    def one(share: list[str]) -> list[str]:
+        res = subprocess.run(
+            [sys.executable, "-c", code, *share], stdout=subprocess.PIPE, text=True
+        )
+        if res.returncode != 0:
+            return [k.rstrip(":") for k in share]
+        return res.stdout.split()
+
+    with ThreadPoolExecutor(n) as pool:
+        return [k for failed in pool.map(one, shares) for k in failed]
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="[kernels] %(message)s")
+    failed = prebuild()
+    if failed:
+        log.info("not built (the pure-torch paths run instead): %s", ", ".join(failed))
