@@ -33,6 +33,7 @@ import os
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -107,6 +108,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._raw = self._read_body()
         except ApiError as e:
             return self._error(e.status, e.code, str(e), e.param)
+        after: list[Callable[[], None]] = []
         status, body, ctype = route(
             self.sidecar,
             method,
@@ -114,8 +116,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._raw,
             self.headers.get(TRACEPARENT),
             self.probes_only,
+            after,
         )
         self._send(status, body, ctype)
+        if after:
+            self.wfile.flush()
+            for f in after:
+                f()
 
     def do_GET(self) -> None:
         self._route("GET")
@@ -159,9 +166,11 @@ def route(
     raw: bytes,
     traceparent: str | None = None,
     probes_only: bool = False,
+    after: list[Callable[[], None]] | None = None,
 ) -> tuple[int, bytes, str]:
     """One control request (``target``: path and query) -> (status, body, content type): the
-    one dispatch behind the HTTP API and the fast socket."""
+    one dispatch behind the HTTP API and the fast socket. ``after``: the caller runs these once
+    the answer went out (None: they run at once)."""
     url = urlsplit(target)
     parts = [p for p in url.path.split("/") if p]
     try:
@@ -190,7 +199,7 @@ def route(
         if parts[:2] == ["v1", "pulls"]:
             if method == "POST" and len(parts) == 2:
                 pull = PullRequest.from_body(_parse_body(raw))
-                return 200, _json(sc.puller.start(pull, traceparent)), JSON
+                return 200, _json(sc.puller.start(pull, traceparent, after)), JSON
             if method == "GET" and len(parts) == 3:
                 wait = parse_wait(parse_qs(url.query).get("wait", [None])[0])
                 return 200, _json(sc.puller.status(parts[2], wait)), JSON
@@ -268,8 +277,11 @@ class FastControlServer:
                     log.warning("fast control: a malformed request line; closing")
                     return
                 trace = words[2] if len(words) == 3 else None
-                status, body, _ = route(self.sidecar, words[0], words[1], raw, trace)
+                after: list[Callable[[], None]] = []
+                status, body, _ = route(self.sidecar, words[0], words[1], raw, trace, False, after)
                 conn.sendall(FAST_REPLY.pack(status, len(body)) + body)
+                for f in after:
+                    f()
         except OSError as e:
             log.debug("fast control connection: %s", e)
         finally:

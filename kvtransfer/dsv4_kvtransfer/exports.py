@@ -12,7 +12,7 @@ from dsv4_kvtransfer.control_requests import ExportRequest
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
-from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams
 from dsv4_kvtransfer.store import ExportView, StagingStore, wall_time
 
 
@@ -72,6 +72,10 @@ class Exports:
             status = 404 if e.code == "unknown_transfer" else 409
             raise ApiError(status, e.code, str(e)) from None
         m = exp.meta
+        extra = dict(m["params_extra"])
+        if exp.trailer:  # published: a same-host puller may copy without asking first
+            region = self.store.region
+            extra[SHM_SOURCE] = {"name": region.name, "tag": region.tag.hex(), "offset": exp.offset}
         params = RemotePrefillParams(
             remote_engine_id=m["engine_id"],
             remote_request_id=m["request_id"],
@@ -84,7 +88,7 @@ class Exports:
             remote_total_bytes=exp.layout.total_bytes,
             remote_state_slot=m["state_slot"],
             remote_cache_groups=dict(m["cache_groups"]),
-            extra=dict(m["params_extra"]),
+            extra=extra,
         )
         return {"transfer_id": tid, "kv_transfer_params": params.to_dict()}
 

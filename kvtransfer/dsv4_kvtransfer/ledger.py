@@ -16,6 +16,7 @@ copy the KV out and release it in time), or dropped on failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +47,8 @@ class Export:
     state: ExportState = "reserved"
     pins: int = 0
     release_pending: FreeReason | None = None
+    trailer: int = 0
+    """Bytes reserved after the layout's for the export's trailer (``staging.publish``)."""
 
 
 @dataclass(slots=True)
@@ -71,15 +74,24 @@ class Ledger:
     alloc: ExtentAllocator
     exports: dict[str, Export] = field(default_factory=dict)
     imports: dict[str, Import] = field(default_factory=dict)
+    retire: Callable[[Export], None] | None = None
+    """Called when an export stops being pullable (released while pinned, or freed: before its
+    extent is), so its owner clears what announces it (its trailer)."""
 
     # ---- exports ---------------------------------------------------------------------------
 
     def reserve_export(
-        self, transfer_id: str, layout: Layout, meta: dict[str, Any], now: float, ttl: float
+        self,
+        transfer_id: str,
+        layout: Layout,
+        meta: dict[str, Any],
+        now: float,
+        ttl: float,
+        trailer: int = 0,
     ) -> Export:
         if transfer_id in self.exports:
             raise LedgerError("duplicate", f"transfer {transfer_id} already exists")
-        off = self.alloc.alloc(layout.total_bytes)
+        off = self.alloc.alloc(layout.total_bytes + trailer)
         if off is None:
             raise LedgerError(
                 "staging_full",
@@ -87,6 +99,7 @@ class Ledger:
                 f"(free {self.alloc.free_bytes}, largest {self.alloc.largest_free})",
             )
         exp = Export(transfer_id, off, self.alloc.size_of(off), layout, meta, now + ttl)
+        exp.trailer = trailer
         self.exports[transfer_id] = exp
         return exp
 
@@ -123,6 +136,8 @@ class Ledger:
         exp = self._export(transfer_id)
         if exp.pins:
             exp.release_pending = exp.release_pending or reason
+            if self.retire is not None:
+                self.retire(exp)
             return None
         return self._free_export(exp, reason)
 
@@ -135,6 +150,8 @@ class Ledger:
             ) from None
 
     def _free_export(self, exp: Export, reason: FreeReason) -> Freed:
+        if self.retire is not None:
+            self.retire(exp)
         del self.exports[exp.transfer_id]
         self.alloc.free(exp.offset)
         return Freed("export", exp.transfer_id, reason, exp.capacity)

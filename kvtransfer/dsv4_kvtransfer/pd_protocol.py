@@ -34,6 +34,34 @@ MAX_BLOCK_IDS = 1 << 20
 MAX_GROUPS = 256
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _NULL_IN_PREFILL_REQUEST = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
+SHM_SOURCE = "remote_shm"
+"""An extra field the prefill sidecar adds: ``{name, tag, offset}`` of the export in its staging
+region (its trailer follows the bytes), for a same-host decode sidecar to copy from directly."""
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_SHM_TAG = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ShmSource:
+    name: str
+    tag: str
+    offset: int
+
+
+def shm_source(extra: Mapping[str, Any]) -> ShmSource | None:
+    """The export's place in the prefill sidecar's region, if the params carry a well-formed
+    one (anything else: None, and the pull asks the peer as it always did)."""
+    v = extra.get(SHM_SOURCE)
+    if not isinstance(v, Mapping):
+        return None
+    name, tag, offset = v.get("name"), v.get("tag"), v.get("offset")
+    if not (isinstance(name, str) and _SHM_NAME.match(name)):
+        return None
+    if not (isinstance(tag, str) and _SHM_TAG.match(tag)):
+        return None
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        return None
+    return ShmSource(name, tag, offset)
 
 
 class KVParamsError(ValueError):

@@ -6,14 +6,21 @@ in the same write) -> reserve an extent of that size -> the transport lands the 
 the engine to copy the KV out and release it. Any failure frees
 our extent and leaves the pull ``failed`` with a reason; the remote export stays leased, so a
 retry (or the lease) settles it.
+
+Where the transport can read the export in place (shm on one host: ``direct_source``), the
+pull first tries that without any round trip: the manifest from the export's trailer, the
+copy, the trailer checked intact; only RELEASE goes to the peer, after the pull is ``done``.
+If the export is not readable so (gone, retired meanwhile), the pull asks the peer as above.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,6 +66,7 @@ class Pull:
     traceparent: str | None = None  # tracing on: the engine's pull span
     started_ns: int = 0
     timing: tuple[float, float] = (0.0, 0.0)  # a landed pull's start and data seconds
+    peer: PeerConnection | None = None  # a landed pull's connection, until RELEASE went out
 
 
 def classify(e: BaseException) -> str:
@@ -123,7 +131,15 @@ class Puller:
 
     # ---- engine API -------------------------------------------------------------------------
 
-    def start(self, req: PullRequest, traceparent: str | None = None) -> dict[str, Any]:
+    def start(
+        self,
+        req: PullRequest,
+        traceparent: str | None = None,
+        after: list[Callable[[], None]] | None = None,
+    ) -> dict[str, Any]:
+        """Start a pull (see ``PullRequest``). ``after``: where to leave what should run once
+        the answer went out (an inline pull's metrics and RELEASE), instead of starting it now
+        and competing with the answer for the CPU."""
         timeout = req.timeout_s or self.cfg.pull_timeout_s
         pull = Pull(secrets.token_hex(12), req.params, time.monotonic() + timeout)
         if self.spans is not None:
@@ -136,26 +152,32 @@ class Puller:
         inline = 0 < pull.total_bytes <= INLINE_PULL_BYTES and req.wait_s > 0
         if inline and self._slots.acquire(blocking=False):
             try:
-                conn = self._run(pull)
+                landed = self._run(pull)
             finally:
                 self._slots.release()
-            if conn is not None:  # after the answer, not before: off the engine's path
-                self._exec.submit(self._landed, conn, pull)
+            if landed:  # after the answer, not before: off the engine's path
+                if after is None:
+                    self._exec.submit(self._landed, pull)
+                else:
+                    after.append(lambda: self._submit_landed(pull))
             return self.status(pull.pull_id)
         self._exec.submit(self._queued, pull)
         return self.status(pull.pull_id, req.wait_s)
 
+    def _submit_landed(self, pull: Pull) -> None:
+        self._exec.submit(self._landed, pull)
+
     def _queued(self, pull: Pull) -> None:
         with self._slots:
-            conn = self._run(pull)
-        if conn is not None:
-            self._landed(conn, pull)
+            landed = self._run(pull)
+        if landed:
+            self._landed(pull)
 
-    def _landed(self, conn: PeerConnection, pull: Pull) -> None:
+    def _landed(self, pull: Pull) -> None:
         """After a pull landed (and, inline, after its answer): the metrics record it, then the
         remote frees its export."""
         self._record(pull)
-        self._release_remote(conn, pull)
+        self._release_remote(pull)
 
     def status(self, pull_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         end = time.monotonic() + max(0.0, min(wait_s, 60.0))
@@ -304,13 +326,15 @@ class Puller:
         with self._cond:
             pull.bytes_done += n
 
-    def _run(self, pull: Pull) -> PeerConnection | None:
-        """Land the pull; -> the connection to tell the remote it may free its export on
-        (``_release_remote``), None if the pull failed."""
+    def _run(self, pull: Pull) -> bool:
+        """Land the pull; -> whether it landed (then ``pull.peer``, if set, is the connection
+        to tell the remote it may free its export on: ``_release_remote``)."""
         p = pull.params
         t0 = time.monotonic()
         conn: PeerConnection | None = None
         try:
+            if self._run_in_place(pull, t0):
+                return True
             conn, manifest, requested = self._manifest(pull)
             layout = Layout.from_dict(manifest.get("layout"))
             if layout.total_bytes != p.remote_total_bytes:
@@ -344,18 +368,74 @@ class Puller:
             if conn is not None:
                 conn.close()
             self._fail(pull, e)
-            return None
+            return False
+        pull.peer = conn
         self._complete(pull, layout, manifest, t0, data_s)
-        return conn
+        return True
 
-    def _release_remote(self, conn: PeerConnection, pull: Pull) -> None:
-        """Every byte is ours: the prefill side frees its export (the engine goes on meanwhile:
-        the pull is ``done`` already)."""
+    def _run_in_place(self, pull: Pull, t0: float) -> bool:
+        """The pull without a round trip, where the transport reads the export in place: the
+        manifest from its trailer, the copy, the trailer checked intact after it (then the
+        bytes were the export's throughout: ``staging.Trailer``). -> whether it landed; if
+        not, nothing is left reserved and the caller asks the peer."""
+        p = pull.params
+        src = self.transport.direct_source(p)
+        trailer = src.trailer() if src is not None else None
+        if src is None or trailer is None:
+            return False
         try:
+            manifest = json.loads(trailer.manifest)
+            layout = Layout.from_dict(manifest.get("layout"))
+        except (ValueError, AttributeError):  # (LayoutError is a ValueError)
+            return False
+        if layout.total_bytes != p.remote_total_bytes or manifest.get("transfer_id") != (
+            p.remote_transfer_id
+        ):
+            return False
+        with self._cond:
+            imp = self.store.reserve_import(pull.pull_id, layout.total_bytes)
+            pull.offset = imp.offset
+        landed = False
+        try:
+            t_data = time.monotonic()
+            with self.store.region.view(imp.offset, layout.total_bytes) as dest:
+                src.copy_into(dest, pull.deadline)
+            data_s = max(time.monotonic() - t_data, 1e-9)
+            landed = trailer.intact()
+        finally:
+            if not landed:
+                with self._cond:
+                    self.store.drop_import(pull.pull_id, "aborted")
+                    pull.offset = None
+        if not landed:
+            return False
+        self._progress(pull, layout.total_bytes)
+        self._complete(pull, layout, manifest, t0, data_s)
+        return True
+
+    def _release_remote(self, pull: Pull) -> None:
+        """Every byte is ours: the prefill side frees its export (the engine goes on meanwhile:
+        the pull is ``done`` already). An in-place pull has no connection yet: a pooled one,
+        or a new one."""
+        conn, pull.peer = pull.peer, None
+        p = pull.params
+        try:
+            if conn is None and (conn := self._pooled(p.remote_host, p.remote_port)) is not None:
+                try:  # a pooled connection may have gone stale: then a fresh one
+                    conn.settimeout(self.cfg.io_timeout_s)
+                    conn.release(p.remote_transfer_id)
+                    self._give_back(conn)
+                    return
+                except (OSError, FrameError):
+                    conn.close()
+                    conn = None
+            if conn is None:
+                conn = self._connect(p.remote_host, p.remote_port)
             conn.settimeout(self.cfg.io_timeout_s)
-            conn.release(pull.params.remote_transfer_id)
+            conn.release(p.remote_transfer_id)
         except Exception as e:
-            conn.close()
+            if conn is not None:
+                conn.close()
             self.log.warning(
                 "pull %s done, but releasing transfer %s failed (its lease will free it): %s",
                 pull.pull_id,

@@ -48,7 +48,9 @@ class Sidecar:
             assert isinstance(self.transport, RdmaTransport)
             rdma_session = self.transport.bind(region).session
         ledger = Ledger(ExtentAllocator(HEADER_BYTES, cfg.staging_bytes - HEADER_BYTES))
-        self.store = StagingStore(region, ledger, self.metrics, rdma_session)
+        # exports published in the region (a trailer each): a same-host shm pull of them
+        # needs no round trip to this sidecar before its copy
+        self.store = StagingStore(region, ledger, self.metrics, rdma_session, publish=True)
         self.port = cfg.port
         self.exports = Exports(self.store, cfg, lambda: self.port)
         self.puller = Puller(self.store, self.transport, cfg, self.metrics, self.log)

@@ -9,6 +9,12 @@ process exits.
 
 The first ``HEADER_BYTES`` hold a magic, the region size and a random tag; a same-host peer that
 maps the region by name checks the tag to be sure it opened the right segment.
+
+A committed export may carry a **trailer** right after its bytes (inside its extent): a live
+marker, its transfer id and its manifest (``publish``). A same-host puller reads the manifest
+there and copies the bytes without asking the owner first; the marker is cleared (``retire``)
+under the owner's lock before the export stops being pullable or its extent is freed, so a
+marker read intact after the copy proves the bytes copied were the export's all along (``Trailer``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import re
 import secrets
 import struct
+import threading
 from pathlib import Path
 
 HEADER_BYTES = 4096
@@ -28,6 +35,11 @@ _HEADER = struct.Struct("!16sQ16s")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 # map every page up front: a first transfer would otherwise pay a page fault per 4 KiB
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# an export's trailer: live marker, transfer id (length, bytes), manifest length; the manifest
+TRAILER = struct.Struct("!8sB64sI")
+_LIVE = b"DSV4KVEX"
+_DEAD = bytes(8)
+MAX_MANIFEST = 16 << 20
 
 
 class StagingError(Exception):
@@ -124,6 +136,37 @@ class StagingRegion:
             )
         return self._mv[offset : offset + nbytes]
 
+    # ---- export trailers (the owner writes them, same-host pullers read them) ----------------
+
+    def publish(self, at: int, transfer_id: str, manifest: bytes) -> None:
+        """Write an export's trailer at ``at`` (right after its bytes): the manifest and the
+        transfer id first, the live marker last."""
+        tid = transfer_id.encode()
+        end = at + TRAILER.size + len(manifest)
+        if at < HEADER_BYTES or end > self.size or len(tid) > 64:
+            raise StagingError(f"no trailer of {transfer_id!r} fits in [{at}, {end})")
+        head = TRAILER.pack(_LIVE, len(tid), tid, len(manifest))
+        self._mv[at + TRAILER.size : end] = manifest
+        self._mv[at + 8 : at + TRAILER.size] = head[8:]
+        self._mv[at : at + 8] = _LIVE
+
+    def retire(self, at: int) -> None:
+        """Clear the live marker of the trailer at ``at`` (the export is no longer pullable)."""
+        self._mv[at : at + 8] = _DEAD
+
+    def trailer(self, at: int, transfer_id: str) -> Trailer | None:
+        """The trailer at ``at`` as it is now, if it is the live one of ``transfer_id``."""
+        if at < HEADER_BYTES or at + TRAILER.size > self.size:
+            return None
+        head = bytes(self._mv[at : at + TRAILER.size])
+        live, n, tid, mlen = TRAILER.unpack(head)
+        end = at + TRAILER.size + mlen
+        if live != _LIVE or tid[:n] != transfer_id.encode() or mlen > MAX_MANIFEST:
+            return None
+        if end > self.size:
+            return None
+        return Trailer(self, at, head, bytes(self._mv[at + TRAILER.size : end]))
+
     def address(self, offset: int = 0) -> int:
         """The virtual address of ``offset`` in this process (for RDMA memory registration)."""
         import ctypes
@@ -140,6 +183,27 @@ class StagingRegion:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+
+class Trailer:
+    """A live export's trailer as read at one instant: its ``manifest``, and ``intact()``,
+    which tells whether it still is (read it after copying the export's bytes: the owner
+    retires the marker before the extent can change hands, and never reuses a transfer id)."""
+
+    __slots__ = ("_at", "_head", "_region", "manifest")
+
+    def __init__(self, region: StagingRegion, at: int, head: bytes, manifest: bytes) -> None:
+        self._region, self._at, self._head, self.manifest = region, at, head, manifest
+
+    def intact(self) -> bool:
+        # the lock round trips order this read after the copy's on weakly ordered CPUs too
+        for _ in range(2):
+            with _FENCE:
+                pass
+        return bytes(self._region._mv[self._at : self._at + TRAILER.size]) == self._head
+
+
+_FENCE = threading.Lock()
 
 
 def _free_bytes(directory: Path) -> int:

@@ -8,6 +8,7 @@ counted in the metrics and the gauges follow, here and nowhere else. It is the p
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from dsv4_kvtransfer.buffers import Layout
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger
 from dsv4_kvtransfer.metrics import SidecarMetrics
-from dsv4_kvtransfer.staging import StagingRegion
+from dsv4_kvtransfer.staging import TRAILER, StagingRegion
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,8 @@ class ExportView:
     pins: int
     expires_at: float
     """``time.monotonic()`` at which the lease runs out."""
+    trailer: int = 0
+    """Bytes of its trailer (0: none; ``StagingStore(publish=True)``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +55,23 @@ def wall_time(mono: float) -> float:
 
 def _view(exp: Export) -> ExportView:
     return ExportView(
-        exp.transfer_id, exp.offset, exp.layout, exp.meta, exp.state, exp.pins, exp.expires_at
+        exp.transfer_id,
+        exp.offset,
+        exp.layout,
+        exp.meta,
+        exp.state,
+        exp.pins,
+        exp.expires_at,
+        exp.trailer,
     )
+
+
+def manifest_bytes(transfer_id: str, layout: Layout, meta: dict[str, Any]) -> bytes:
+    """An export's manifest as its trailer holds it (the ``MANIFEST`` frame's fields)."""
+    return json.dumps(
+        {"transfer_id": transfer_id, "layout": layout.to_dict(), "meta": meta},
+        separators=(",", ":"),
+    ).encode()
 
 
 class StagingStore:
@@ -64,9 +82,16 @@ class StagingStore:
         metrics: SidecarMetrics,
         rdma_session: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        publish: bool = False,
     ) -> None:
         self.region = region
         self.ledger = ledger
+        # publish: each export gets a trailer (written at commit, retired before it goes), so
+        # a same-host puller needs no round trip to the peer port before copying
+        self.publish = publish
+        self._manifests: dict[str, bytes] = {}  # reserved, not yet committed
+        if publish:
+            ledger.retire = self._retire
         self.metrics = metrics
         self.clock = clock
         self._rdma_session = rdma_session
@@ -111,8 +136,12 @@ class StagingStore:
         self, transfer_id: str, layout: Layout, meta: dict[str, Any], ttl: float
     ) -> ExportView:
         """Raises ``LedgerError`` (``staging_full``, ``duplicate``)."""
+        manifest = manifest_bytes(transfer_id, layout, meta) if self.publish else b""
+        trailer = TRAILER.size + len(manifest) if manifest else 0
         with self._lock:
-            exp = self.ledger.reserve_export(transfer_id, layout, meta, self.clock(), ttl)
+            exp = self.ledger.reserve_export(transfer_id, layout, meta, self.clock(), ttl, trailer)
+            if trailer:
+                self._manifests[transfer_id] = manifest
             view = _view(exp)
         self.metrics.exports.inc()
         self._gauges()
@@ -121,7 +150,11 @@ class StagingStore:
     def commit_export(self, transfer_id: str, ttl: float) -> ExportView:
         """The engine wrote the buffers: the export is ready and its lease starts again."""
         with self._lock:
-            return _view(self.ledger.commit_export(transfer_id, self.clock(), ttl))
+            exp = self.ledger.commit_export(transfer_id, self.clock(), ttl)
+            manifest = self._manifests.pop(transfer_id, None)
+            if manifest is not None:
+                self.region.publish(exp.offset + exp.layout.total_bytes, transfer_id, manifest)
+            return _view(exp)
 
     def export(self, transfer_id: str) -> ExportView | None:
         with self._lock:
@@ -134,6 +167,12 @@ class StagingStore:
             freed = self.ledger.release_export(transfer_id, "aborted")
         self._settle([freed] if freed else [])
         return freed is not None
+
+    def _retire(self, exp: Export) -> None:
+        """The ledger's hook (under our lock): the export is going, its trailer first."""
+        self._manifests.pop(exp.transfer_id, None)
+        if exp.trailer and exp.state == "ready":
+            self.region.retire(exp.offset + exp.layout.total_bytes)
 
     # ---- exports: the peer server's side (ExportSource) ------------------------------------
 

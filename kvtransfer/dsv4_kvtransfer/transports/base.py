@@ -10,7 +10,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.peer import PeerConnection
+from dsv4_kvtransfer.staging import Trailer
 
 
 class TransportUnavailable(RuntimeError):
@@ -43,6 +45,18 @@ class FetchJob:
     reads its reply instead of asking."""
 
 
+class DirectSource(ABC):
+    """An export this sidecar can read in place (same host): its trailer, and its bytes."""
+
+    @abstractmethod
+    def trailer(self) -> Trailer | None:
+        """The export's trailer if it is live now (None: not pullable this way)."""
+
+    @abstractmethod
+    def copy_into(self, dest: memoryview, deadline: float) -> None:
+        """Copy the export's bytes (``len(dest)`` of them) into ``dest``."""
+
+
 class Transport(ABC):
     name: str = ""
 
@@ -55,6 +69,11 @@ class Transport(ABC):
         write with the manifest request so the pull takes one round trip fewer; ``b""``: none,
         ``fetch`` asks itself."""
         return b""
+
+    def direct_source(self, params: RemotePrefillParams) -> DirectSource | None:
+        """The export the params name, readable in place without asking its sidecar first
+        (``None``: ask it, the usual way)."""
+        return None
 
     @abstractmethod
     def fetch(self, job: FetchJob) -> None:
