@@ -323,7 +323,7 @@ class SidecarClient:
         finished pull), a mapping of an older region (the sidecar restarted) is replaced: KV
         must never be written into, or read from, a region the sidecar no longer serves."""
         with self._region_lock:
-            if self._region is not None and tag is not None and self._region.tag.hex() != tag:
+            if self._region is not None and tag is not None and self._region.tag_hex != tag:
                 self._region.close()
                 self._region = None
             if self._region is None:
@@ -331,7 +331,7 @@ class SidecarClient:
                 region = StagingRegion.attach(
                     str(info["shm_name"]), self._shm_dir or str(info["shm_dir"])
                 )
-                if tag is not None and region.tag.hex() != tag:
+                if tag is not None and region.tag_hex != tag:
                     region.close()
                     raise SidecarError(0, "restarted", "the KV sidecar restarted meanwhile")
                 self._region = region

@@ -55,7 +55,7 @@ class Exports:
         return {
             "transfer_id": tid,
             "shm_name": region.name,
-            "shm_tag": region.tag.hex(),
+            "shm_tag": region.tag_hex,
             "offset": exp.offset,
             "total_bytes": exp.layout.total_bytes,
             "buffers": [
@@ -75,7 +75,7 @@ class Exports:
         extra = dict(m["params_extra"])
         if exp.trailer:  # published: a same-host puller may copy without asking first
             region = self.store.region
-            extra[SHM_SOURCE] = {"name": region.name, "tag": region.tag.hex(), "offset": exp.offset}
+            extra[SHM_SOURCE] = {"name": region.name, "tag": region.tag_hex, "offset": exp.offset}
         params = RemotePrefillParams(
             remote_engine_id=m["engine_id"],
             remote_request_id=m["request_id"],

@@ -273,7 +273,7 @@ class PeerServer:
                     FrameType.SHM_INFO,
                     {
                         "shm_name": self.source.region.name,
-                        "tag": self.source.region.tag.hex(),
+                        "tag": self.source.region.tag_hex,
                         "offset": exp.offset,
                         "length": exp.layout.total_bytes,
                     },

@@ -44,6 +44,8 @@ POOL_IDLE_S = 20.0
 POOL_PER_PEER = 2
 # pulls up to this size asked with a wait run on the asking thread (see ``start``)
 INLINE_PULL_BYTES = 64 << 20
+# layouts parsed from trailers, kept (exports of one model with as many blocks look alike)
+LAYOUT_CACHE = 64
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ class Puller:
         # pulls running at once, on the pool or inline (``start``)
         self._slots = threading.BoundedSemaphore(self.cfg.max_concurrent_pulls)
         self.spans: SidecarSpans | None = None
+        self._layouts: dict[bytes, Layout] = {}  # in-place pulls': trailer layout -> parsed
 
     def stop(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
@@ -219,7 +222,7 @@ class Puller:
             out["reason"] = pull.reason
         if pull.state == "done" and pull.layout is not None and pull.offset is not None:
             out["shm_name"] = self.store.region.name
-            out["shm_tag"] = self.store.region.tag.hex()
+            out["shm_tag"] = self.store.region.tag_hex
             out["offset"] = pull.offset
             out["buffers"] = [
                 {**b.to_dict(), "offset": pull.offset + b.offset} for b in pull.layout.buffers
@@ -383,17 +386,16 @@ class Puller:
         trailer = src.trailer() if src is not None else None
         if src is None or trailer is None:
             return False
+        raw_layout, _, raw_meta = trailer.manifest.partition(b"\n")
         try:
-            manifest = json.loads(trailer.manifest)
-            layout = Layout.from_dict(manifest.get("layout"))
-        except (ValueError, AttributeError):  # (LayoutError is a ValueError)
+            layout = self._layouts.get(raw_layout) or self._layout(raw_layout)
+            meta = json.loads(raw_meta)
+        except ValueError:  # (LayoutError is one)
             return False
-        if layout.total_bytes != p.remote_total_bytes or manifest.get("transfer_id") != (
-            p.remote_transfer_id
-        ):
+        if layout.total_bytes != p.remote_total_bytes:
             return False
-        with self._cond:
-            imp = self.store.reserve_import(pull.pull_id, layout.total_bytes)
+        with self._cond:  # (the gauges follow in _record, after the answer)
+            imp = self.store.reserve_import(pull.pull_id, layout.total_bytes, gauges=False)
             pull.offset = imp.offset
         landed = False
         try:
@@ -410,8 +412,16 @@ class Puller:
         if not landed:
             return False
         self._progress(pull, layout.total_bytes)
-        self._complete(pull, layout, manifest, t0, data_s)
+        self._complete(pull, layout, {"meta": meta}, t0, data_s)
         return True
+
+    def _layout(self, raw: bytes) -> Layout:
+        """A layout from a trailer, checked; kept for the next export of the same shapes."""
+        layout = Layout.from_dict(json.loads(raw))
+        if len(self._layouts) >= LAYOUT_CACHE:
+            self._layouts.clear()
+        self._layouts[raw] = layout
+        return layout
 
     def _release_remote(self, pull: Pull) -> None:
         """Every byte is ours: the prefill side frees its export (the engine goes on meanwhile:
@@ -472,6 +482,7 @@ class Puller:
         """A landed pull in the metrics."""
         name, nbytes = self.transport.name, pull.total_bytes
         (t0, data_s), end = pull.timing, pull.finished or time.monotonic()
+        self.store.update_gauges()
         self.metrics.pulls.labels("done").inc()
         self.metrics.bytes_moved.labels("received", name).inc(nbytes)
         self.metrics.transfer_seconds.labels(name).observe(end - t0)

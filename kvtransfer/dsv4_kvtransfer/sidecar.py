@@ -166,7 +166,7 @@ class Sidecar:
             "advertise_host": self.cfg.advertise_host,
             "port": self.port,
             "shm_name": region.name,
-            "shm_tag": region.tag.hex(),
+            "shm_tag": region.tag_hex,
             "shm_dir": self.cfg.shm_dir,
             "header_bytes": HEADER_BYTES,
             "staging_bytes": u.staging_bytes,

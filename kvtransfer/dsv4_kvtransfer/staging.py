@@ -53,6 +53,7 @@ class StagingRegion:
         self.path = path
         self.size = size
         self.tag = tag
+        self.tag_hex = tag.hex()
         self.owner = owner
         self._fd = fd
         self._mm = mm

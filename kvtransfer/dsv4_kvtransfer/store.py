@@ -66,12 +66,13 @@ def _view(exp: Export) -> ExportView:
     )
 
 
-def manifest_bytes(transfer_id: str, layout: Layout, meta: dict[str, Any]) -> bytes:
-    """An export's manifest as its trailer holds it (the ``MANIFEST`` frame's fields)."""
-    return json.dumps(
-        {"transfer_id": transfer_id, "layout": layout.to_dict(), "meta": meta},
-        separators=(",", ":"),
-    ).encode()
+def manifest_bytes(layout: Layout, meta: dict[str, Any]) -> bytes:
+    """An export's manifest as its trailer holds it: the ``MANIFEST`` frame's layout and meta,
+    as two lines of JSON (the layout alone, so a puller can reuse what it parsed before)."""
+    return b"%s\n%s" % (
+        json.dumps(layout.to_dict(), separators=(",", ":")).encode(),
+        json.dumps(meta, separators=(",", ":")).encode(),
+    )
 
 
 class StagingStore:
@@ -136,7 +137,7 @@ class StagingStore:
         self, transfer_id: str, layout: Layout, meta: dict[str, Any], ttl: float
     ) -> ExportView:
         """Raises ``LedgerError`` (``staging_full``, ``duplicate``)."""
-        manifest = manifest_bytes(transfer_id, layout, meta) if self.publish else b""
+        manifest = manifest_bytes(layout, meta) if self.publish else b""
         trailer = TRAILER.size + len(manifest) if manifest else 0
         with self._lock:
             exp = self.ledger.reserve_export(transfer_id, layout, meta, self.clock(), ttl, trailer)
@@ -200,12 +201,17 @@ class StagingStore:
 
     # ---- imports: the puller's side ---------------------------------------------------------
 
-    def reserve_import(self, pull_id: str, nbytes: int) -> Import:
-        """Raises ``LedgerError`` (``staging_full``, ``duplicate``)."""
+    def reserve_import(self, pull_id: str, nbytes: int, gauges: bool = True) -> Import:
+        """Raises ``LedgerError`` (``staging_full``, ``duplicate``). ``gauges=False``: the
+        caller brings them up to date later (``update_gauges``), off its critical path."""
         with self._lock:
             imp = self.ledger.reserve_import(pull_id, nbytes)
-        self._gauges()
+        if gauges:
+            self._gauges()
         return imp
+
+    def update_gauges(self) -> None:
+        self._gauges()
 
     def complete_import(self, pull_id: str, ttl: float) -> float:
         """Every byte is in: the engine has ``ttl`` seconds to take it; -> that expiry."""

@@ -56,7 +56,7 @@ class ShmTransport(Transport):
     def _region(self, name: str, tag: str) -> StagingRegion:
         with self._lock:
             region = self._regions.get(name)
-            if region is not None and region.tag.hex() != tag:
+            if region is not None and region.tag_hex != tag:
                 # the remote sidecar restarted under the same name: a new segment
                 region.close()
                 region = None
@@ -69,7 +69,7 @@ class ShmTransport(Transport):
                         f"shm transport needs both sidecars on one host sharing {self.shm_dir}: {e}",
                     ) from None
                 self._regions[name] = region
-            if region.tag.hex() != tag:
+            if region.tag_hex != tag:
                 raise TransferFailed(
                     "shm_unreachable",
                     f"{self.shm_dir}/{name} is not the remote sidecar's region (different host?)",

@@ -121,7 +121,7 @@ def peers(tmp_path: Path) -> Iterator[Peers]:
 def test_an_export_is_published_at_commit_and_retired_before_it_goes(tmp_path: Path) -> None:
     store = make_store(tmp_path, "pub", True)
     layout = Layout.plan([BufferSpec("kv", "uint8", (10_000,))])
-    manifest = manifest_bytes("t1", layout, {"request_id": "r1"})
+    manifest = manifest_bytes(layout, {"request_id": "r1"})
     exp = store.reserve_export("t1", layout, {"request_id": "r1"}, ttl=30.0)
     assert exp.trailer == TRAILER.size + len(manifest)
     # 10,000 bytes and the trailer: still three 4 KiB units
@@ -193,6 +193,7 @@ def test_a_same_host_pull_copies_without_a_round_trip_and_releases_after(peers: 
     # the next one reuses the pooled connection for its RELEASE
     st2 = puller.start(PullRequest(peers.export("t2"), wait_s=5.0))
     assert st2["state"] == "done"
+    assert len(puller._layouts) == 1  # the same shapes: parsed once
     until("the second export released", lambda: not peers.src.ledger.exports)
     assert peers.frames == ["RELEASE", "RELEASE"]
     assert sample(peers.src, "dsv4_kv_released_total", kind="export", reason="pulled") == 2
