@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from dsv4_kvtransfer.frames import (
 
 # progress granularity while a large DATA payload lands
 RECV_PIECE = 8 << 20
+log = logging.getLogger("dsv4.kv.puller")
 
 
 class RemoteError(Exception):
@@ -46,6 +48,8 @@ class PeerConnection:
         # per-connection state of a transport (e.g. a process group bound to this peer)
         self.extras: dict[str, Any] = {}
         self.on_close: list[Callable[[], None]] = []
+        # transfers released without waiting for the answer (read before the next reply)
+        self._owed: list[str] = []
 
     @classmethod
     def open(
@@ -85,6 +89,17 @@ class PeerConnection:
         self.close()
 
     def _reply(self, expect: FrameType) -> Frame:
+        while self._owed:
+            tid = self._owed.pop(0)
+            owed = read_frame(self.sock, self.limits)
+            if owed.type == FrameType.ERROR:
+                log.warning(
+                    "releasing transfer %s failed (its lease will free it): %s",
+                    tid,
+                    owed.meta.get("message"),
+                )
+            elif owed.type != FrameType.RELEASED:
+                raise FrameError("unexpected_type", f"expected RELEASED, got {owed.type.name}")
         frame = read_frame(self.sock, self.limits)
         if frame.type == FrameType.ERROR:
             raise RemoteError(
@@ -110,6 +125,12 @@ class PeerConnection:
 
     def release(self, transfer_id: str) -> None:
         self.request(FrameType.RELEASE, {"transfer_id": transfer_id}, FrameType.RELEASED)
+
+    def release_nowait(self, transfer_id: str) -> None:
+        """RELEASE without waiting for the answer: it is read (an error in it logged) before
+        the next reply on this connection."""
+        send_frame(self.sock, FrameType.RELEASE, {"transfer_id": transfer_id})
+        self._owed.append(transfer_id)
 
     def read_request(self, transfer_id: str, offset: int, length: int) -> bytes:
         """The READ frame for bytes ``[offset, offset + length)`` of the remote export (sent by

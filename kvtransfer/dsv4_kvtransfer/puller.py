@@ -162,13 +162,28 @@ class Puller:
                 if after is None:
                     self._exec.submit(self._landed, pull)
                 else:
-                    after.append(lambda: self._submit_landed(pull))
+                    after.append(lambda: self._answered(pull))
             return self.status(pull.pull_id)
         self._exec.submit(self._queued, pull)
         return self.status(pull.pull_id, req.wait_s)
 
-    def _submit_landed(self, pull: Pull) -> None:
-        self._exec.submit(self._landed, pull)
+    def _answered(self, pull: Pull) -> None:
+        """An inline pull's answer went out; on the same thread (no other one to wake): the
+        metrics, then RELEASE on a pooled connection without waiting for its answer. Without
+        one (its handshake would hold this connection's next request), on the pool."""
+        self._record(pull)
+        p = pull.params
+        conn, pull.peer = pull.peer, None
+        conn = conn or self._pooled(p.remote_host, p.remote_port)
+        if conn is not None:
+            try:
+                conn.release_nowait(p.remote_transfer_id)
+            except OSError:  # gone stale: a fresh one, on the pool
+                conn.close()
+            else:
+                self._give_back(conn)
+                return
+        self._exec.submit(self._release_remote, pull)
 
     def _queued(self, pull: Pull) -> None:
         with self._slots:

@@ -266,3 +266,31 @@ def test_a_region_that_is_not_here_is_not_looked_for_again_at_once(peers: Peers)
     assert ("not-on-this-host", elsewhere["tag"]) in shm._absent
     assert shm.direct_source(params) is not None
     shm.close()
+
+
+def test_after_the_answer_release_goes_out_without_waiting_and_its_answer_is_read_later(
+    peers: Peers, caplog: pytest.LogCaptureFixture
+) -> None:
+    puller = peers.puller()
+    after: list[Callable[[], None]] = []
+    st = puller.start(PullRequest(peers.export("t1"), wait_s=5.0), after=after)
+    assert st["state"] == "done" and len(after) == 1
+    assert "t1" in peers.src.ledger.exports  # nothing sent before the answer
+    after[0]()  # no pooled connection yet: RELEASE on the pool (connect, release)
+    until("the export released", lambda: not peers.src.ledger.exports)
+    until("the connection pooled", lambda: bool(puller._pool.get(("127.0.0.1", peers.port))))
+    # the next one: RELEASE on the pooled connection, on this thread, its answer not awaited
+    after.clear()
+    st2 = puller.start(PullRequest(peers.export("t2"), wait_s=5.0), after=after)
+    after[0]()
+    until("the second export released", lambda: not peers.src.ledger.exports)
+    ((_, conn),) = puller._pool[("127.0.0.1", peers.port)]
+    assert conn._owed == ["t2"]
+    # an answer owed is read before the next reply, an error in it only logged
+    params = peers.export("t3")
+    conn.release_nowait("t2")  # released already: the source answers with an error
+    assert conn.manifest("t3")["layout"]["total_bytes"] == len(PAYLOAD)
+    assert conn._owed == [] and "releasing transfer t2 failed" in caplog.text
+    assert params.remote_transfer_id == "t3"
+    for pid in (st["pull_id"], st2["pull_id"]):
+        assert puller.release(pid)["freed"]
