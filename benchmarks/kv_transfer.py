@@ -35,7 +35,7 @@ import numpy as np
 
 from dsv4_common.process import free_ports
 from dsv4_kvtransfer.buffers import BufferSpec
-from dsv4_kvtransfer.client import SidecarClient
+from dsv4_kvtransfer.client import SidecarClient, SidecarError
 from dsv4_kvtransfer.config import parse_size
 from dsv4_kvtransfer.launch import SidecarService
 
@@ -131,7 +131,17 @@ def fill(view: memoryview) -> None:
 def pull_once(pair: Pair, size: int, state: dict[str, Any], verify: bool) -> tuple[float, int, int]:
     """Export ``size`` bytes on the source, pull them to the destination; -> (seconds, source
     offset, destination offset)."""
-    res = pair.src.reserve_export("bench", [BufferSpec("kv", "uint8", (size,))])
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            res = pair.src.reserve_export("bench", [BufferSpec("kv", "uint8", (size,))])
+            break
+        except SidecarError as e:
+            # the previous pull's export goes when its RELEASE arrives, sent after that pull's
+            # answer: at the largest size two do not fit in the region, so wait for it (untimed)
+            if e.code != "staging_full" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
     placed = res.buffers["kv"]
     if state.get("filled") != (placed.offset, size):
         view = pair.src.view(placed)
