@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install --upgrade pip >/dev/null
 	$(BIN)/pip install -r $(LOCK)
 	$(BIN)/pip install --no-deps -e .
-	@# the CPU kernels (g++ + ninja; cached in ~/.cache/torch_extensions): built here once, not
+	@# the CPU kernels (g++ + ninja; cached in ~/.cache/torch_extensions/dsv4-<venv>): built here once, not
 	@# inside the first engine or test that needs them (they fall back to torch without a compiler);
 	@# as many at once as there are CPUs
 	$(BIN)/python -m dsv4_serving.kernels.build

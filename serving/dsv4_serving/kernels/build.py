@@ -14,6 +14,7 @@ one core busy and a cold machine paid for them one after another.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -50,10 +51,12 @@ def build(name: str, variant: str = "") -> ModuleType:
     from torch.utils.cpp_extension import load
 
     omp = ["-fopenmp"] if name in OPENMP else []
+    full = f"dsv4_{name}" + (f"_{variant}" if variant else "")
     try:
         module: ModuleType = load(
-            name=f"dsv4_{name}" + (f"_{variant}" if variant else ""),
+            name=full,
             sources=[str(HERE / f"{name}.cpp")],
+            build_directory=str(_build_dir(full)),
             extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", *omp, *VARIANTS[variant]],
             extra_ldflags=omp,
             verbose=False,
@@ -61,6 +64,17 @@ def build(name: str, variant: str = "") -> ModuleType:
     except Exception as exc:  # a compiler error is a reason to fall back, not to crash
         raise KernelUnavailable(f"building {name} failed: {exc}") from exc
     return module
+
+
+def _build_dir(name: str) -> Path:
+    """One directory per kernel and virtual environment. Two venvs (a clean CI clone beside a
+    working tree) build with different include paths: in torch's one shared directory each
+    rebuilt the other's kernel at its next load, minutes of compiler inside tests."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache/torch_extensions")
+    venv = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    d = Path(root) / f"dsv4-{venv}" / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def available(name: str, variant: str = "") -> bool:
