@@ -7,6 +7,7 @@ head are re-expanded from the latents through ``wkv_b`` when a query attends to 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv4_serving.cache.metadata import AttentionMetadata
@@ -76,6 +77,20 @@ class MLAttention(nn.Module):
             w_uv = per_head[:, self.nope :].float().contiguous()
             self._absorbed = (key, w_uk, w_uv)
         return self._absorbed[1], self._absorbed[2]
+
+    def expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents ``[n, kv_lora]`` float32 -> per-head key part ``[n, h, nope]`` and values
+        ``[n, h, v]`` in float32 (prefill's MHA form). A float32 weight is used as it is; a
+        low-precision one through the float32 halves ``_absorb_weights`` already keeps (no
+        conversion of the matrix per chunk and layer, no further copy)."""
+        n, h = lat.shape[0], self.n_heads
+        w = self.wkv_b.weight
+        if w.dtype == torch.float32:
+            kv = F.linear(lat, w).view(n, h, self.nope + self.v_dim)
+            return kv[..., : self.nope], kv[..., self.nope :]
+        w_uk, w_uv = self._absorb_weights()
+        k = F.linear(lat, w_uk.view(h * self.nope, self.kv_lora)).view(n, h, self.nope)
+        return k, F.linear(lat, w_uv.view(h * self.v_dim, self.kv_lora)).view(n, h, self.v_dim)
 
     def project(
         self, x: torch.Tensor, meta: AttentionMetadata

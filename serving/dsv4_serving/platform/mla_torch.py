@@ -106,18 +106,11 @@ class MLATorch(AttentionBackend):
         if ctx:
             prefix = self.latents(pool, step.meta.block_tables[seq.seq], ctx).float()
             lat = torch.cat((prefix, lat), dim=0)
-        keys, h, nope, dv, lora = (
-            lat.shape[0],
-            layer.n_heads,
-            layer.nope,
-            layer.v_dim,
-            layer.kv_lora,
-        )
-        kv = F.linear(lat[:, :lora], layer.wkv_b.weight.float()).view(keys, h, nope + dv)
+        keys, h, dv, lora = lat.shape[0], layer.n_heads, layer.v_dim, layer.kv_lora
+        k_nope, v = layer.expand(lat[:, :lora])
         rope = lat[:, None, lora:].expand(keys, h, lat.shape[1] - lora)
-        k = torch.cat((kv[..., :nope], rope), dim=-1)
+        k = torch.cat((k_nope, rope), dim=-1)
         q = torch.cat((q_nope.float(), q_pe.float()), dim=-1)
-        v = kv[..., nope:]
         if v.shape[-1] != q.shape[-1]:
             # the CPU flash kernel wants one head dim for q, k and v (vLLM pads likewise)
             v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
