@@ -24,6 +24,8 @@ from dsv4_kvtransfer.frames import (
 # progress granularity while a large DATA payload lands
 RECV_PIECE = 8 << 20
 log = logging.getLogger("dsv4.kv.puller")
+# RELEASEs sent without waiting whose answers are read at the latest with the next of them
+MAX_OWED = 16
 
 
 class RemoteError(Exception):
@@ -88,7 +90,8 @@ class PeerConnection:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _reply(self, expect: FrameType) -> Frame:
+    def _settle_owed(self) -> None:
+        """Read the answers owed to RELEASEs sent without waiting (an error in one logged)."""
         while self._owed:
             tid = self._owed.pop(0)
             owed = read_frame(self.sock, self.limits)
@@ -100,6 +103,9 @@ class PeerConnection:
                 )
             elif owed.type != FrameType.RELEASED:
                 raise FrameError("unexpected_type", f"expected RELEASED, got {owed.type.name}")
+
+    def _reply(self, expect: FrameType) -> Frame:
+        self._settle_owed()
         frame = read_frame(self.sock, self.limits)
         if frame.type == FrameType.ERROR:
             raise RemoteError(
@@ -131,6 +137,10 @@ class PeerConnection:
         the next reply on this connection."""
         send_frame(self.sock, FrameType.RELEASE, {"transfer_id": transfer_id})
         self._owed.append(transfer_id)
+        if len(self._owed) >= MAX_OWED:
+            # a connection used only for these (in-place pulls read nothing on it) must not
+            # let the answers pile up until both sides' buffers are full and the sends block
+            self._settle_owed()
 
     def read_request(self, transfer_id: str, offset: int, length: int) -> bytes:
         """The READ frame for bytes ``[offset, offset + length)`` of the remote export (sent by

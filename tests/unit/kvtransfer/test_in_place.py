@@ -20,6 +20,7 @@ from dsv4_kvtransfer.control_requests import PullRequest
 from dsv4_kvtransfer.ledger import Ledger
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams, shm_source
+from dsv4_kvtransfer.peer import MAX_OWED
 from dsv4_kvtransfer.peer_server import PeerServer, PeerServerConfig
 from dsv4_kvtransfer.puller import Puller
 from dsv4_kvtransfer.staging import HEADER_BYTES, TRAILER, StagingRegion
@@ -294,3 +295,18 @@ def test_after_the_answer_release_goes_out_without_waiting_and_its_answer_is_rea
     assert params.remote_transfer_id == "t3"
     for pid in (st["pull_id"], st2["pull_id"]):
         assert puller.release(pid)["freed"]
+
+
+def test_answers_owed_do_not_pile_up_on_a_connection_that_only_releases(peers: Peers) -> None:
+    puller = peers.puller()
+    conn = puller._connect("127.0.0.1", peers.port)
+    try:
+        conn.settimeout(5.0)
+        for i in range(MAX_OWED + 3):
+            peers.export(f"t{i}")
+            conn.release_nowait(f"t{i}")
+            # read by the MAX_OWED-th at the latest, so never more than MAX_OWED - 1 left
+            assert len(conn._owed) == (i + 1) % MAX_OWED
+        until("every export released", lambda: not peers.src.ledger.exports)
+    finally:
+        conn.close()
