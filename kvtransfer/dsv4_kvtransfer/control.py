@@ -145,7 +145,10 @@ def _after_answer(after: list[Callable[[], None]]) -> None:
     answer, maybe on this core: let it run first (with a core to spare this returns at once)."""
     os.sched_yield()
     for f in after:
-        f()
+        try:
+            f()
+        except Exception:  # the answer is out: a bug here must not end the connection
+            logging.getLogger("dsv4.kv.control").exception("after an answer")
 
 
 def _json(obj: Any) -> bytes:
