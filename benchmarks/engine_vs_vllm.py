@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Any
 
 VLLM_VERSION = "0.32.0"
-# the caller's own setting (dsv4_serving sets a default for our engine when imported)
-OWN_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 VLLM_SCRIPT = r"""
 import json, sys, time
@@ -363,8 +361,6 @@ def run_vllm(
             "max_num_seqs": len(prompts),
         }
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2")
-        if OWN_OMP_WAIT_POLICY is None:  # our package's default is ours, not vLLM's
-            env.pop("OMP_WAIT_POLICY", None)
         try:
             r = subprocess.run(
                 [str(py), str(script), json.dumps(args)],
@@ -419,8 +415,6 @@ def main() -> None:
     )
     args = ap.parse_args()
     prompts = workload(args.requests, args.prompt)
-    # the package before torch: its __init__ sets the engine's OpenMP wait policy
-    import dsv4_serving  # noqa: F401, I001
     import torch
 
     bandwidth = memory_bandwidth()
