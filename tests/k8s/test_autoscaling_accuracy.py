@@ -45,10 +45,8 @@ def _snapshot(url: str) -> Snapshot:
 
 
 def _measure_first() -> None:
-    """The bench is the reference clock. On 2 cores shared with two engines, the gateway and
-    Prometheus, a starved client reads two SSE events in one wake-up and its ITL p90 doubles
-    (a CI run: client 0.041 s against the gateway's 0.020 s, per-request TPOT 0.017 s). As
-    root it runs ahead of what it measures; otherwise as it is."""
+    """The bench is the reference clock: on 2 cores shared with two engines, the gateway and
+    Prometheus, as root it runs ahead of what it measures; otherwise as it is."""
     if os.geteuid() == 0:
         os.nice(-10)
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from dsv4_serving.bench.stats import RequestRecord
+from dsv4_serving.gateway.lifecycle import carries_text
 
 _WORDS = [
     "the",
@@ -147,7 +148,10 @@ async def one_request(
                     if usage:
                         rec.prompt_tokens = int(usage.get("prompt_tokens", rec.prompt_tokens))
                         rec.output_tokens = int(usage.get("completion_tokens", rec.output_tokens))
-                    if any(_has_text(c) for c in event.get("choices") or []):
+                    # a token, as the gateway's histograms count one (an empty text in an
+                    # unfinished choice too: a token whose bytes do not make a character yet);
+                    # counting only non-empty texts merged those gaps, and ITL p90 doubled
+                    if carries_text(data.encode()):
                         now = time.perf_counter()
                         if last is None:
                             rec.ttft = now - start
@@ -168,13 +172,6 @@ async def one_request(
     if not rec.ok:
         rec.error = "no tokens in the answer"
     return rec
-
-
-def _has_text(choice: dict[str, Any]) -> bool:
-    if choice.get("text"):
-        return True
-    delta = choice.get("delta") or {}
-    return bool(delta.get("content") or delta.get("reasoning_content"))
 
 
 class Progress:
