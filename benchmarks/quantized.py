@@ -5,7 +5,7 @@ scales) and W8A8 int8, on the same model config and the same (dummy) weights qua
     .venv/bin/python benchmarks/quantized.py [--configs dsv3-small anchor]
         [--formats float32 bfloat16 fp8 fp8-torch w8a8 w8a8-torch w8a8-avx2]
         [--batches 1 16] [--prompt 64]
-        [--decode-steps 8] [--threads N]
+        [--decode-steps 8] [--repeats 1] [--threads N]
 
 ``anchor`` is ../shared/anchors/dsv3-anchor-config.json (the engine comparison's model).
 Each decode step runs ``batch`` sequences one token each after a ``--prompt``-token prefill.
@@ -113,6 +113,10 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of every format, alternating; the median of each format's runs is reported",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument(
         "--clock",
@@ -126,6 +130,7 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(
         f"CPU decode, prompt {args.prompt}, {args.decode_steps} steps (median), "
+        f"{args.repeats} alternating run(s) per format (median), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock"
     )
     head = (
@@ -137,9 +142,21 @@ def main() -> None:
     for name in args.configs:
         config = _config(name)
         for batch in args.batches:
+            # Formats alternate within each repeat, so a slow spell of the machine hits all alike.
+            runs: dict[str, list[dict[str, float]]] = {fmt: [] for fmt in args.formats}
+            for _ in range(max(1, args.repeats)):
+                for fmt in args.formats:
+                    runs[fmt].append(
+                        bench(config, fmt, batch, args.prompt, args.decode_steps, clock)
+                    )
             base = None
             for fmt in args.formats:
-                r = bench(config, fmt, batch, args.prompt, args.decode_steps, clock)
+                step_ms = statistics.median(r["step_ms"] for r in runs[fmt])
+                r = {
+                    "step_ms": step_ms,
+                    "tok_s": 1000 * batch / step_ms,
+                    "mib": runs[fmt][0]["mib"],
+                }
                 base = r["tok_s"] if fmt == "float32" else base
                 ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
                 print(
