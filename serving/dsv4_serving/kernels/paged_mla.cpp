@@ -3,56 +3,143 @@
 // For each sequence: its queries (1 at decode, k+1 for MTP verification, more for a chunk)
 // attend causally over the sequence's cached latents, block by block, with an online softmax
 // per (query, head). Each block is read from memory once and stays in cache while every query
-// and head of the sequence uses it. Sequences are independent and each is reduced in a fixed
+// and head of the sequence uses it; heads and keys are tiled in registers (below). Sequences are independent and each is reduced in a fixed
 // order, so a sequence's result does not depend on the rest of the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// Heads and keys are tiled so that each loaded vector feeds several FMAs: the score tile
+// holds HB heads x TB keys of dot products in registers (one load of each key's chunk serves
+// HB heads, one load of each query chunk TB keys), and the value tile HB heads x 16 output
+// channels over all the block's keys (one key chunk serves HB heads). Absorbed MLA is
+// multi-query attention: every head reads the same latents, so this is where the reuse is.
+// Per (query, head) the sums still run in a fixed order, independent of the batch.
+constexpr int HB = 4;  // heads per tile
+constexpr int TB = 3;  // keys per score tile (HB * TB accumulators + TB keys + 1 query: 16 ymm)
+
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  for (; i + 8 <= n; i += 8) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  }
-  s0 = _mm256_add_ps(s0, s1);
-  __m128 lo = _mm256_castps256_ps128(s0), hi = _mm256_extractf128_ps(s0, 1);
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
   lo = _mm_hadd_ps(lo, lo);
   lo = _mm_hadd_ps(lo, lo);
-  float s = _mm_cvtss_f32(lo);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-#else
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-#endif
+  return _mm_cvtss_f32(lo);
 }
 
-// y = y * scale + p * x
-inline void scale_axpy(float* y, float scale, float p, const float* x, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vs = _mm256_set1_ps(scale), vp = _mm256_set1_ps(p);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(y + i), vs);
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + i), v));
-  }
-  for (; i < n; ++i) y[i] = y[i] * scale + p * x[i];
-#else
-  for (int64_t i = 0; i < n; ++i) y[i] = y[i] * scale + p * x[i];
 #endif
+
+// out[h * ld + t] = sc * dot(q[h], kv[t]) for h < NH, t < NT.
+template <int NH, int NT>
+inline void score_tile(const float* q, const float* kv, int64_t width, float* out, int64_t ld,
+                       float sc) {
+  float sums[NH][NT];
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[NH][NT];
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < NT; ++t) acc[h][t] = _mm256_setzero_ps();
+  for (; i + 8 <= width; i += 8) {
+    __m256 k[NT];
+    for (int t = 0; t < NT; ++t) k[t] = _mm256_loadu_ps(kv + t * width + i);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * width + i);
+      for (int t = 0; t < NT; ++t) acc[h][t] = _mm256_fmadd_ps(qv, k[t], acc[h][t]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < NT; ++t) sums[h][t] = hsum(acc[h][t]);
+#else
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < NT; ++t) sums[h][t] = 0.f;
+#endif
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < NT; ++t) {
+      float s = sums[h][t];
+      for (int64_t j = i; j < width; ++j) s += q[h * width + j] * kv[t * width + j];
+      out[h * ld + t] = s * sc;
+    }
+}
+
+template <int NH>
+inline void score_rows(const float* q, const float* kv, int64_t width, int64_t keys, float* out,
+                       int64_t ld, float sc) {
+  int64_t t = 0;
+  for (; t + TB <= keys; t += TB) score_tile<NH, TB>(q, kv + t * width, width, out + t, ld, sc);
+  for (; t < keys; ++t) score_tile<NH, 1>(q, kv + t * width, width, out + t, ld, sc);
+}
+
+// acc[h * dv + c] += sum over t < keys of p[h * ld + t] * kv[t * width + c], for h < NH.
+template <int NH>
+inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const float* kv,
+                       int64_t width, int64_t keys) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; c + 16 <= dv; c += 16) {
+    __m256 a[NH][2];
+    for (int h = 0; h < NH; ++h) {
+      a[h][0] = _mm256_loadu_ps(acc + h * dv + c);
+      a[h][1] = _mm256_loadu_ps(acc + h * dv + c + 8);
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+      const __m256 k0 = _mm256_loadu_ps(kv + t * width + c);
+      const __m256 k1 = _mm256_loadu_ps(kv + t * width + c + 8);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 pv = _mm256_broadcast_ss(p + h * ld + t);
+        a[h][0] = _mm256_fmadd_ps(pv, k0, a[h][0]);
+        a[h][1] = _mm256_fmadd_ps(pv, k1, a[h][1]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      _mm256_storeu_ps(acc + h * dv + c, a[h][0]);
+      _mm256_storeu_ps(acc + h * dv + c + 8, a[h][1]);
+    }
+  }
+#endif
+  for (; c < dv; ++c)
+    for (int h = 0; h < NH; ++h) {
+      float s = acc[h * dv + c];
+      for (int64_t t = 0; t < keys; ++t) s += p[h * ld + t] * kv[t * width + c];
+      acc[h * dv + c] = s;
+    }
+}
+
+// One query (all heads) over `keys` consecutive latents `kv`: online-softmax update of its
+// running max `m`, sum `l` and unnormalised output `acc` [heads, dv]. `sbuf` holds
+// heads x ld scores, then the probabilities.
+void attend_block(const float* q, const float* kv, int64_t heads, int64_t width, int64_t dv,
+                  int64_t keys, float sc, float* sbuf, int64_t ld, float* m, float* l,
+                  float* acc) {
+  int64_t h = 0;
+  for (; h + HB <= heads; h += HB)
+    score_rows<HB>(q + h * width, kv, width, keys, sbuf + h * ld, ld, sc);
+  for (; h < heads; ++h) score_rows<1>(q + h * width, kv, width, keys, sbuf + h * ld, ld, sc);
+  for (h = 0; h < heads; ++h) {
+    float* s = sbuf + h * ld;
+    float mx = m[h];
+    for (int64_t t = 0; t < keys; ++t) mx = std::max(mx, s[t]);
+    const float rescale = std::exp(m[h] - mx);
+    float sum = l[h] * rescale;
+    for (int64_t t = 0; t < keys; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    if (rescale != 1.f) {
+      float* a = acc + h * dv;
+      for (int64_t c = 0; c < dv; ++c) a[c] *= rescale;
+    }
+    m[h] = mx;
+    l[h] = sum;
+  }
+  for (h = 0; h + HB <= heads; h += HB)
+    value_tile<HB>(acc + h * dv, dv, sbuf + h * ld, ld, kv, width, keys);
+  for (; h < heads; ++h) value_tile<1>(acc + h * dv, dv, sbuf + h * ld, ld, kv, width, keys);
 }
 
 template <typename scalar_t>
@@ -70,6 +157,7 @@ void run(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor&
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> block(std::is_same<scalar_t, float>::value ? 0 : bs * width);
+    std::vector<float> sbuf(heads * bs);
     std::vector<float> m, l;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t q0 = sp[s], n = sp[s + 1] - q0, len = lp[s];
@@ -96,26 +184,9 @@ void run(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor&
           // query j sits at position len - n + j and sees keys up to it
           const int64_t visible = std::min(bs, len - n + j + 1 - first);
           if (visible <= 0) continue;
-          for (int64_t h = 0; h < heads; ++h) {
-            const float* qv = qp + ((q0 + j) * heads + h) * width;
-            const int64_t r = j * heads + h;
-            float scores[256];
-            float mx = m[r];
-            for (int64_t t = 0; t < visible; ++t) {
-              scores[t] = dot(qv, kv + t * width, width) * sc;
-              mx = std::max(mx, scores[t]);
-            }
-            float* a = acc + r * dv;
-            const float rescale = std::exp(m[r] - mx);
-            float sum = l[r] * rescale;
-            for (int64_t t = 0; t < visible; ++t) {
-              const float p = std::exp(scores[t] - mx);
-              sum += p;
-              scale_axpy(a, t == 0 ? rescale : 1.f, p, kv + t * width, dv);
-            }
-            m[r] = mx;
-            l[r] = sum;
-          }
+          attend_block(qp + (q0 + j) * heads * width, kv, heads, width, dv, visible, sc,
+                       sbuf.data(), bs, m.data() + j * heads, l.data() + j * heads,
+                       acc + j * heads * dv);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
