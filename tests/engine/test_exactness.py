@@ -10,6 +10,7 @@ import pytest
 
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.engine_core import EngineCore
+from dsv4_serving.engine.prefill_order import PrefillRate
 
 from .common import alone, run, workload
 
@@ -103,3 +104,23 @@ def test_scheduled_tokens_equal_tokens_alone(
         assert st.prefix_hits >= (N // 2) * (SHARED // core.info.block_size) * core.info.block_size
     if core.info.num_speculative_tokens:
         assert st.spec_draft_tokens > 0
+
+
+def test_prompts_ordered_by_deadline_give_the_tokens_alone(
+    reference: dict[str, dict[str, dict[int, list[int]]]],
+) -> None:
+    """The SLO-aware order (``--prompt-deadline``) only changes which prompts share a step:
+    the greedy tokens stay each request's own, and every block and slot comes back."""
+    over = {"max_num_batched_tokens": 61, "num_kv_blocks": 40, "enable_prefix_caching": False}
+    core = EngineCore(replace(BASE["dsv4-tiny"], prompt_deadline=0.3, **over))
+    # a fixed speed (10 ms a token: 30 tokens fit a deadline), so the order does not depend on
+    # how fast this machine is: the longer prompts of the first wave go behind the short ones
+    core.scheduler.rate = PrefillRate(min_tokens=1 << 30, seconds_per_token=0.01)
+    free0, slots0 = core.kv.num_free_blocks, core.kv.num_free_slots
+    got = run(core, workload(N, 1))
+    want = reference["dsv4-tiny"]["mixed"]
+    bad = [i for i in range(N) if got[i] != want[i]]
+    assert not bad, f"{len(bad)} requests differ, e.g. #{bad[0]}: {got[bad[0]]} vs {want[bad[0]]}"
+    st = core.stats()
+    assert st.num_late_prompts > 0
+    assert core.kv.num_free_blocks == free0 and core.kv.num_free_slots == slots0

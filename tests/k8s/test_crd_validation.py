@@ -204,6 +204,16 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "autoscaling.prefill.waitingPerInstance must be positive",
     ),
     (
+        "prompt deadline zero",
+        _cr(autoscaling={"prefill": {"promptDeadlineSeconds": 0}}),
+        "autoscaling.prefill.promptDeadlineSeconds must be positive",
+    ),
+    (
+        "prompt deadline past the TTFT objective",
+        _cr(autoscaling={"ttftSeconds": 1, "prefill": {"promptDeadlineSeconds": 1.5}}),
+        "autoscaling.prefill.promptDeadlineSeconds must not exceed ttftSeconds",
+    ),
+    (
         "autoscaling ratio inverted",
         _cr(autoscaling={"prefillDecodeRatio": {"min": 2, "max": 1}}),
         "autoscaling.prefillDecodeRatio needs 0 < min <= max",
@@ -262,7 +272,7 @@ def test_knobs_at_their_defaults_or_acted_on_are_accepted(k8s_control_plane, dsv
             "enabled": True,
             "intervalSeconds": 5,
             "metrics": {"source": "Prometheus", "prometheusURL": "http://prom.monitoring:9090"},
-            "prefill": {"min": 1, "max": 2, "tokensPerSecond": 20000},
+            "prefill": {"min": 1, "max": 2, "tokensPerSecond": 20000, "promptDeadlineSeconds": 1},
             "decode": {"min": 1, "max": 8, "kvCacheTarget": 0.9},
             "prefillDecodeRatio": {"min": 0.25, "max": 1},
         },

@@ -43,6 +43,15 @@ def autoscaling_schema() -> Schema:
             "waitingPerInstance": number(
                 "Mean prefill queue per instance above which prefill is short.", default=2.0
             ),
+            "promptDeadlineSeconds": number(
+                "SLO-aware prompt order in the prefill engines (also with autoscaling off): a "
+                "prompt's KV is due this many seconds after it reaches its engine (its share "
+                "of ttftSeconds: leave the KV transfer and the decode's first step room); the "
+                "prompts that can still make it are prefilled first, earliest deadline first, "
+                "those that cannot after them in arrival order (still served). Under overload "
+                "about capacity/arrival of the prompts then keep the objective instead of almost "
+                "none. Unset: first come, first served."
+            ),
         },
     )
     prefill["x-kubernetes-validations"] += [
@@ -50,6 +59,7 @@ def autoscaling_schema() -> Schema:
         for r, m in (
             _positive("prefill.tokensPerSecond", "tokens per second, e.g. 20000"),
             _positive("prefill.waitingPerInstance", "queued requests per instance, e.g. 2"),
+            _positive("prefill.promptDeadlineSeconds", "seconds, e.g. 0.7 of a 1 s TTFT"),
         )
     ]
     decode = _bounds(
@@ -161,6 +171,12 @@ def autoscaling_schema() -> Schema:
                 "self.ttftSeconds > 0.0",
                 "autoscaling.ttftSeconds must be a positive number of seconds (the p90 "
                 "time-to-first-token objective, e.g. 2)",
+            ),
+            (
+                "!has(self.prefill.promptDeadlineSeconds) || "
+                "self.prefill.promptDeadlineSeconds <= self.ttftSeconds",
+                "autoscaling.prefill.promptDeadlineSeconds must not exceed ttftSeconds (it is "
+                "the prefill engine's share of the TTFT objective)",
             ),
             (
                 "self.tpotSeconds > 0.0",

@@ -65,6 +65,7 @@ OWNED_ENGINE_FLAGS = (
     "--num-speculative-tokens",
     "--otlp-traces-endpoint",
     "--port",
+    "--prompt-deadline",
     "--quantization",
     "--rank-table",
     "--rendezvous-timeout",

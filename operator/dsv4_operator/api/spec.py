@@ -150,6 +150,8 @@ class AutoscalingSpec:
     prometheus_url: str | None = None
     prefill_tokens_per_s: float | None = None
     waiting_per_instance: float = 2.0
+    prompt_deadline_s: float | None = None
+    """The prefill engines' ``--prompt-deadline`` (SLO-aware prompt order); None: FCFS."""
     running_per_instance: int = 16
     kv_cache_target: float = 0.8
     ratio: tuple[float, float] | None = None
@@ -300,6 +302,7 @@ def _autoscaling(raw: dict[str, Any]) -> AutoscalingSpec:
         prometheus_url=metrics.get("prometheusURL"),
         prefill_tokens_per_s=float(tps) if tps is not None else None,
         waiting_per_instance=float(p["waitingPerInstance"]),
+        prompt_deadline_s=float(dl) if (dl := p.get("promptDeadlineSeconds")) is not None else None,
         running_per_instance=int(d["runningPerInstance"]),
         kv_cache_target=float(d["kvCacheTarget"]),
         ratio=(float(ratio["min"]), float(ratio["max"])) if ratio else None,

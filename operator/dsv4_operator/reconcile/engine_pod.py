@@ -49,8 +49,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def engine_command(role: RoleSpec) -> list[str]:
-    """The per-role flags; the deployment-wide settings are in engine.json (``--config``)."""
+def engine_command(role: RoleSpec, prompt_deadline_s: float | None = None) -> list[str]:
+    """The per-role flags; the deployment-wide settings are in engine.json (``--config``).
+    ``prompt_deadline_s``: the SLO-aware prompt order (``autoscaling.prefill``), prefill only."""
     par = role.parallelism
     cmd = [
         "dsv4",
@@ -86,6 +87,9 @@ def engine_command(role: RoleSpec) -> list[str]:
         # the pods may start minutes apart (an image pulled on one node only): the ranks wait
         # for each other as long as the startup probe waits for the pod
         cmd += ["--rendezvous-timeout", str(role.startup_timeout_s)]
+    if prompt_deadline_s is not None and role.role == "prefill":
+        # the decode role computes no prompts (their KV is pulled), so it keeps FCFS
+        cmd += ["--prompt-deadline", f"{prompt_deadline_s:g}"]
     return cmd + role.engine_args
 
 
@@ -200,7 +204,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "name": "engine",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": engine_command(role),
+        "command": engine_command(role, spec.autoscaling.prompt_deadline_s),
         "env": env,
         "ports": [{"name": names.METRICS_PORT_NAME, "containerPort": names.ENGINE_PORT}],
         "resources": _engine_resources(spec, role),

@@ -72,6 +72,13 @@ class EngineConfig:
     """Token budget of one step (prefill chunks + decode tokens + draft tokens)."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps, mixed with decode tokens."""
+    prompt_deadline: float = 0.0
+    """SLO-aware prompt order: a prompt's first token is due this many seconds after it reaches
+    the engine (prefill role: its KV ready for the decode, so leave the transfer and the decode's
+    first step room within the TTFT objective). The waiting prompts that can still make it go
+    first, earliest deadline first, judged by this engine's measured seconds per token; those
+    that cannot go after them in arrival order, still served (``engine/prefill_order.py``).
+    0 = first come, first served."""
     enable_prefix_caching: bool = True
     """Share full KV blocks of equal prefixes across requests."""
     num_prefix_state_snapshots: int = 0
@@ -144,6 +151,11 @@ class EngineConfig:
             raise ConfigError("block_size, num_kv_blocks and max_model_len must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.prompt_deadline <= 3600:
+            raise ConfigError(
+                f"prompt_deadline must be in [0, 3600] seconds (0: first come, first served), "
+                f"got {self.prompt_deadline}"
+            )
         if not -1 <= self.num_speculative_tokens <= 3:
             raise ConfigError(
                 f"num_speculative_tokens must be 0-3 (or -1 for the default), "

@@ -97,6 +97,7 @@ class EngineCore:
                 max_model_len=lm.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 num_speculative_tokens=k,
+                prompt_deadline=config.prompt_deadline,
             ),
             self.kv,
             self.kv_scheduler,
@@ -185,6 +186,7 @@ class EngineCore:
         ``admit=False``: no waiting request starts (DP's BalanceScheduler freeze). Under DP
         every rank's core calls ``step`` every turn of the lockstep, busy or not.
         """
+        started = time.perf_counter()
         self._start_kv_loads()
         self._finish_kv_loads()
         out = self.scheduler.schedule(admit)
@@ -196,6 +198,7 @@ class EngineCore:
         self._tell_followers(RunStep(batch, chain))
         results = self.runner.execute(batch, chain)
         outputs = self.scheduler.update_from_output(out, results)
+        self.scheduler.observe_step(time.perf_counter() - started, out.num_batched_tokens)
         if self.tracing is not None:
             self.tracing.stepped(out, results, t0)
         self._save_kv(outputs)

@@ -5,14 +5,17 @@ tokens): a prefill chunk, a decode token and a verification run are the same thi
 prefill chunks and decode tokens share one step under one token budget. Running requests go
 first (FCFS among them); when blocks run out the most recently arrived running request is
 preempted (its blocks freed, recomputed later from its tokens). Waiting requests are admitted
-in arrival order while budget, sequence slots and blocks last.
+in arrival order while budget, sequence slots and blocks last; with a prompt deadline
+(``SchedulerConfig.prompt_deadline``) the waiting prompts are ordered first, those that can
+still make their deadline before those that cannot (``prefill_order.py``).
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
@@ -23,6 +26,7 @@ from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorStats,
     KVTransferFailure,
 )
+from dsv4_serving.engine.prefill_order import PrefillRate, Prompt, prefill_order
 from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.eplb.stats import EplbStats
@@ -35,6 +39,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
+    prompt_deadline: float = 0.0
+    """Seconds after its arrival a prompt's first token is due; > 0 orders the waiting prompts
+    by it (``prefill_order.py``), 0 keeps them first come, first served."""
 
 
 @dataclass(slots=True)
@@ -82,6 +89,7 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     num_preemptions: int = 0
+    num_late_prompts: int = 0  # cumulative prompts judged unable to make their prompt deadline
     kv_transfer: KVConnectorStats | None = None  # with a KV connector (PD roles)
     eplb: EplbStats | None = None  # with EPLB (the same on every EP rank)
 
@@ -100,6 +108,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         connector: KVConnectorScheduler | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -115,6 +124,13 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._extra_outputs: list[EngineCoreOutput] = []  # produced outside a forward
         self.stats = SchedulerStats(num_total_blocks=kv.pool.num_blocks)
+        # the prompt deadline's order: the engine's own speed, the clock arrivals are read on
+        # (the front end stamps them with time.time), the prompts set behind so far
+        self.rate: PrefillRate | None = None
+        if config.prompt_deadline > 0:
+            self.rate = PrefillRate(min_tokens=max(1, config.max_num_batched_tokens // 2))
+        self.clock = clock
+        self._late: set[str] = set()
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -155,6 +171,7 @@ class Scheduler:
         else:
             self.kv.free(req)
         del self.requests[rid]
+        self._late.discard(rid)
         self._finished_ids.append(rid)
 
     # ---- the KV connector (PD) ----------------------------------------------------------------
@@ -272,6 +289,8 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        if admit and not preempted and self.rate is not None:
+            self._order_waiting()
         while (
             admit
             and not preempted
@@ -313,6 +332,46 @@ class Scheduler:
             finished_ids=finished,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
+
+    def _order_waiting(self) -> None:
+        """The waiting prompts that can still make their deadline first (``prefill_order``).
+        Requests past their first token (preempted) and those whose KV comes from a prefill
+        engine keep their places in front: they have no prompt deadline left to meet here."""
+        assert self.rate is not None
+        spt = self.rate.seconds_per_token
+        if spt is None or len(self.waiting) < 2:
+            return  # first come, first served until the engine's speed is known
+        front: list[Request] = []
+        prompts: list[Request] = []
+        for r in self.waiting:
+            remote = isinstance(r.kv_transfer_params, RemotePrefillParams)
+            (front if r.num_output_tokens or remote else prompts).append(r)
+        deadline = self.config.prompt_deadline
+        # the running prompts' remaining chunks go before any waiting one
+        busy = sum(
+            r.num_tokens - r.num_computed_tokens for r in self.running if not r.num_output_tokens
+        )
+        order, on_time = prefill_order(
+            [
+                Prompt(r.arrival_time + deadline, r.num_tokens - r.num_computed_tokens)
+                for r in prompts
+            ],
+            self.clock(),
+            spt,
+            busy * spt,
+        )
+        for i in order[on_time:]:
+            rid = prompts[i].request_id
+            if rid not in self._late:
+                self._late.add(rid)
+                self.stats.num_late_prompts += 1
+        self.waiting = deque(front + [prompts[i] for i in order])
+
+    def observe_step(self, seconds: float, num_batched_tokens: int) -> None:
+        """A step of ``num_batched_tokens`` took ``seconds`` (wall clock, scheduling included):
+        the prompt deadline's estimate of how fast prompts are computed."""
+        if self.rate is not None:
+            self.rate.observe(seconds, num_batched_tokens)
 
     def _park_for_remote_kv(self, req: Request) -> RemoteKV:
         """A request whose prompt KV comes from a prefill engine gets blocks for its whole

@@ -92,9 +92,15 @@ def test_the_crds_owned_engine_flags_are_those_the_operator_renders() -> None:
     from dsv4_operator.api.crd import OWNED_ENGINE_FLAGS
     from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_FIELDS
 
+    specs = [_example(path) for path in EXAMPLES]
+    # the optional settings no example sets
+    cr = yaml.safe_load(EXAMPLES[0].read_text())
+    cr["metadata"].update(namespace="ml", uid="u")
+    cr["spec"]["autoscaling"] = {"ttftSeconds": 1.0, "prefill": {"promptDeadlineSeconds": 0.7}}
+    specs.append(parse(cr))
     rendered = set()
-    for path in EXAMPLES:
-        for argv in _commands(_example(path)):
+    for spec in specs:
+        for argv in _commands(spec):
             if argv[1] == "engine":
                 rendered |= {a for a in argv if a.startswith("--")}
     npu = _example(next(p for p in EXAMPLES if p.stem != "tiny-cpu"))
@@ -107,3 +113,22 @@ def test_the_crds_presets_are_the_engines() -> None:
     from dsv4_serving.presets.configs import PRESETS as ENGINE_PRESETS
 
     assert tuple(sorted(ENGINE_PRESETS)) == PRESETS
+
+
+def test_a_prompt_deadline_reaches_the_prefill_engines_only() -> None:
+    from dsv4_common.cli import build_parser
+
+    path = next(p for p in EXAMPLES if p.stem == "tiny-cpu")
+    cr = yaml.safe_load(path.read_text())
+    cr["metadata"].update(namespace="ml", uid="u")
+    cr["spec"]["autoscaling"] = {"ttftSeconds": 1.0, "prefill": {"promptDeadlineSeconds": 0.7}}
+    spec = parse(cr)
+    assert spec.autoscaling.prompt_deadline_s == 0.7
+    engines = [c for c in _commands(spec) if c[1] == "engine"]
+    by_role = {c[c.index("--role") + 1]: c for c in engines}
+    assert by_role["prefill"][by_role["prefill"].index("--prompt-deadline") + 1] == "0.7"
+    assert "--prompt-deadline" not in by_role["decode"]
+    args = build_parser().parse_args(by_role["prefill"][1:])
+    assert args.prompt_deadline == 0.7
+    # unset: first come, first served, no flag
+    assert not any("--prompt-deadline" in c for c in _commands(_example(path)))
