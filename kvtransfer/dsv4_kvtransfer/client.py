@@ -18,6 +18,11 @@ Blocking calls (safe from several threads); an asyncio engine runs them with
 fast control socket (the same API without HTTP, on a unix socket beside the staging region, named
 by ``/v1/info``) when this process can reach it, on pooled connections; else over HTTP on a
 thread-local keep-alive connection.
+
+A pull asked with a wait, of an export on this host (its params' ``remote_shm``), is copied by
+this process itself into an extent its sidecar granted it, with no request before the copy
+(``local_pull``; ``in_place=False`` turns it off): the sidecar pulls over shm anyway, and its
+request and answer cost more than a copy of a few MiB.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from urllib.parse import urlsplit
 
 from dsv4_common.tracing import TRACEPARENT
 from dsv4_kvtransfer.buffers import BufferSpec
-from dsv4_kvtransfer.control_requests import FAST_REPLY, FAST_REQUEST
-from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_kvtransfer.local_pull import FastConnection, Landed, LocalPuller
+from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams, shm_source
 from dsv4_kvtransfer.staging import StagingRegion
 
 
@@ -126,39 +131,8 @@ class _FastUnavailable(Exception):
     """The fast control socket cannot be reached: the call goes over HTTP."""
 
 
-class _FastConnection:
-    """One connection to the sidecar's fast control socket; one request at a time."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(timeout)
-            s.connect(path)
-        except BaseException:
-            s.close()
-            raise
-        self.sock = s
-        self.rfile = s.makefile("rb")
-
-    def call(
-        self, method: str, target: str, data: bytes | None, trace: str | None, timeout: float
-    ) -> tuple[int, bytes]:
-        self.sock.settimeout(timeout)
-        line = f"{method} {target} {trace}\n" if trace else f"{method} {target}\n"
-        msg = line.encode() + (data or b"")
-        self.sock.sendall(FAST_REQUEST.pack(len(msg)) + msg)
-        head = self.rfile.read(FAST_REPLY.size)
-        if len(head) < FAST_REPLY.size:
-            raise ConnectionResetError("the sidecar closed the fast control connection")
-        status, n = FAST_REPLY.unpack(head)
-        raw = self.rfile.read(n) if n else b""
-        if len(raw) < n:
-            raise ConnectionResetError("the sidecar closed the fast control connection")
-        return status, raw
-
-    def close(self) -> None:
-        self.rfile.close()
-        self.sock.close()
+# (kept under its old name: tests drive a connection directly)
+_FastConnection = FastConnection
 
 
 class SidecarClient:
@@ -169,6 +143,7 @@ class SidecarClient:
         unix_socket: str | None = None,
         shm_dir: str | None = None,
         fast: bool = True,
+        in_place: bool = True,
     ) -> None:
         u = urlsplit(url)
         self.host = u.hostname or "127.0.0.1"
@@ -183,8 +158,15 @@ class SidecarClient:
         self.fast = fast
         self._fast_path: str | None = None
         self._fast_checked = -FAST_RETRY_S
-        self._fast_idle: list[_FastConnection] = []
+        self._fast_idle: list[FastConnection] = []
         self._fast_lock = threading.Lock()
+        # same-host pulls this client copies itself into extents its sidecar grants it
+        # (``local_pull``), where the fast socket is reachable and the sidecar pulls over shm
+        self.in_place = in_place
+        self._shm_dir_info: str | None = None
+        self._pulls_shm = False  # the sidecar pulls over shm (/v1/info): it grants extents
+        self._local_pull: LocalPuller | None = None
+        self._views: dict[tuple[bytes, int], dict[str, PlacedView]] = {}
 
     # ---- HTTP ----------------------------------------------------------------------------------
 
@@ -256,6 +238,8 @@ class SidecarClient:
 
     def _learn(self, info: Mapping[str, Any]) -> None:
         name = info.get("fast_socket")
+        self._shm_dir_info = str(info.get("shm_dir") or "/dev/shm")
+        self._pulls_shm = info.get("transport") == "shm"
         if isinstance(name, str) and name and "/" not in name:
             self._fast_path = os.path.join(self._shm_dir or str(info["shm_dir"]), name)
         else:
@@ -273,7 +257,7 @@ class SidecarClient:
                 conn = self._fast_idle.pop() if self._fast_idle else None
             if conn is None:
                 try:
-                    conn = _FastConnection(sock_path, min(timeout, self.timeout_s))
+                    conn = FastConnection(sock_path, min(timeout, self.timeout_s))
                 except OSError:
                     self._fast_path = None  # HTTP for a while, then ask /v1/info again
                     raise _FastUnavailable() from None
@@ -342,6 +326,8 @@ class SidecarClient:
         return self.region().view(placed.offset, placed.nbytes)
 
     def close(self) -> None:
+        if self._local_pull is not None:
+            self._local_pull.close()
         with self._fast_lock:
             idle, self._fast_idle = self._fast_idle, []
         for conn in idle:
@@ -414,6 +400,11 @@ class SidecarClient:
         request (one round trip fewer for small KV). ``PullFailed`` if it failed already. The
         sidecar runs a small pull asked with a wait during the request itself, so the answer
         may take up to the pull's ``timeout_s`` (never longer: its deadline ends it)."""
+        local = self._in_place() if wait_s > 0 and self.in_place else None
+        if local is not None:
+            landed = self._pull_here(local, kv_transfer_params, traceparent)
+            if landed is not None:
+                return landed
         params = (
             kv_transfer_params.to_dict()
             if isinstance(kv_transfer_params, RemotePrefillParams)
@@ -423,13 +414,65 @@ class SidecarClient:
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         patience = self.timeout_s + wait_s + (timeout_s or 0.0)
-        return self._typed(
+        st = self._typed(
             self.request("POST", "/v1/pulls", body, timeout=patience, traceparent=traceparent)
         )
+        if local is not None:
+            local.after_fallback()
+        return st
+
+    def _in_place(self) -> LocalPuller | None:
+        """The in-place puller, once the fast control socket is known (None: HTTP only)."""
+        if self._local_pull is None and self.fast and self._fast_socket() and self._pulls_shm:
+            assert self._fast_path
+            self._local_pull = LocalPuller(
+                self._fast_path,
+                self._shm_dir or self._shm_dir_info or "/dev/shm",
+                self.timeout_s,
+                self.region,
+            )
+        return self._local_pull
+
+    def _pull_here(
+        self,
+        local: LocalPuller,
+        p: RemotePrefillParams | Mapping[str, Any],
+        traceparent: str | None,
+    ) -> PullStatus | None:
+        """The pull copied by this process (``local_pull``); None: the sidecar makes it."""
+        if not isinstance(p, RemotePrefillParams):
+            try:  # as strictly as the sidecar would (it answers the errors)
+                p = RemotePrefillParams.from_dict(p)
+            except KVParamsError:
+                return None
+        src = shm_source(p.extra)
+        if src is None:
+            return None
+        n = p.remote_total_bytes
+        got = local.pull(p.remote_transfer_id, n, p.remote_host, p.remote_port, src, traceparent)
+        if got is None:
+            return None
+        kv = PulledKV(got.pull_id, self._placed_at(got), got.meta, got.lease_expires_at)
+        return PullStatus(got.pull_id, "done", n, n, kv)
+
+    def _placed_at(self, got: Landed) -> dict[str, PlacedView]:
+        """The buffers of a layout at an offset (kept: grants come back to the same places)."""
+        key = (got.raw_layout, got.offset)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            views = self._views[key] = {
+                b.spec.name: PlacedView(b.spec, got.offset + b.offset, b.spec.nbytes)
+                for b in got.layout.buffers
+            }
+        return dict(views)
 
     def poll_pull(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:
         """The pull's status, waiting up to ``wait_s`` while it is pending; ``PullFailed`` once
         it failed or its lease ran out."""
+        if self._local_pull is not None:
+            self._local_pull.confirm(pull_id)
         return self._typed(
             self.request(
                 "GET", f"/v1/pulls/{pull_id}?wait={wait_s:g}", timeout=self.timeout_s + wait_s
@@ -451,6 +494,10 @@ class SidecarClient:
 
     def release_pull(self, pull_id: str) -> None:
         """The KV was copied out (or is no longer wanted): the sidecar frees it."""
+        # a pull copied here is adopted and freed in one message (else its adoption answered
+        # before this request: a release never overtakes it)
+        if self._local_pull is not None and self._local_pull.release(pull_id):
+            return
         self.request("DELETE", f"/v1/pulls/{pull_id}")
 
     def _typed(self, st: Mapping[str, Any]) -> PullStatus:

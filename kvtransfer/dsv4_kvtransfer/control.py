@@ -22,6 +22,12 @@ The same API without HTTP (``FastControlServer``): a unix socket beside the stag
 ``u32 length`` + the body HTTP would have answered (always JSON on the routes a client uses).
 Parsing an HTTP request (``http.server`` builds an ``email`` message of its headers) cost more
 than a small pull's bookkeeping; this one is a split.
+
+Only on the fast socket, **grants** (``local_pull``): an extent of the region held for the
+client on that connection (``POST /v1/grants``), which it copies a same-host pull into itself
+and then has adopted as that pull (``POST /v1/grants/{id}/adopt``: from then on a landed pull
+under a lease) or gives back (``DELETE /v1/grants/{id}``). A grant is freed when its connection
+ends, after every request the client wrote before it closed was served.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import socket
 import socketserver
 import threading
@@ -46,11 +53,14 @@ from dsv4_kvtransfer.control_requests import (
     FAST_MAX_LINE,
     FAST_REPLY,
     FAST_REQUEST,
+    MAX_GRANT_BYTES,
     ExportRequest,
     PullRequest,
     parse_wait,
 )
 from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.ledger import LedgerError
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_kvtransfer.sidecar import Sidecar
 
 MAX_BODY = 4 << 20
@@ -58,6 +68,9 @@ JSON = "application/json"
 FAST_SUFFIX = ".ctl"
 # sockaddr_un's sun_path holds 108 bytes with the terminating NUL
 UNIX_PATH_MAX = 107
+# grants (fast socket only: one lives as long as the connection that holds it)
+GRANTS = "/v1/grants"
+MAX_GRANTS = 4
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -269,6 +282,8 @@ class FastControlServer:
     def _serve(self, conn: socket.socket) -> None:
         log = logging.getLogger("dsv4.kv.control")
         rfile = conn.makefile("rb")
+        grants: set[str] = set()  # held by this connection's client (freed when it goes)
+        gone = False  # the client stopped reading: only its adoptions are still honoured
         try:
             while True:
                 head = rfile.read(FAST_REQUEST.size)
@@ -288,18 +303,111 @@ class FastControlServer:
                     return
                 trace = words[2] if len(words) == 3 else None
                 after: list[Callable[[], None]] = []
-                status, body, _ = route(self.sidecar, words[0], words[1], raw, trace, False, after)
-                conn.sendall(FAST_REPLY.pack(status, len(body)) + body)
+                if words[1].startswith(GRANTS):
+                    status, body = self._grants(grants, words[0], words[1], raw, trace, after)
+                elif gone:
+                    continue
+                else:
+                    status, body, _ = route(
+                        self.sidecar, words[0], words[1], raw, trace, False, after
+                    )
+                if not gone:
+                    try:
+                        conn.sendall(FAST_REPLY.pack(status, len(body)) + body)
+                    except OSError:
+                        # an adoption sent before the client closed must still land: its engine
+                        # may be reading that extent (the grant is freed only below)
+                        gone = True
                 if after:
                     _after_answer(after)
         except OSError as e:
             log.debug("fast control connection: %s", e)
         finally:
+            for gid in grants:
+                self.sidecar.store.drop_grant(gid)
             with self._lock:
                 self._open.discard(conn)
             rfile.close()
             with contextlib.suppress(OSError):
                 conn.close()
+
+    def _grants(
+        self,
+        grants: set[str],
+        method: str,
+        target: str,
+        raw: bytes,
+        trace: str | None,
+        after: list[Callable[[], None]],
+    ) -> tuple[int, bytes]:
+        """The grants of this connection (``local_pull``): ``POST /v1/grants {bytes}`` an
+                extent to copy a same-host pull into; ``POST /v1/grants/{id}/adopt`` (a line of JSON,
+                then the export's manifest) the pull that landed there, with a new grant if ``want``;
+                ``DELETE /v1/grants/{id}`` give it back. (The adoption's line is a list, not an object:
+        the client writes it on the pull's path.)"""
+        sc = self.sidecar
+        parts = [p for p in target.split("/") if p]
+        try:
+            if method == "POST" and len(parts) == 2:
+                return 200, _json(self._grant(grants, _parse_body(raw).get("bytes")))
+            if method == "POST" and len(parts) == 4 and parts[3] == "adopt":
+                gid = parts[2]
+                if gid not in grants:
+                    raise ApiError(404, "unknown_grant", f"no grant {gid} on this connection")
+                # [transfer id, host, port, bytes, seconds, copy seconds, want, release], then
+                # the manifest
+                line, _, manifest = raw.partition(b"\n")
+                tid, host, port, n, seconds, data_s, want, release = json.loads(line)
+                params = RemotePrefillParams(
+                    "-", "-", (), str(host), int(port), str(tid), 0.0, 0, int(n)
+                )  # fmt: skip
+                timing = (float(seconds), float(data_s))
+                after.append(sc.puller.adopt(gid, params, manifest, timing, trace))
+                grants.discard(gid)
+                out: dict[str, Any] = {"pull_id": gid}
+                if release:  # the engine is done with it already: its successor takes its place
+                    out["freed"] = sc.puller.release(gid)["freed"]
+                if want:
+                    try:
+                        out["grant"] = self._grant(grants, want)
+                    except ApiError as e:
+                        out["grant_error"] = e.code
+                return 200, _json(out)
+            if method == "DELETE" and len(parts) == 3:
+                freed = parts[2] in grants and sc.store.drop_grant(parts[2])
+                grants.discard(parts[2])
+                return 200, _json({"freed": freed})
+            raise ApiError(404, "not_found", f"no route {method} {target}")
+        except ApiError as e:
+            return e.status, _error_body(e.status, e.code, str(e), e.param)
+        except (KeyError, TypeError, ValueError) as e:  # the grant, if any, stays as it was
+            logging.getLogger("dsv4.kv.control").error("fast control %s %s: %r", method, target, e)
+            return 400, _error_body(400, "bad_request", f"{type(e).__name__}: {e}")
+
+    def _grant(self, grants: set[str], n: object) -> dict[str, Any]:
+        sc = self.sidecar
+        if sc.cfg.transport != "shm":
+            raise ApiError(409, "unsupported", "this sidecar does not pull over shm")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_GRANT_BYTES:
+            raise ApiError(400, "bad_request", f"bytes must be in (0, {MAX_GRANT_BYTES}]", "bytes")
+        if len(grants) >= MAX_GRANTS:
+            raise ApiError(409, "too_many_grants", f"{MAX_GRANTS} grants held already")
+        u = sc.store.usage()
+        if u.free_bytes - n < u.staging_bytes // 4:  # the sidecar's own pulls come first
+            raise ApiError(507, "staging_full", f"no grant of {n} bytes: the region is busy")
+        gid = secrets.token_hex(12)
+        try:
+            imp = sc.store.grant(gid, n)
+        except LedgerError as e:
+            raise ApiError(507, e.code, str(e)) from None
+        grants.add(gid)
+        return {
+            "grant_id": gid,
+            "offset": imp.offset,
+            "capacity": imp.capacity,
+            "shm_tag": sc.store.region.tag_hex,
+            "lease_seconds": sc.cfg.lease_seconds,
+        }
 
     def stop(self) -> None:
         with self._lock:

@@ -32,6 +32,9 @@ MAX_WAIT_S = 60.0
 FAST_REQUEST = struct.Struct("!I")
 FAST_REPLY = struct.Struct("!HI")
 FAST_MAX_LINE = 1024
+# the largest extent a sidecar grants an engine's client to copy a same-host pull into (a
+# larger pull's fixed cost is a few percent of its copy: the sidecar makes it)
+MAX_GRANT_BYTES = 64 << 20
 
 
 def _bad(field: str, message: str, code: str = "bad_request") -> ApiError:

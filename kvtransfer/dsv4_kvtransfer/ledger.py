@@ -59,6 +59,9 @@ class Import:
     nbytes: int
     expires_at: float | None = None
     """Set when the pull completes; the engine must release before."""
+    granted: bool = False
+    """Held for the engine's client to copy into (``StagingStore.grant``): not a pull yet, no
+    lease (freed with the client's connection, or adopted as a landed pull)."""
 
 
 @dataclass(slots=True)

@@ -34,6 +34,11 @@ class SidecarMetrics:
             registry=r,
         )
         self.pulls = Counter("dsv4_kv_pulls", "Pulls finished, by outcome", ["outcome"], registry=r)
+        self.adopted = Counter(
+            "dsv4_kv_pulls_adopted",
+            "Pulls the engine's client copied itself into a grant (same host; among the done)",
+            registry=r,
+        )
         self.pull_failures = Counter(
             "dsv4_kv_pull_failures", "Pulls that failed, by reason", ["reason"], registry=r
         )

@@ -185,6 +185,41 @@ class Puller:
                 return
         self._exec.submit(self._release_remote, pull)
 
+    def adopt(
+        self,
+        grant_id: str,
+        params: RemotePrefillParams,
+        manifest: bytes,
+        timing: tuple[float, float],
+        traceparent: str | None = None,
+    ) -> Callable[[], None]:
+        """A same-host pull the engine's client made itself, into the extent granted to it
+        (``StagingStore.grant``; the pull id is the grant's): from now on a landed pull like
+        any other. ``manifest``: the export's, from its trailer. -> what to run once the answer
+        went out (the metrics, RELEASE to the peer). ``timing``: the client's seconds for the
+        whole pull and for its copy. ``ValueError`` (the grant unchanged) if it does not add
+        up."""
+        raw_layout, _, raw_meta = manifest.partition(b"\n")
+        layout = self._layouts.get(raw_layout) or self._layout(raw_layout)
+        meta = json.loads(raw_meta)
+        if layout.total_bytes != params.remote_total_bytes or not isinstance(meta, dict):
+            raise ValueError("the adopted pull's manifest does not match its size")
+        n = layout.total_bytes
+        pull = Pull(grant_id, params, time.monotonic(), total_bytes=n, bytes_done=n)
+        with self._cond:
+            pull.offset, pull.expires_at = self.store.adopt(grant_id, n, self.cfg.lease_seconds)
+            pull.layout, pull.remote_meta = layout, meta
+            pull.state, pull.finished = "done", time.monotonic()
+            pull.timing = (pull.finished - timing[0], max(timing[1], 1e-9))
+            self.pulls[grant_id] = pull
+            self._cond.notify_all()
+        self.metrics.adopted.inc()
+        if self.spans is not None:
+            started = time.time_ns() - int(timing[0] * 1e9)
+            remote = f"{params.remote_host}:{params.remote_port}"
+            self.spans.transfer(traceparent, started, n, pull.timing[1], remote)
+        return lambda: self._answered(pull)
+
     def _queued(self, pull: Pull) -> None:
         with self._slots:
             landed = self._run(pull)

@@ -171,6 +171,7 @@ class Sidecar:
             "header_bytes": HEADER_BYTES,
             "staging_bytes": u.staging_bytes,
             "free_bytes": u.free_bytes,
+            "granted_bytes": u.granted_bytes,
             "used_bytes": u.used_bytes,
             "largest_free": u.largest_free,
             "exports": u.exports,

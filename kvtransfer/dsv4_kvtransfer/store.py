@@ -46,6 +46,8 @@ class Usage:
     largest_free: int
     exports: int
     imports: int
+    granted_bytes: int = 0
+    """Held by engines' clients to copy into (``grant``), counted in ``used_bytes``."""
 
 
 def wall_time(mono: float) -> float:
@@ -122,13 +124,15 @@ class StagingStore:
     def usage(self) -> Usage:
         with self._lock:
             a, led = self.ledger.alloc, self.ledger
+            granted = [i.capacity for i in led.imports.values() if i.granted]
             return Usage(
                 a.size,
                 a.free_bytes,
                 a.used_bytes,
                 a.largest_free,
                 len(led.exports),
-                len(led.imports),
+                len(led.imports) - len(granted),
+                sum(granted),
             )
 
     # ---- exports: the engine's side ---------------------------------------------------------
@@ -209,6 +213,40 @@ class StagingStore:
         if gauges:
             self._gauges()
         return imp
+
+    # ---- grants: extents an engine's client copies same-host pulls into itself -----------------
+
+    def grant(self, grant_id: str, nbytes: int) -> Import:
+        """An extent held for an engine's client (no lease: its holder frees it with
+        ``drop_grant`` when its connection goes). Raises ``LedgerError`` (``staging_full``)."""
+        with self._lock:
+            imp = self.ledger.reserve_import(grant_id, nbytes)
+            imp.granted = True
+        self._gauges()
+        return imp
+
+    def drop_grant(self, grant_id: str) -> bool:
+        """Free a grant its client never used; -> whether it was still one."""
+        with self._lock:
+            imp = self.ledger.imports.get(grant_id)
+            if imp is None or not imp.granted:
+                return False
+            freed = self.ledger.drop_import(grant_id, "aborted")
+        self._settle([freed] if freed else [])
+        return True
+
+    def adopt(self, grant_id: str, nbytes: int, ttl: float) -> tuple[int, float]:
+        """The client copied a pull's ``nbytes`` into its grant: from now on a landed pull's
+        import under a lease (``complete_import``); -> its offset and expiry. ``KeyError`` /
+        ``ValueError`` if it is no grant or too small (it stays as it was)."""
+        with self._lock:
+            imp = self.ledger.imports[grant_id]
+            if not imp.granted or not 0 < nbytes <= imp.capacity:
+                raise ValueError(f"{grant_id} is no grant of at least {nbytes} bytes")
+            imp.granted, imp.nbytes = False, nbytes
+            imp = self.ledger.complete_import(grant_id, self.clock(), ttl)
+            assert imp.expires_at is not None
+            return imp.offset, imp.expires_at
 
     def update_gauges(self) -> None:
         self._gauges()

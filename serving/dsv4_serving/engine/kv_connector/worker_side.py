@@ -1,7 +1,9 @@
 """The worker side of the sidecar connector.
 
-Loads run on one thread per pull (HTTP long-polls of the sidecar, never the engine loop); the
-copy into the cache happens in ``get_finished``, which the engine core calls between forwards.
+Loads run on one thread per pull (long-polls of the sidecar, never the engine loop; a same-host
+shm pull is copied into the staging region on that thread by the client itself, into an extent
+its sidecar granted it: ``dsv4_kvtransfer.local_pull``); the copy into the cache happens in
+``get_finished``, which the engine core calls between forwards.
 A pull's staging extent is released as soon as it was copied, failed or its request went
 away. Saves run on the exporter's thread (``exporter.py``): the step that finished a prefill
 only submits it; a later step takes the result (``get_finished_saves``).
