@@ -5,8 +5,14 @@ DeepSeek V4's KV.
         [--transports tcp shm] [--streams 4]
 
 For each size, two real ``dsv4 kv-sidecar`` processes move one export of that many bytes (the
-decode side asks its sidecar to pull, as the engine will; timed from that request to the pull
-reported done, so handshake, manifest, release and the control API are all inside), and the
+decode side pulls through the client the engine uses, ``SidecarClient.start_pull`` with a wait,
+as the engine's connector calls it; timed from that call to the pull done, so the control API,
+the manifest and the bookkeeping are inside; the params are parsed before, as the engine parses
+them when the request arrives). Over shm on one host that client copies the export itself
+into an extent its sidecar granted it and tells the sidecar after (``local_pull``): the first
+pull of each size goes through the sidecar and asks for the grant the next ones use, as in an
+engine. RELEASE to the prefill side and the adoption's answer come after the pull, untimed,
+as in an engine (the next pull or the release reads that answer). The
 same bytes are moved between the same two staging regions by the plainest means in the same
 run: one TCP socket over 127.0.0.1 (``sendall`` / ``recv_into``) for the TCP transport, one
 ``memcpy`` for shared memory. GB/s are 1e9 bytes per second; "ratio" is transport / baseline
@@ -37,7 +43,9 @@ from dsv4_common.process import free_ports
 from dsv4_kvtransfer.buffers import BufferSpec
 from dsv4_kvtransfer.client import SidecarClient, SidecarError
 from dsv4_kvtransfer.config import parse_size
+from dsv4_kvtransfer.control_requests import MAX_GRANT_BYTES
 from dsv4_kvtransfer.launch import SidecarService
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 
 GB = 1e9
 SMALL_REPS = 15
@@ -148,7 +156,8 @@ def pull_once(pair: Pair, size: int, state: dict[str, Any], verify: bool) -> tup
         fill(view)
         view.release()
         state["filled"] = (placed.offset, size)
-    params = pair.src.commit_export(res.transfer_id)
+    # typed first: the engine's connector pulls with the params its API edge parsed
+    params = RemotePrefillParams.from_dict(pair.src.commit_export(res.transfer_id))
     t0 = time.perf_counter()
     st = pair.dst.start_pull(params, timeout_s=300, wait_s=10)
     kv = st.kv or pair.dst.wait_pull(st.pull_id, 300)
@@ -216,7 +225,8 @@ def run_transport(
     tmp: Path, transport: str, sizes: list[int], reps: int, streams: int
 ) -> dict[int, tuple[float, float, float]]:
     """-> {size: (transport GB/s, baseline GB/s, cold-cache memcpy GB/s (shm; else 0))}"""
-    pair = Pair(tmp, transport, max(sizes) + (64 << 20), streams)
+    # room for a pull, the client's grant (<= MAX_GRANT_BYTES) and the next export meanwhile
+    pair = Pair(tmp, transport, max(sizes) + 2 * MAX_GRANT_BYTES, streams)
     out = {}
     try:
         state: dict[str, Any] = {}

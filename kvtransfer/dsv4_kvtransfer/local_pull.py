@@ -173,7 +173,9 @@ class LocalPuller:
             return None
         raw_layout, _, raw_meta = trailer.manifest.partition(b"\n")
         try:
-            layout = self._layouts.get(raw_layout) or self._layout(raw_layout)
+            layout = self._layouts.get(raw_layout)
+            if layout is None:
+                layout = self._layout(raw_layout)
             meta = json.loads(raw_meta)
         except ValueError:  # (LayoutError is one)
             return None
@@ -266,12 +268,15 @@ class LocalPuller:
         """The smallest grant held that fits ``n`` bytes. None fitting: give back those held
         (the sidecar's own pull may need their space) and ask for one after it."""
         with self._lock:
-            self._flush()
-            if not self._settle():
+            if self._pending:
+                self._flush()
+            if self._owed and not self._settle():
                 return None
-            fits = [g for g in self._grants if g.capacity >= n]
-            if fits:
-                best = min(fits, key=lambda g: g.capacity)
+            best = None
+            for g in self._grants:
+                if g.capacity >= n and (best is None or g.capacity < best.capacity):
+                    best = g
+            if best is not None:
                 self._grants.remove(best)
                 self._copying += 1
                 return best

@@ -25,6 +25,8 @@ MAX_THREADS = 4
 PIECE = 512 << 10
 # below this one core copies in tens of microseconds: a helper's wake-up costs as much
 MIN_PARALLEL = 2 << 20
+# below this a copy keeps the GIL (a few microseconds; numpy's wrapping costs as much)
+SMALL = 256 << 10
 # a size class copies the way it does not prefer every this many times (to notice a change)
 EXPLORE = 8
 
@@ -41,7 +43,7 @@ def default_threads() -> int:
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
-    if _np is None:
+    if _np is None or len(dst) < SMALL:
         dst[:] = src
     else:
         _np.copyto(_np.frombuffer(dst, _np.uint8), _np.frombuffer(src, _np.uint8))
