@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.engine_core import EngineCore
-from dsv4_serving.engine.prefill_order import PrefillRate
+from dsv4_serving.engine.prefill_order import StepCost
 
 from .common import alone, run, workload
 
@@ -106,6 +106,14 @@ def test_scheduled_tokens_equal_tokens_alone(
         assert st.spec_draft_tokens > 0
 
 
+class _Known:
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        pass
+
+
 def test_prompts_ordered_by_deadline_give_the_tokens_alone(
     reference: dict[str, dict[str, dict[int, list[int]]]],
 ) -> None:
@@ -115,7 +123,7 @@ def test_prompts_ordered_by_deadline_give_the_tokens_alone(
     core = EngineCore(replace(BASE["dsv4-tiny"], prompt_deadline=0.3, **over))
     # a fixed speed (10 ms a token: 30 tokens fit a deadline), so the order does not depend on
     # how fast this machine is: the longer prompts of the first wave go behind the short ones
-    core.scheduler.rate = PrefillRate(min_tokens=1 << 30, seconds_per_token=0.01)
+    core.scheduler.step_cost = _Known(StepCost(0.0, 0.01))  # type: ignore[assignment]
     free0, slots0 = core.kv.num_free_blocks, core.kv.num_free_slots
     got = run(core, workload(N, 1))
     want = reference["dsv4-tiny"]["mixed"]

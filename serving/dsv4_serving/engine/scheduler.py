@@ -26,7 +26,7 @@ from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorStats,
     KVTransferFailure,
 )
-from dsv4_serving.engine.prefill_order import PrefillRate, Prompt, prefill_order
+from dsv4_serving.engine.prefill_order import Prompt, StepCostModel, prefill_order
 from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.eplb.stats import EplbStats
@@ -126,9 +126,9 @@ class Scheduler:
         self.stats = SchedulerStats(num_total_blocks=kv.pool.num_blocks)
         # the prompt deadline's order: the engine's own speed, the clock arrivals are read on
         # (the front end stamps them with time.time), the prompts set behind so far
-        self.rate: PrefillRate | None = None
+        self.step_cost: StepCostModel | None = None
         if config.prompt_deadline > 0:
-            self.rate = PrefillRate(min_tokens=max(1, config.max_num_batched_tokens // 2))
+            self.step_cost = StepCostModel()
         self.clock = clock
         self._late: set[str] = set()
 
@@ -266,10 +266,18 @@ class Scheduler:
         k = cfg.num_speculative_tokens
         plan: list[tuple[Request, int]] = []
         preempted = False
+        # a prompt deadline, once the engine's speed is known: running prompts are ordered
+        # with the waiting ones (``_schedule_prompts``), not served first
+        ordered = self.step_cost is not None and self.step_cost.cost is not None
+        deferred: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if ordered and self._is_prompt(req):
+                deferred.append(req)
+                i += 1
+                continue
             ctx = req.num_computed_tokens
             want = req.num_tokens + len(req.spec_token_ids) - ctx
             num_new = min(want, budget, cfg.max_model_len - ctx)
@@ -289,40 +297,21 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        if admit and not preempted and self.rate is not None:
-            self._order_waiting()
+        if ordered:
+            budget = self._schedule_prompts(deferred, admit and not preempted, budget, plan)
         while (
-            admit
+            not ordered
+            and admit
             and not preempted
             and self.waiting
             and budget > 0
             and len(self.running) + len(self.waiting_for_remote_kv) < cfg.max_num_seqs
         ):
-            req = self.waiting[0]
-            if self.connector is not None:
-                remote = self._park_for_remote_kv(req)
-                if remote is RemoteKV.PARKED:
-                    continue
-                if remote is RemoteKV.NO_BLOCKS:
-                    break  # FCFS: it stays first in line
-            computed = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - computed.num_tokens
-            if not cfg.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            sample = computed.num_tokens + num_new >= req.num_tokens
-            if not self.kv.allocate_slots(req, num_new, computed, k if sample else 0):
-                break
+            used = self._admit(self.waiting[0], budget, plan)
+            if used is None:
+                break  # FCFS: it stays first in line
             self.waiting.popleft()
-            self.stats.prefix_queries += req.num_tokens
-            self.stats.prefix_hits += computed.num_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = computed.num_tokens
-            req.num_computed_tokens = computed.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            plan.append((req, num_new))
-            budget -= num_new
+            budget -= used
 
         scheduled = [self._describe(req, n) for req, n in plan]
         finished, self._finished_ids = self._finished_ids, []
@@ -333,45 +322,132 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
 
-    def _order_waiting(self) -> None:
-        """The waiting prompts that can still make their deadline first (``prefill_order``).
-        Requests past their first token (preempted) and those whose KV comes from a prefill
-        engine keep their places in front: they have no prompt deadline left to meet here."""
-        assert self.rate is not None
-        spt = self.rate.seconds_per_token
-        if spt is None or len(self.waiting) < 2:
-            return  # first come, first served until the engine's speed is known
-        front: list[Request] = []
-        prompts: list[Request] = []
-        for r in self.waiting:
-            remote = isinstance(r.kv_transfer_params, RemotePrefillParams)
-            (front if r.num_output_tokens or remote else prompts).append(r)
-        deadline = self.config.prompt_deadline
-        # the running prompts' remaining chunks go before any waiting one
-        busy = sum(
-            r.num_tokens - r.num_computed_tokens for r in self.running if not r.num_output_tokens
+    def _admit(self, req: Request, budget: int, plan: list[tuple[Request, int]]) -> int | None:
+        """Start waiting ``req`` with at most ``budget`` tokens (the caller takes it out of
+        ``waiting``): the budget it used (0: parked until its remote KV is in), or None when
+        it cannot start now."""
+        if self.connector is not None:
+            remote = self._park_for_remote_kv(req)
+            if remote is RemoteKV.PARKED:
+                return 0
+            if remote is RemoteKV.NO_BLOCKS:
+                return None
+        computed = self.kv.get_computed_blocks(req)
+        num_new = req.num_tokens - computed.num_tokens
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        sample = computed.num_tokens + num_new >= req.num_tokens
+        lookahead = self.config.num_speculative_tokens if sample else 0
+        if not self.kv.allocate_slots(req, num_new, computed, lookahead):
+            return None
+        self.stats.prefix_queries += req.num_tokens
+        self.stats.prefix_hits += computed.num_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = computed.num_tokens
+        req.num_computed_tokens = computed.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        plan.append((req, num_new))
+        return num_new
+
+    @staticmethod
+    def _is_prompt(req: Request) -> bool:
+        """Its first token is still to come from a prompt computed here."""
+        return not req.num_output_tokens and not isinstance(
+            req.kv_transfer_params, RemotePrefillParams
         )
+
+    def _schedule_prompts(
+        self, deferred: list[Request], admit: bool, budget: int, plan: list[tuple[Request, int]]
+    ) -> int:
+        """The prompt deadline's half of a step, after the running requests past their first
+        token: waiting requests past theirs (preempted) and those whose KV comes from a prefill
+        engine first, as FCFS has them; then the prompts, running (``deferred``) or waiting,
+        that can still make their deadline (``prefill_order``). The late ones, in arrival order,
+        only get a step no on-time prompt is in: sharing one would make it longer for the
+        on-time prompt and for the ones arriving behind it. A running prompt keeps its blocks
+        while it waits its turn. Returns the budget left."""
+        assert self.step_cost is not None
+        cost = self.step_cost.cost
+        assert cost is not None
+        cfg = self.config
+        front = [r for r in self.waiting if not self._is_prompt(r)] if admit else []
+        prompts = deferred + ([r for r in self.waiting if self._is_prompt(r)] if admit else [])
+        prompts.sort(key=lambda r: r.arrival_time)  # stable: the queue's order among equals
         order, on_time = prefill_order(
             [
-                Prompt(r.arrival_time + deadline, r.num_tokens - r.num_computed_tokens)
+                Prompt(r.arrival_time + cfg.prompt_deadline, r.num_tokens - r.num_computed_tokens)
                 for r in prompts
             ],
             self.clock(),
-            spt,
-            busy * spt,
+            cost,
+            cfg.max_num_batched_tokens - budget,  # this step's tokens so far
+            cfg.max_num_batched_tokens,
         )
         for i in order[on_time:]:
-            rid = prompts[i].request_id
-            if rid not in self._late:
-                self._late.add(rid)
+            if prompts[i].request_id not in self._late:
+                self._late.add(prompts[i].request_id)
                 self.stats.num_late_prompts += 1
-        self.waiting = deque(front + [prompts[i] for i in order])
+        queue = front + [prompts[i] for i in order]
+        if admit:
+            self.waiting = deque(r for r in queue if r.status is not RequestStatus.RUNNING)
+        admitting = admit
+        on_time_served = False
+        for n, req in enumerate(queue):
+            if budget <= 0 or (n >= len(front) + on_time and on_time_served):
+                break
+            before = budget
+            if req.status is RequestStatus.RUNNING:
+                preemptions = self.stats.num_preemptions
+                budget -= self._continue_prompt(req, budget, plan)
+                if self.stats.num_preemptions != preemptions:
+                    admitting = False  # blocks ran out: nothing starts this step
+            elif admitting and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                if len(self.running) + len(self.waiting_for_remote_kv) >= cfg.max_num_seqs:
+                    admitting = False
+                    continue
+                used = self._admit(req, budget, plan)
+                if used is None:
+                    admitting = False  # head of the line, as FCFS: nothing after it starts
+                    continue
+                budget -= used
+            if len(front) <= n < len(front) + on_time and budget < before:
+                on_time_served = True
+        if admit:
+            self.waiting = deque(
+                r
+                for r in self.waiting
+                if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            )
+        return budget
+
+    def _continue_prompt(self, req: Request, budget: int, plan: list[tuple[Request, int]]) -> int:
+        """The next chunk of running prompt ``req``: the budget it used. Without blocks for it
+        the newest running request not in this step is preempted (``req`` itself at last), as
+        the running requests' loop does."""
+        cfg = self.config
+        ctx = req.num_computed_tokens
+        num_new = min(req.num_tokens - ctx, budget, cfg.max_model_len - ctx)
+        if num_new <= 0:
+            return 0
+        sample = ctx + num_new >= req.num_tokens
+        lookahead = cfg.num_speculative_tokens if sample else 0
+        planned = {id(r) for r, _ in plan}
+        while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead):
+            victim = next(r for r in reversed(self.running) if id(r) not in planned)
+            self.running.remove(victim)
+            self._preempt(victim)
+            if victim is req:
+                return 0
+        plan.append((req, num_new))
+        return num_new
 
     def observe_step(self, seconds: float, num_batched_tokens: int) -> None:
         """A step of ``num_batched_tokens`` took ``seconds`` (wall clock, scheduling included):
         the prompt deadline's estimate of how fast prompts are computed."""
-        if self.rate is not None:
-            self.rate.observe(seconds, num_batched_tokens)
+        if self.step_cost is not None:
+            self.step_cost.observe(seconds, num_batched_tokens)
 
     def _park_for_remote_kv(self, req: Request) -> RemoteKV:
         """A request whose prompt KV comes from a prefill engine gets blocks for its whole
@@ -383,7 +459,6 @@ class Scheduler:
             req, req.num_tokens, None, self.config.num_speculative_tokens
         ):
             return RemoteKV.NO_BLOCKS
-        self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[req.request_id] = req
         rid = req.request_id

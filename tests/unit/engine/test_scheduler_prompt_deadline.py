@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.prefill_order import StepCost
 from dsv4_serving.engine.request import EngineCoreRequest, Request
 from dsv4_serving.engine.sampling_params import SamplingParams
 from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig
@@ -20,6 +21,16 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+class Known:
+    """A step cost known from the start (the engine fits one to its steps)."""
+
+    def __init__(self, token_s: float) -> None:
+        self.cost = StepCost(0.0, token_s)
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        pass
 
 
 def make(
@@ -43,17 +54,17 @@ def ids(reqs: object) -> list[str]:
 
 def test_off_by_default_and_fcfs_until_the_speed_is_known() -> None:
     kv = KVCacheManager(64, BS, 4)
-    assert Scheduler(SchedulerConfig(4, 16, 256), kv).rate is None
+    assert Scheduler(SchedulerConfig(4, 16, 256), kv).step_cost is None
     sched, _, clock = make(deadline=1.0, budget=4)
     add(sched, "late", [1] * 4, 1, arrival=clock.t - 5)
     add(sched, "fresh", [2] * 4, 1, arrival=clock.t)
-    assert sched.rate is not None and sched.rate.seconds_per_token is None
+    assert sched.step_cost is not None and sched.step_cost.cost is None
     assert [s.request_id for s in sched.schedule().scheduled] == ["late"]
 
 
 def test_a_prompt_past_its_deadline_goes_behind_the_ones_that_can_make_it() -> None:
     sched, _, clock = make(deadline=1.0, budget=4)
-    sched.observe_step(0.4, 8)  # a full step: 0.05 s a token
+    sched.step_cost = Known(0.05)  # type: ignore[assignment]
     add(sched, "late", [1] * 4, 1, arrival=clock.t - 5)
     add(sched, "a", [2] * 4, 1, arrival=clock.t - 0.1)
     add(sched, "b", [3] * 4, 1, arrival=clock.t)
@@ -63,24 +74,28 @@ def test_a_prompt_past_its_deadline_goes_behind_the_ones_that_can_make_it() -> N
     assert sched.stats.num_late_prompts == 1
 
 
-def test_the_running_prompts_chunks_count_before_the_waiting_ones() -> None:
-    # "big" is running with 12 of 16 tokens to go (0.6 s ahead): of two prompts due in
-    # 0.8 s, only one can finish in time after it
-    sched, _, clock = make(deadline=0.8, budget=4)
-    sched.observe_step(0.2, 4)  # 0.05 s a token
-    add(sched, "big", [9] * 16, 1, arrival=clock.t)
+def test_a_late_running_prompt_waits_behind_a_fresh_one_and_keeps_its_blocks() -> None:
+    sched, _, clock = make(deadline=1.0, budget=4)
+    sched.step_cost = Known(0.05)  # type: ignore[assignment]
+    add(sched, "big", [9] * 16, 1, arrival=clock.t - 5)
+    runner = FakeRunner()
     out = sched.schedule()
-    sched.update_from_output(out, FakeRunner().execute(out))
-    add(sched, "x", [1] * 3, 1, arrival=clock.t)
-    add(sched, "y", [2] * 2, 1, arrival=clock.t)
-    out = sched.schedule()  # "big" takes the whole budget; the order is decided anyway
-    assert [s.request_id for s in out.scheduled] == ["big"]
-    assert ids(sched.waiting) == ["y", "x"]  # the longer one is set aside
+    blocks = out.scheduled[0].block_ids
+    sched.update_from_output(out, runner.execute(out))
+    add(sched, "fresh", [1] * 3, 1, arrival=clock.t)
+    out = sched.schedule()
+    # not even the budget left: a late prompt only gets steps no on-time prompt is in
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("fresh", 3)]
+    assert sched.kv.block_ids("big") == blocks and sched.requests["big"].num_computed_tokens == 4
+    assert sched.stats.num_late_prompts == 1
+    sched.update_from_output(out, runner.execute(out))
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("big", 4)]
 
 
 def test_requests_past_their_first_token_keep_their_place_in_front() -> None:
     sched, _, clock = make(deadline=1.0, num_blocks=4, budget=64, seqs=4)
-    sched.observe_step(0.4, 40)  # 0.01 s a token
+    sched.step_cost = Known(0.01)  # type: ignore[assignment]
     add(sched, "old", [1] * 8, 8, arrival=clock.t - 10)  # 2 full blocks; a 3rd to decode
     add(sched, "new", [2] * 8, 8, arrival=clock.t - 10)
     runner = FakeRunner()
@@ -99,7 +114,7 @@ def test_reordered_batches_give_the_tokens_alone_and_free_every_block() -> None:
     ps = prompts(16)
     for num_blocks, budget in ((200, 16), (200, 5), (12, 16)):
         sched, kv, clock = make(deadline=0.3, num_blocks=num_blocks, budget=budget, seqs=6)
-        sched.observe_step(0.01 * budget, budget)  # 0.01 s a token
+        sched.step_cost = Known(0.01)  # type: ignore[assignment]
         runner = FakeRunner()
         got: dict[str, list[int]] = {}
         pending = list(enumerate(ps))
