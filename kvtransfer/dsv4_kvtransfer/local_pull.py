@@ -185,7 +185,7 @@ class LocalPuller:
         if grant is None:
             return None
         landed = adopted = broken = False
-        expires = 0.0
+        data_s = 0.0
         try:  # (the grant's connection stays open meanwhile, even if dropped: ``_reset``)
             dest = self._dest(grant.tag)  # our sidecar's region, re-mapped if it restarted
             t_copy = time.perf_counter()
@@ -193,34 +193,37 @@ class LocalPuller:
                 self._copy.copy(d, s)
             data_s = time.perf_counter() - t_copy
             landed = trailer.intact()
-            if landed:
-                head = [tid, host, port, n, time.perf_counter() - t0, data_s, grant.capacity]
-                with self._lock:  # the grant's connection still ours, or it is gone
-                    adopted = grant.conn == self._gen
-                    if adopted:
-                        self._pending[grant.grant_id] = (
-                            time.monotonic(), head, trailer.manifest, trace
-                        )  # fmt: skip
-                        expires = time.time() + self._lease_s  # the sidecar's starts later
-                if adopted and self._flusher is None:
-                    self._start_flusher()
         except Exception as e:  # (a restarted sidecar: the grant's region is gone)
             log.warning("in-place pull of %s: %s; the sidecar makes it", tid, e)
             broken = True
         finally:
             with self._lock:
-                if grant.conn == self._gen and broken:
-                    self._reset()  # and its grants with it
-                elif grant.conn == self._gen and not landed:
+                if grant.conn != self._gen:
+                    pass  # its connection was dropped meanwhile, and the grant with it
+                elif broken:
+                    self._reset()
+                elif landed:  # the sidecar is told later (``_flush``)
+                    head = [tid, host, port, n, time.perf_counter() - t0, data_s, grant.capacity]
+                    self._pending[grant.grant_id] = (
+                        time.monotonic(),
+                        head,
+                        trailer.manifest,
+                        trace,
+                    )
+                    adopted = True
+                else:
                     self._grants.append(grant)  # for the next pull
                 self._copying -= 1
-                if not self._copying:
+                if not self._copying and self._closing:
                     for c in self._closing:
                         c.close()
                     self._closing.clear()
         if not adopted:
-            return None  # the sidecar makes the pull; a grant not adopted goes with its connection
+            return None  # the sidecar makes the pull
+        if self._flusher is None:
+            self._start_flusher()
         self.copies += 1
+        expires = time.time() + self._lease_s  # (the sidecar's lease starts later)
         return Landed(grant.grant_id, grant.offset, raw_layout, layout, meta, expires)
 
     def after_fallback(self) -> None:
@@ -320,10 +323,9 @@ class LocalPuller:
     def _flush_loop(self) -> None:
         """Adoptions nothing else sent within ``FLUSH_S`` (their answers are read later)."""
         while not self._closed.wait(FLUSH_S / 2):
-            if self._pending and min(t for t, *_ in self._pending.values()) < (
-                time.monotonic() - FLUSH_S
-            ):
-                with self._lock:
+            with self._lock:
+                due = time.monotonic() - FLUSH_S
+                if any(t < due for t, *_ in self._pending.values()):
                     self._flush()
 
     def _settle(self) -> bool:

@@ -168,6 +168,24 @@ def test_an_adopted_pull_is_a_pull_like_any_other_until_released(pair: Pair) -> 
         dst.client.poll_pull(st.pull_id)
 
 
+def test_a_pull_nobody_releases_is_adopted_within_a_second_and_then_leased(pair: Pair) -> None:
+    src, dst = pair.start("src", "tcp"), pair.start("dst")
+    pull(dst, export(src, payload(5000, 0), "r0"))
+    params = export(src, payload(5000, 1), "r1")
+    st = dst.client.start_pull(params, wait_s=5.0)
+    assert st.kv is not None and copies(dst) == 1
+    t = time.monotonic()
+    assert st.pull_id not in dst.sidecar.puller.pulls  # not told yet
+    until("the adoption", lambda: st.pull_id in dst.sidecar.puller.pulls, 3.0)
+    assert 0.9 < time.monotonic() - t < 2.5
+    pulled = dst.sidecar.puller.pulls[st.pull_id]
+    assert pulled.state == "done" and pulled.expires_at is not None  # under a lease now
+    tid = params.remote_transfer_id
+    until("the export released", lambda: src.sidecar.store.export(tid) is None)
+    dst.client.release_pull(st.pull_id)
+    assert st.pull_id not in dst.sidecar.puller.pulls
+
+
 def test_an_adoption_sent_just_before_the_client_closed_still_lands(pair: Pair) -> None:
     src, dst = pair.start("src", "tcp"), pair.start("dst")
     free_dst = dst.usage()[0]
