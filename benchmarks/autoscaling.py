@@ -28,6 +28,7 @@ long answers). For each it prints:
     .venv/bin/python benchmarks/autoscaling.py --baseline            # the full run, ~20 min
     .venv/bin/python benchmarks/autoscaling.py --baseline --shape legacy
     .venv/bin/python benchmarks/autoscaling.py --profiles decode-heavy --time-scale 0.5
+    .venv/bin/python benchmarks/autoscaling.py --baseline --prompt-deadline 0   # FCFS engines
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ REPO = Path(__file__).resolve().parents[1]
 RELEASE_NAMESPACE = "dsv4-system"
 STEP_TIME = "20,3,0.2"
 TTFT_S, TPOT_S = 1.0, 0.05
+# the engines' SLO-aware prompt order (--prompt-deadline): a prompt's KV is due this long after
+# it reaches the prefill engine, the rest of the 1 s TTFT left to the KV transfer and the
+# decode's first step (docs/autoscaling.md, "The prompt order")
+PROMPT_DEADLINE_S = 0.6
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ SHAPES = {
 }
 
 
-def _cr(name: str, p: Profile, autoscaled: bool) -> dict[str, Any]:
+def _cr(name: str, p: Profile, autoscaled: bool, prompt_deadline: float) -> dict[str, Any]:
     cpu = {"npusPerNode": 0, "parallelism": {"tp": 1}, "resources": {"requests": {"cpu": "100m"}}}
     spec: dict[str, Any] = {
         "model": {"preset": "dsv4-tiny", "servedName": "tiny"},
@@ -109,6 +114,11 @@ def _cr(name: str, p: Profile, autoscaled: bool) -> dict[str, Any]:
             "prefill": {"min": 1, "max": 2, "tokensPerSecond": p.prefill_tokens_per_s},
             "decode": {"min": 1, "max": 2, "runningPerInstance": 8},
         }
+    if prompt_deadline:
+        # what the operator renders into the prefill pods (ProcessNodes runs the engines with
+        # the benchmark's engine_args, the same flag, in both runs)
+        auto = spec.setdefault("autoscaling", {"ttftSeconds": TTFT_S})
+        auto.setdefault("prefill", {})["promptDeadlineSeconds"] = prompt_deadline
     return {
         "apiVersion": "serving.dsv4.io/v1alpha1",
         "kind": "DeepSeekV4Deployment",
@@ -293,10 +303,11 @@ def run_profile(
     autoscaled: bool,
     engine_args: list[str],
     work: Path,
+    prompt_deadline: float,
 ) -> dict[str, Any]:
     cluster.kubectl("create", "namespace", ns)
     name = "bench"
-    cr = _cr(name, p, autoscaled)
+    cr = _cr(name, p, autoscaled, prompt_deadline)
     (work / ns).mkdir(parents=True, exist_ok=True)
     token = work / ns / "kv-token"
     token.write_text("b" * 32)
@@ -424,10 +435,19 @@ def main() -> int:
     ap.add_argument(
         "--baseline", action="store_true", help="also run each schedule at static max (2 + 2)"
     )
+    ap.add_argument(
+        "--prompt-deadline",
+        type=float,
+        default=PROMPT_DEADLINE_S,
+        help="the engines' SLO-aware prompt order, seconds (0: first come, first served); the "
+        "same in the autoscaled and the static-max runs",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.time_scale <= 0:
         ap.error("--time-scale must be > 0")
+    if not 0 <= args.prompt_deadline <= TTFT_S:
+        ap.error(f"--prompt-deadline must be in [0, {TTFT_S:g}] (the TTFT objective)")
     engine_args = ["--num-speculative-tokens", "0", "--num-kv-blocks", "600"]
     engine_args += ["--max-model-len", "2048"]
     if args.engine_mode == "emulated":
@@ -435,6 +455,11 @@ def main() -> int:
         mode = f"EMULATED engines, step = {args.step_time} ms (base, per sequence, per token)"
     else:
         mode = "REAL dsv4-tiny engines on CPU"
+    if args.prompt_deadline:
+        engine_args += ["--prompt-deadline", f"{args.prompt_deadline:g}"]
+        mode += f"; prompt order: deadline {args.prompt_deadline:g} s"
+    else:
+        mode += "; prompt order: first come, first served"
 
     work = Path(tempfile.mkdtemp(prefix="dsv4-bench-autoscaling-"))
     bin_dir = ensure_binaries()
@@ -457,10 +482,11 @@ def main() -> int:
                 base.output_len,
                 base.prefill_tokens_per_s,
             )
-            auto = run_profile(cluster, op_kc, p, f"auto-{i}", True, engine_args, work)
+            dl = args.prompt_deadline
+            auto = run_profile(cluster, op_kc, p, f"auto-{i}", True, engine_args, work, dl)
             static = None
             if args.baseline:
-                static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work)
+                static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work, dl)
             results["profiles"][name] = {"autoscaled": auto, "static_max": static}
             if not args.json:
                 _print(f"{name}, {args.shape} shape", mode, auto, static)
