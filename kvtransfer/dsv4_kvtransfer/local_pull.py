@@ -242,8 +242,8 @@ class LocalPuller:
 
     def confirm(self, pull_id: str) -> None:
         """Before a call about ``pull_id``: its adoption has been sent and answered."""
-        if pull_id in self._pending or pull_id in self._unconfirmed:
-            with self._lock:
+        with self._lock:  # (a flush moves it from pending to unconfirmed under the lock)
+            if pull_id in self._pending or pull_id in self._unconfirmed:
                 self._flush()
                 self._settle()
 
