@@ -170,6 +170,9 @@ def pull_once(pair: Pair, size: int, state: dict[str, Any], verify: bool) -> tup
         a.release()
         b.release()
     pair.dst.release_pull(kv.pull_id)
+    # an engine's loop does not wait for the sidecar to answer a release of a pull its client
+    # copied; this does (untimed), so that work does not run beside the baseline after it
+    pair.dst.wait_adoptions()
     return dt, placed.offset, got.offset
 
 

@@ -494,11 +494,17 @@ class SidecarClient:
 
     def release_pull(self, pull_id: str) -> None:
         """The KV was copied out (or is no longer wanted): the sidecar frees it."""
-        # a pull copied here is adopted and freed in one message (else its adoption answered
-        # before this request: a release never overtakes it)
+        # a pull copied here is adopted and freed in one message, answered later (else its
+        # adoption answered before this request: a release never overtakes it)
         if self._local_pull is not None and self._local_pull.release(pull_id):
             return
         self.request("DELETE", f"/v1/pulls/{pull_id}")
+
+    def wait_adoptions(self) -> None:
+        """Until the sidecar answered everything this client told it about pulls it copied
+        itself (their adoptions and releases); nothing to wait for otherwise."""
+        if self._local_pull is not None:
+            self._local_pull.settle()
 
     def _typed(self, st: Mapping[str, Any]) -> PullStatus:
         return PullStatus(

@@ -249,14 +249,19 @@ class LocalPuller:
 
     def release(self, pull_id: str) -> bool:
         """The engine is done with a pull copied here and not yet adopted: adopted and freed
-        in one message (its successor grant takes its place); -> whether it was one."""
+        in one message (its successor grant takes its place), answered later (the engine's
+        loop does not wait for it); -> whether it was one."""
         with self._lock:
             if pull_id not in self._pending:
                 self._settle()  # (an adoption sent, unanswered: answered first)
                 return False
             self._flush(release=pull_id)
-            self._settle()
             return True
+
+    def settle(self) -> None:
+        """Until every adoption sent has been answered (the sidecar is done with them)."""
+        with self._lock:
+            self._settle()
 
     def close(self) -> None:
         self._closed.set()

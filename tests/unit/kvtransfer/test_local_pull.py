@@ -117,6 +117,7 @@ def pull(dst: Node, params: RemotePrefillParams) -> tuple[str, bytes, dict[str, 
     with dst.client.view(kv.buffers["kv"]) as view:
         got = bytes(view)
     dst.client.release_pull(kv.pull_id)
+    dst.client.wait_adoptions()  # (a release of a pull copied here is answered later)
     return kv.pull_id, got, kv.remote_meta
 
 
@@ -165,6 +166,7 @@ def test_an_adopted_pull_is_a_pull_like_any_other_until_released(pair: Pair) -> 
     with dst.client.view(st.kv.buffers["kv"]) as view:
         assert bytes(view) == data
     dst.client.release_pull(st.pull_id)
+    dst.client.wait_adoptions()
     with pytest.raises(Exception, match="unknown pull"):
         dst.client.poll_pull(st.pull_id)
 
@@ -230,6 +232,7 @@ def test_concurrent_pulls_through_one_client_land_exactly_and_free_everything(
     for t in threads:
         t.join(60)
     assert not errors, errors[0]
+    dst.client.wait_adoptions()
     assert copies(dst) > 0  # some copied here, the others through the sidecar
     local = dst.client._local_pull
     assert local is not None and not local._pending and not local._copying
