@@ -5,9 +5,9 @@ First come, first served is the best order while the engine keeps up. Under over
 worst: every prompt waits behind the whole backlog, so once the backlog is longer than the TTFT
 objective almost every prompt misses it, until the backlog has drained. Here the prompts that
 can still make their deadline go first, earliest deadline first, and those that cannot go after
-them in arrival order: they are still served (as soon as the on-time ones leave room), never
-dropped, so a late prompt is later than under FCFS, but about capacity / arrival of the
-prompts keep the objective instead of almost none.
+them in arrival order: they are still served (the scheduler gives them the steps no on-time
+prompt is in), never dropped, so a late prompt is later than under FCFS, but about
+capacity / arrival of the prompts keep the objective instead of almost none.
 
 Which prompts can make it is Moore and Hodgson's rule (1968), the order that minimises the
 number of late jobs on one machine: take the prompts by deadline, and whenever the one just

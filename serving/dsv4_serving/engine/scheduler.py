@@ -5,9 +5,10 @@ tokens): a prefill chunk, a decode token and a verification run are the same thi
 prefill chunks and decode tokens share one step under one token budget. Running requests go
 first (FCFS among them); when blocks run out the most recently arrived running request is
 preempted (its blocks freed, recomputed later from its tokens). Waiting requests are admitted
-in arrival order while budget, sequence slots and blocks last; with a prompt deadline
-(``SchedulerConfig.prompt_deadline``) the waiting prompts are ordered first, those that can
-still make their deadline before those that cannot (``prefill_order.py``).
+in arrival order while budget, sequence slots and blocks last. With a prompt deadline
+(``SchedulerConfig.prompt_deadline``) the prompts, running and waiting, are ordered instead:
+those that can still make their deadline first, the late ones only in steps no on-time prompt
+is in (``prefill_order.py``, ``_schedule_prompts``).
 """
 
 from __future__ import annotations
