@@ -67,6 +67,10 @@ class EngineMetrics:
         self.free_blocks = per_rank("dsv4_kv_cache_free_blocks", "Free paged KV blocks.")
         self.total_blocks = per_rank("dsv4_kv_cache_total_blocks", "Paged KV blocks in the pool.")
         self.aborts = c("dsv4_requests_aborted", "Requests aborted (client gone or stop string).")
+        self.late_prompts = c(
+            "dsv4_late_prompts",
+            "Prompts the SLO-aware prompt order set aside: unable to make --prompt-deadline.",
+        )
         # PD: this engine's side of KV transfers (its sidecar has the wire-level ones)
         kv_labels = ["model_name", "reason"]
         self.kv_pull_failures = Counter(
@@ -160,6 +164,7 @@ class EngineMetrics:
         self.prefix_queries.inc(max(0, s.prefix_queries - last.prefix_queries))
         self.prefix_hits.inc(max(0, s.prefix_hits - last.prefix_hits))
         self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
+        self.late_prompts.inc(max(0, s.num_late_prompts - last.num_late_prompts))
         self.spec_drafts.inc(max(0, s.spec_drafts - last.spec_drafts))
         self.spec_draft_tokens.inc(max(0, s.spec_draft_tokens - last.spec_draft_tokens))
         self.spec_accepted.inc(max(0, s.spec_accepted_tokens - last.spec_accepted_tokens))

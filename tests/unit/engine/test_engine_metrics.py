@@ -7,6 +7,7 @@ import pytest
 
 from dsv4_common.process import metric_value
 from dsv4_serving.engine.observer import EngineObserver
+from dsv4_serving.engine.scheduler import SchedulerStats
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 
 
@@ -38,3 +39,11 @@ def test_aborts_and_kv_errors_are_counted_by_reason() -> None:
     assert _metric(m, "dsv4_requests_aborted_total") == 1
     assert _metric(m, "dsv4_kv_request_errors_total", reason="timeout") == 2
     assert _metric(m, "dsv4_kv_request_errors_total", reason="auth") == 1
+
+
+def test_late_prompts_count_what_each_rank_added() -> None:
+    m = EngineMetrics("tiny")
+    m.stats(SchedulerStats(num_late_prompts=2), rank=0)
+    m.stats(SchedulerStats(num_late_prompts=5), rank=0)
+    m.stats(SchedulerStats(num_late_prompts=1), rank=1)
+    assert _metric(m, "dsv4_late_prompts_total") == 6
