@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,22 +91,6 @@ SHAPES = {
 }
 
 
-@dataclass
-class _Nodes(ProcessNodes):
-    """``ProcessNodes`` whose prefill engines get ``prefill_args`` too: the operator renders
-    ``--prompt-deadline`` on the prefill pods only."""
-
-    prefill_args: list[str] = field(default_factory=list)
-
-    def _launch(self, name: str, role: str) -> None:
-        common = self.engine_args
-        self.engine_args = common + (self.prefill_args if role == "prefill" else [])
-        try:
-            super()._launch(name, role)
-        finally:
-            self.engine_args = common
-
-
 def _cr(name: str, p: Profile, autoscaled: bool, prompt_deadline: float) -> dict[str, Any]:
     cpu = {"npusPerNode": 0, "parallelism": {"tp": 1}, "resources": {"requests": {"cpu": "100m"}}}
     spec: dict[str, Any] = {
@@ -132,7 +116,7 @@ def _cr(name: str, p: Profile, autoscaled: bool, prompt_deadline: float) -> dict
         }
     if prompt_deadline:
         # what the operator renders into the prefill pods (ProcessNodes runs the engines with
-        # the benchmark's arguments: _Nodes adds the same flag to the prefill engines)
+        # the benchmark's arguments: role_engine_args adds the same flag to the prefill engines)
         auto = spec.setdefault("autoscaling", {"ttftSeconds": TTFT_S})
         auto.setdefault("prefill", {})["promptDeadlineSeconds"] = prompt_deadline
     return {
@@ -327,7 +311,7 @@ def run_profile(
     (work / ns).mkdir(parents=True, exist_ok=True)
     token = work / ns / "kv-token"
     token.write_text("b" * 32)
-    nodes = _Nodes(
+    nodes = ProcessNodes(
         cluster=cluster,
         namespace=ns,
         deployment=name,
@@ -335,7 +319,9 @@ def run_profile(
         log_dir=work / ns,
         engine_args=engine_args,
         sidecar_metrics_port=sidecar_metrics_port(KV_PORT),
-        prefill_args=["--prompt-deadline", f"{prompt_deadline:g}"] if prompt_deadline else [],
+        role_engine_args=(
+            {"prefill": ["--prompt-deadline", f"{prompt_deadline:g}"]} if prompt_deadline else {}
+        ),
     )
     op = OperatorService(
         op_kubeconfig, cluster.log_dir, ("--autoscaler-address-map", str(nodes.address_map))

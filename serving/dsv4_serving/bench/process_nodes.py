@@ -92,6 +92,9 @@ class ProcessNodes:
     instance_sidecar_settings: dict[str, dict[str, object]] = field(default_factory=dict)
     """Settings for the sidecar of one instance (StatefulSet name), over ``sidecar_settings``:
     e.g. ``send_rate`` to slow the pulls of one prefill instance only."""
+    role_engine_args: dict[str, list[str]] = field(default_factory=dict)
+    """More engine arguments for one role's instances, after ``engine_args``: what the operator
+    renders on that role's pods only (e.g. ``--prompt-deadline`` on prefill)."""
     gateway_kubeconfig: Path | None = None
     instances: dict[str, Instance] = field(default_factory=dict)
     history: list[tuple[float, str, str]] = field(default_factory=list)
@@ -215,6 +218,7 @@ class ProcessNodes:
             *("--model", "dsv4-tiny", "--load-format", "dummy", "--dtype", "float32"),
             *("--seed", "0", "--served-model-name", "tiny", "--role", role),
             *self.engine_args,
+            *self.role_engine_args.get(role, []),
         )
         engine = Service(
             name, argv, self.log_dir / f"{name}-{port}.log", f"http://127.0.0.1:{port}"
