@@ -131,10 +131,6 @@ class _FastUnavailable(Exception):
     """The fast control socket cannot be reached: the call goes over HTTP."""
 
 
-# (kept under its old name: tests drive a connection directly)
-_FastConnection = FastConnection
-
-
 class SidecarClient:
     def __init__(
         self,

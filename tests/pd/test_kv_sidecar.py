@@ -20,9 +20,10 @@ import pytest
 
 from dsv4_kvtransfer.auth import proof
 from dsv4_kvtransfer.buffers import BufferSpec
-from dsv4_kvtransfer.client import PullFailed, SidecarClient, SidecarError, _FastConnection
+from dsv4_kvtransfer.client import PullFailed, SidecarClient, SidecarError
 from dsv4_kvtransfer.frames import HANDSHAKE_LIMITS, FrameType, encode, read_frame, send_frame
 from dsv4_kvtransfer.launch import sidecar_argv
+from dsv4_kvtransfer.local_pull import FastConnection
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from tests.helpers import wait_for
 from tests.pd.sidecars import SidecarFactory, SidecarProc
@@ -435,7 +436,7 @@ def test_a_restarted_sidecar_is_reached_past_every_stale_fast_connection(
     client.request("GET", "/v1/info")  # learns the socket, keeps one connection
     assert client._fast_path
     # two more idle connections, as concurrent calls leave them
-    client._fast_idle += [_FastConnection(client._fast_path, 5.0) for _ in range(2)]
+    client._fast_idle += [FastConnection(client._fast_path, 5.0) for _ in range(2)]
     assert len(client._fast_idle) == 3
     old.kill()
     new = sidecars.start(
