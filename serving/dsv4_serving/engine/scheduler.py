@@ -286,14 +286,10 @@ class Scheduler:
                 i += 1
                 continue
             sample = ctx + num_new >= req.num_tokens
-            lookahead = k if sample else 0
-            while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
+            preemptions = self.stats.num_preemptions
+            placed = self._allocate_or_preempt(req, num_new, k if sample else 0, plan)
+            preempted = preempted or self.stats.num_preemptions != preemptions
+            if placed:
                 plan.append((req, num_new))
                 budget -= num_new
                 i += 1
@@ -424,9 +420,8 @@ class Scheduler:
         return budget
 
     def _continue_prompt(self, req: Request, budget: int, plan: list[tuple[Request, int]]) -> int:
-        """The next chunk of running prompt ``req``: the budget it used. Without blocks for it
-        the newest running request not in this step is preempted (``req`` itself at last), as
-        the running requests' loop does."""
+        """The next chunk of running prompt ``req``: the budget it used (``_allocate_or_preempt``
+        as for every running request)."""
         cfg = self.config
         ctx = req.num_computed_tokens
         num_new = min(req.num_tokens - ctx, budget, cfg.max_model_len - ctx)
@@ -434,15 +429,24 @@ class Scheduler:
             return 0
         sample = ctx + num_new >= req.num_tokens
         lookahead = cfg.num_speculative_tokens if sample else 0
-        planned = {id(r) for r, _ in plan}
+        if not self._allocate_or_preempt(req, num_new, lookahead, plan):
+            return 0
+        plan.append((req, num_new))
+        return num_new
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, lookahead: int, plan: list[tuple[Request, int]]
+    ) -> bool:
+        """Blocks for ``num_new`` more tokens of running ``req``; while they run out, the newest
+        running request not in this step's ``plan`` is preempted. False: ``req`` itself was."""
         while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead):
+            planned = {id(r) for r, _ in plan}
             victim = next(r for r in reversed(self.running) if id(r) not in planned)
             self.running.remove(victim)
             self._preempt(victim)
             if victim is req:
-                return 0
-        plan.append((req, num_new))
-        return num_new
+                return False
+        return True
 
     def observe_step(self, seconds: float, num_batched_tokens: int) -> None:
         """A step of ``num_batched_tokens`` took ``seconds`` (wall clock, scheduling included):
