@@ -46,9 +46,15 @@ from vllm.inputs import TokensPrompt
 
 def main():
     a = json.loads(sys.argv[1])
+    import torch
+    extra = {}
+    if a["dtype"] == "float32" and torch.cpu._is_amx_tile_supported():
+        # vLLM picks AMX_MLA on an AMX host, whose weight packing takes bf16/fp16/int8 only;
+        # its float32 MLA is CPU_MLA, the backend it uses on every host without AMX
+        extra["attention_backend"] = "CPU_MLA"
     llm = LLM(model=a["model"], load_format="dummy", dtype=a["dtype"], max_model_len=a["max_len"],
               max_num_seqs=a["max_num_seqs"], seed=0, enforce_eager=True,
-              enable_prefix_caching=False, skip_tokenizer_init=True)
+              enable_prefix_caching=False, skip_tokenizer_init=True, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in a["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False))
     t = time.perf_counter()
@@ -59,7 +65,8 @@ def main():
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"seconds": dt, "prefill_seconds": prefill, "output_tokens": n}), flush=True)
+    print("RESULT " + json.dumps({"seconds": dt, "prefill_seconds": prefill, "output_tokens": n,
+                                  "attention_backend": extra.get("attention_backend", "vLLM's choice")}), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -486,7 +493,7 @@ def main() -> None:
         v_bw = nbytes / median([r["seconds"] - r["prefill_seconds"] for r in ok]) / bandwidth
         print(
             f"{name:<11} | {dtype:<8} | {o:>10.1f} | {v:>10.1f} | {o / v:>9.2f} | "
-            f"{o_bw:>7.0%} | {v_bw:>7.0%} |"
+            f"{o_bw:>7.0%} | {v_bw:>7.0%} | vLLM attention: {ok[0].get('attention_backend')}"
         )
     for (name, dtype), tr in traced.items():
         ours = next(o for n, d, o, _ in rows if (n, d) == (name, dtype))
