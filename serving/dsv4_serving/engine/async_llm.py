@@ -116,6 +116,12 @@ class AsyncLLM:
     def start(self, timeout_s: float = 600.0, placement: Placement | None = None) -> EngineInfo:
         """Spawn the core (and its peer ranks on this node: node 0 of ``placement``) and wait
         until the model is loaded (blocking); the other nodes run ``dsv4 engine --headless``."""
+        self.launch(placement)
+        return self.wait_ready(timeout_s)
+
+    def launch(self, placement: Placement | None = None) -> None:
+        """Spawn the core and its peer ranks and return at once: the caller's own start-up
+        (the HTTP front end's imports) then overlaps the core's torch import and model load."""
         ctx = mp.get_context("spawn")
         self._in: Any = ctx.Queue()
         self._out: Any = ctx.Queue()
@@ -135,6 +141,9 @@ class AsyncLLM:
             ranks = placement.ranks(topo)
             args = [(self.config, r, placement, self._in, self._out) for r in ranks]
             self._ranks = LocalRanks(rank_main, args, "dsv4-rank")
+
+    def wait_ready(self, timeout_s: float = 600.0) -> EngineInfo:
+        """Block until the launched core has loaded its model (or died, or ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -151,11 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(config: EngineConfig, host: str, port: int, placement: Placement | None = None) -> int:
-    import uvicorn
-
     from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError
     from dsv4_serving.engine.tokenizer import load_tokenizer
-    from dsv4_serving.entrypoints.api_server import build_app
     from dsv4_serving.entrypoints.metrics import EngineMetrics
 
     try:
@@ -170,8 +167,15 @@ def serve(config: EngineConfig, host: str, port: int, placement: Placement | Non
 
         register_metric(metrics.registry, StepTime.parse(config.emulate_step_time))
     engine = AsyncLLM(config, tokenizer, metrics)
+    # the core first: the front end's own imports (FastAPI, ~0.5 s) run while the core imports
+    # torch (~3 s), instead of before it (a new instance's cold start, which autoscaling waits on)
+    engine.launch(placement)
+    import uvicorn
+
+    from dsv4_serving.entrypoints.api_server import build_app
+
     try:
-        info = engine.start(placement=placement)
+        info = engine.wait_ready()
     except EngineDeadError as exc:
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 1
