@@ -204,7 +204,10 @@ def analyse(
     events: list[tuple[float, str, str]],
     history: list[tuple[float, str, str]],
     t1: float,
+    lead: float = 0.0,
 ) -> dict[str, Any]:
+    """``lead``: a scheduled minimum raised the floor this long before each step up (the
+    decision then comes before the step)."""
     starts, acc = [], 0.0
     for sec, _ in p.schedule:
         starts.append(t0 + acc)
@@ -227,11 +230,11 @@ def analyse(
         if p.schedule[i][1] <= p.schedule[i - 1][1]:
             continue
         step = starts[i]
-        up = next((t for t, r, _ in events if r == "ScaledUp" and t >= step - 1), None)
+        up = next((t for t, r, _ in events if r == "ScaledUp" and t >= step - 1 - lead), None)
         ready = next((t for t, _, w in history if w == "ready" and up and t >= up - 1), None)
         recovered = None
         if up is not None:
-            b = up
+            b = max(up, step)
             while b < starts[i] + p.schedule[i][0]:
                 rs = [r for r in records if b <= t0 + r["start"] < b + 5]
                 if rs and sum(1 for r in rs if _good(r)) / len(rs) >= 0.9:
@@ -304,7 +307,10 @@ def run_profile(
     engine_args: list[str],
     work: Path,
     prompt_deadline: float,
+    known_peak_lead: float | None = None,
 ) -> dict[str, Any]:
+    """``known_peak_lead``: the peak is declared (``scheduledMinimums``, the profile's heavy role
+    at its max from this many seconds before each step up until the peak ends)."""
     cluster.kubectl("create", "namespace", ns)
     name = "bench"
     cr = _cr(name, p, autoscaled, prompt_deadline)
@@ -352,6 +358,12 @@ def run_profile(
             *("--ttft-slo", str(TTFT_S), "--tpot-slo", str(TPOT_S)),
         )
         t0 = time.time()
+        if known_peak_lead is not None:
+            windows = _known_peaks(p, t0, known_peak_lead)
+            patch = {"spec": {"autoscaling": {"scheduledMinimums": windows}}}
+            cluster.kubectl(
+                "patch", "dsv4", name, "-n", ns, "--type", "merge", "-p", json.dumps(patch)
+            )
         res = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
         if res.returncode != 0:
             raise RuntimeError(f"bench failed: {res.stderr[-2000:]}")
@@ -362,13 +374,40 @@ def run_profile(
             ):
                 time.sleep(1)
         t1 = time.time()
-        out = analyse(p, t0, _records(records), _events(cluster, ns, name), nodes.history, t1)
+        out = analyse(
+            p,
+            t0,
+            _records(records),
+            _events(cluster, ns, name),
+            nodes.history,
+            t1,
+            lead=known_peak_lead or 0.0,
+        )
         out["bench"] = {k: v for k, v in json.loads(res.stdout).items() if k != "phases"}
         return out
     finally:
         op.stop()
         nodes.stop()
         cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _known_peaks(p: Profile, t0: float, lead: float) -> list[dict[str, Any]]:
+    """What a user who knows the peaks declares: per step up, the heavy role at its max (2) from
+    ``lead`` seconds before the step to the end of the phase (UTC times of day)."""
+
+    def utc(t: float) -> str:
+        return time.strftime("%H:%M:%S", time.gmtime(t))
+
+    role = "prefill" if p.name == "prefill-heavy" else "decode"
+    out, acc = [], 0.0
+    for i, (sec, rate) in enumerate(p.schedule):
+        if i and rate > p.schedule[i - 1][1]:
+            start = t0 + acc
+            out.append(
+                {"name": f"peak-{i}", "start": utc(start - lead), "end": utc(start + sec), role: 2}
+            )
+        acc += sec
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -390,7 +429,7 @@ def _print(name: str, mode: str, auto: dict[str, Any], static: dict[str, Any] | 
     )
 
     def after(x: float | None) -> str:
-        return "never" if x is None else f"+{x:g}s"
+        return "never" if x is None else f"{x:+g}s"
 
     for s in auto["steps"]:
         print(
@@ -445,10 +484,19 @@ def main() -> int:
         help="the engines' SLO-aware prompt order, seconds (0: first come, first served); the "
         "same in the autoscaled and the static-max runs",
     )
+    ap.add_argument(
+        "--known-peak",
+        type=float,
+        metavar="LEAD_S",
+        help="also run each profile autoscaled with the peak declared: scheduledMinimums raise "
+        "the heavy role to its max LEAD_S seconds before each step up, until the peak ends",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.time_scale <= 0:
         ap.error("--time-scale must be > 0")
+    if args.known_peak is not None and args.known_peak <= 0:
+        ap.error("--known-peak must be > 0 seconds")
     if not 0 <= args.prompt_deadline <= TTFT_S:
         ap.error(f"--prompt-deadline must be in [0, {TTFT_S:g}] (the TTFT objective)")
     engine_args = ["--num-speculative-tokens", "0", "--num-kv-blocks", "600"]
@@ -489,9 +537,21 @@ def main() -> int:
             static = None
             if args.baseline:
                 static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work, dl)
-            results["profiles"][name] = {"autoscaled": auto, "static_max": static}
+            known = None
+            if args.known_peak is not None:
+                known = run_profile(
+                    cluster, op_kc, p, f"known-{i}", True, engine_args, work, dl, args.known_peak
+                )
+            results["profiles"][name] = {
+                "autoscaled": auto,
+                "static_max": static,
+                "known_peak": known,
+            }
             if not args.json:
                 _print(f"{name}, {args.shape} shape", mode, auto, static)
+                if known is not None:
+                    title = f"{name}, {args.shape} shape, peak declared {args.known_peak:g} s ahead"
+                    _print(title, mode, known, static)
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

@@ -306,6 +306,53 @@ def test_an_unschedulable_new_instance_blocks_further_scale_up(
     cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
 
 
+def _utc(epoch: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(epoch))
+
+
+def test_a_scheduled_minimum_scales_up_at_its_start_and_back_after_its_end(
+    k8s_cluster: Any, scaler: list[Any], stub: MetricsStub, namespace: str
+) -> None:
+    """No load at all: the window alone takes prefill 1 -> 2 at its start and, after its end
+    and the stabilisation window, back through a drain."""
+    cluster, ns, name = k8s_cluster, namespace, f"sch-{uuid.uuid4().hex[:4]}"
+    stub.set(prefill_waiting=0, decode_waiting=0, running=0, waiting=0, exports=0)
+    start = time.time() + 20
+    window = {"name": "peak", "start": _utc(start), "end": _utc(start + 10), "prefill": 2}
+    apply_yaml(cluster, json.dumps(_cr(name, dict(FAST, scheduledMinimums=[window]))), ns)
+    wait_for(
+        "prefill 1/1",
+        lambda: _status(cluster, ns, name).get("prefill", {}).get("summary") == "1/1",
+        timeout_s=90,
+    )
+    assert time.time() < start - 3, "the deployment took too long to come up for this test"
+    _stays(
+        "one prefill instance before the window",
+        lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
+        start - 1.5 - time.time(),
+    )
+    wait_for(
+        "StatefulSet prefill-1",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+        timeout_s=15,
+    )
+    up = next(e for e in _events(cluster, ns, name) if e["reason"] == "ScaledUp")
+    assert (
+        f"prefill 1->2: scheduled minimum 'peak' ({window['start']}-{window['end']} UTC)"
+        in (up["message"])
+    ), up["message"]
+    assert time.time() >= start - 1.0  # not before its start (1 s ticks, second-resolution times)
+    _stays(
+        "two prefill instances during the window",
+        lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
+        start + 9 - time.time(),
+    )
+    # after the end, the 5 s stabilisation, then the usual drain (the stub says idle)
+    _idle_then_removed(cluster, stub, ns, name, f"{name}-prefill-1")
+    assert time.time() >= start + 10 + 4
+    cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
+
+
 def test_external_mode_follows_the_role_scale_clamped_and_drains(
     k8s_cluster: Any, scaler: list[Any], stub: MetricsStub, namespace: str
 ) -> None:

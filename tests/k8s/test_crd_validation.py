@@ -219,6 +219,64 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "autoscaling.prefillDecodeRatio needs 0 < min <= max",
     ),
     (
+        "scheduled minimum ending when it starts",
+        _cr(
+            autoscaling={
+                "scheduledMinimums": [
+                    {"name": "peak", "start": "09:00", "end": "09:00:00", "prefill": 2}
+                ]
+            }
+        ),
+        "autoscaling.scheduledMinimums: a window's start and end must differ",
+    ),
+    (
+        "scheduled minimum raising no role",
+        _cr(autoscaling={"scheduledMinimums": [{"name": "p", "start": "09:00", "end": "10:00"}]}),
+        "autoscaling.scheduledMinimums: a window raises prefill, decode or both",
+    ),
+    (
+        "scheduled minimum above max",
+        _cr(
+            autoscaling={
+                "decode": {"max": 2},
+                "scheduledMinimums": [{"name": "p", "start": "09:00", "end": "10:00", "decode": 3}],
+            }
+        ),
+        "a window's prefill and decode must not exceed autoscaling.prefill.max and "
+        "autoscaling.decode.max",
+    ),
+    (
+        "scheduled minimum with an external scaler",
+        _cr(
+            autoscaling={
+                "mode": "External",
+                "scheduledMinimums": [{"name": "p", "start": "09:00", "end": "10:00", "decode": 1}],
+            }
+        ),
+        "autoscaling.scheduledMinimums needs mode Builtin",
+    ),
+    (
+        "scheduled minimum at 24:00",
+        _cr(
+            autoscaling={
+                "scheduledMinimums": [{"name": "p", "start": "22:00", "end": "24:00", "decode": 1}]
+            }
+        ),
+        "spec.autoscaling.scheduledMinimums[0].end in body should match",
+    ),
+    (
+        "two scheduled minimums with one name",
+        _cr(
+            autoscaling={
+                "scheduledMinimums": [
+                    {"name": "p", "start": "09:00", "end": "10:00", "decode": 1},
+                    {"name": "p", "start": "11:00", "end": "12:00", "decode": 1},
+                ]
+            }
+        ),
+        "Duplicate value",
+    ),
+    (
         "autoscaling with LeaderWorkerSet",
         _cr(autoscaling={"enabled": True}, scheduling={"workload": "LeaderWorkerSet"}),
         "autoscaling with scheduling.workload LeaderWorkerSet is not supported yet",
@@ -275,6 +333,17 @@ def test_knobs_at_their_defaults_or_acted_on_are_accepted(k8s_control_plane, dsv
             "prefill": {"min": 1, "max": 2, "tokensPerSecond": 20000, "promptDeadlineSeconds": 1},
             "decode": {"min": 1, "max": 8, "kvCacheTarget": 0.9},
             "prefillDecodeRatio": {"min": 0.25, "max": 1},
+            "scheduledMinimums": [
+                {
+                    "name": "business",
+                    "start": "08:45",
+                    "end": "18:00",
+                    "days": ["Mon", "Fri"],
+                    "prefill": 2,
+                    "decode": 4,
+                },
+                {"name": "night-batch", "start": "23:30:00", "end": "01:00", "decode": 8},
+            ],
         },
         features={
             "eplb": {"enabled": True, "redundantExperts": 16, "intervalSteps": 100},

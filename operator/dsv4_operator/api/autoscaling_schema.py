@@ -11,6 +11,10 @@ from dsv4_operator.api.schema import (
     string,
 )
 
+DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+TIME_PATTERN = r"^([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9])?$"
+"""A ``scheduledMinimums`` window's start or end: a UTC time of day."""
+
 
 def _bounds(role: str, extra: dict[str, Schema]) -> Schema:
     return obj(
@@ -30,6 +34,66 @@ def _positive(path: str, what: str) -> tuple[str, str]:
         f"!has(self.{field}) || self.{field} > 0.0",
         f"autoscaling.{path} must be positive ({what})",
     )
+
+
+def _seconds_cel(field: str) -> str:
+    """A time of day as HH:MM:SS in CEL, so 09:00 and 09:00:00 compare equal."""
+    return f"(size(self.{field}) == 5 ? self.{field} + ':00' : self.{field})"
+
+
+def _scheduled_minimums() -> Schema:
+    def when(what: str) -> Schema:
+        return string(f"{what} (UTC, HH:MM or HH:MM:SS).", pattern=TIME_PATTERN, max_length=8)
+
+    window = obj(
+        {
+            "name": string(
+                "Names the window in events and the last decision.",
+                pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                max_length=63,
+            ),
+            "start": when("When the floor rises: a new instance's cold start before the peak"),
+            "end": when(
+                "When it falls back; the usual scale-down follows (stabilisation, drain). "
+                "Before start: the window runs past midnight"
+            ),
+            "days": {
+                "type": "array",
+                "description": "Weekdays the window starts on; unset: every day.",
+                "items": {"type": "string", "enum": list(DAYS)},
+                "maxItems": 7,
+                "x-kubernetes-list-type": "set",
+            },
+            "prefill": integer(
+                "Fewest prefill instances while the window is on.", minimum=0, maximum=512
+            ),
+            "decode": integer(
+                "Fewest decode instances while the window is on.", minimum=0, maximum=512
+            ),
+        },
+        required=["name", "start", "end"],
+        rules=[
+            (
+                f"{_seconds_cel('start')} != {_seconds_cel('end')}",
+                "autoscaling.scheduledMinimums: a window's start and end must differ",
+            ),
+            (
+                "has(self.prefill) || has(self.decode)",
+                "autoscaling.scheduledMinimums: a window raises prefill, decode or both "
+                "(e.g. prefill: 2)",
+            ),
+        ],
+    )
+    return {
+        "type": "array",
+        "description": "Known peaks: from start to end each day the role's min is raised (never "
+        "above max), so capacity is there before the load (a reactive autoscaler loses the "
+        "decision and the cold start after a step). Builtin mode only.",
+        "items": window,
+        "maxItems": 16,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+    }
 
 
 def autoscaling_schema() -> Schema:
@@ -165,8 +229,21 @@ def autoscaling_schema() -> Schema:
             ),
             "prefill": prefill,
             "decode": decode,
+            "scheduledMinimums": _scheduled_minimums(),
         },
         rules=[
+            (
+                "!has(self.scheduledMinimums) || self.scheduledMinimums.all(w, "
+                "(!has(w.prefill) || w.prefill <= self.prefill.max) && "
+                "(!has(w.decode) || w.decode <= self.decode.max))",
+                "autoscaling.scheduledMinimums: a window's prefill and decode must not exceed "
+                "autoscaling.prefill.max and autoscaling.decode.max",
+            ),
+            (
+                "self.mode == 'Builtin' || !has(self.scheduledMinimums)",
+                "autoscaling.scheduledMinimums needs mode Builtin (with External, give the HPA "
+                "or KEDA object a schedule, e.g. KEDA's cron trigger)",
+            ),
             (
                 "self.ttftSeconds > 0.0",
                 "autoscaling.ttftSeconds must be a positive number of seconds (the p90 "

@@ -156,6 +156,8 @@ class AutoscalingSpec:
     kv_cache_target: float = 0.8
     ratio: tuple[float, float] | None = None
     npu_budget: int | None = None
+    scheduled_minimums: tuple[dict[str, Any], ...] = ()
+    """``scheduledMinimums`` as written (``autoscaling.schedule`` reads the windows)."""
 
     def bounds(self, role: Role) -> Bounds:
         return self.prefill if role == "prefill" else self.decode
@@ -307,6 +309,7 @@ def _autoscaling(raw: dict[str, Any]) -> AutoscalingSpec:
         kv_cache_target=float(d["kvCacheTarget"]),
         ratio=(float(ratio["min"]), float(ratio["max"])) if ratio else None,
         npu_budget=int(raw["npuBudget"]) if raw.get("npuBudget") is not None else None,
+        scheduled_minimums=tuple(copy.deepcopy(w) for w in raw.get("scheduledMinimums") or ()),
     )
 
 

@@ -20,7 +20,8 @@ from dsv4_operator.autoscaling.estimators import (
     ceil_div,
     learn_prefill_capacity,
 )
-from dsv4_operator.autoscaling.policy import ROLES, Policy, Role
+from dsv4_operator.autoscaling.policy import ROLES, Policy, Role, RoleBounds
+from dsv4_operator.autoscaling.schedule import floors
 from dsv4_operator.autoscaling.signals import Observations, RoleSignals
 
 Direction = Literal["up", "down", "hold"]
@@ -88,23 +89,44 @@ class Decision:
 def decide(
     obs: Observations | None, state: State, policy: Policy, now: float
 ) -> tuple[Decision, State]:
+    policy, floor_why = with_floors(policy, now)
     if obs is None or now - obs.observed_at > policy.max_age_s:
-        return _hold(obs, state, policy, now), state
-    return _Tick(obs, state, policy, now).run()
+        return _hold(obs, state, policy, now, floor_why), state
+    return _Tick(obs, state, policy, now, floor_why).run()
+
+
+def with_floors(policy: Policy, now: float) -> tuple[Policy, dict[Role, str]]:
+    """``policy`` with each role's min raised by its scheduled windows on at ``now`` (never
+    above max), and, per role raised, the window that raised it."""
+    on = floors(policy.scheduled, now)
+    bounds = dict(policy.bounds)
+    why: dict[Role, str] = {}
+    for r in ROLES:
+        if r in on and on[r][0] > bounds[r].min:
+            bounds[r] = RoleBounds(min(on[r][0], bounds[r].max), bounds[r].max)
+            why[r] = on[r][1]
+    return (replace(policy, bounds=bounds), why) if why else (policy, why)
 
 
 def _current(s: RoleSignals) -> int:
     return s.ready + s.starting
 
 
-def _hold(obs: Observations | None, state: State, policy: Policy, now: float) -> Decision:
+def _hold(
+    obs: Observations | None,
+    state: State,
+    policy: Policy,
+    now: float,
+    floor_why: dict[Role, str],
+) -> Decision:
     why = "no observations" if obs is None else f"observations are {now - obs.observed_at:.0f}s old"
     roles: dict[Role, RoleDecision] = {}
     for r in ROLES:
         cur = _current(obs.roles[r]) if obs is not None else policy.bounds[r].min
         target = policy.bounds[r].clamp(cur)
         direction: Direction = "hold" if target == cur else ("up" if target > cur else "down")
-        roles[r] = RoleDecision(cur, target, target, direction, f"holding: {why}", {})
+        reason = floor_why[r] if direction == "up" and r in floor_why else f"holding: {why}"
+        roles[r] = RoleDecision(cur, target, target, direction, reason, {})
     msg = f"metrics unavailable ({why}); holding the current size"
     return Decision(
         roles,
@@ -118,8 +140,17 @@ def _hold(obs: Observations | None, state: State, policy: Policy, now: float) ->
 class _Tick:
     """One tick's working state; ``run`` is the whole decision."""
 
-    def __init__(self, obs: Observations, state: State, policy: Policy, now: float) -> None:
+    def __init__(
+        self,
+        obs: Observations,
+        state: State,
+        policy: Policy,
+        now: float,
+        floor_why: dict[Role, str],
+    ) -> None:
         self.obs, self.state, self.policy, self.now = obs, state, policy, now
+        self.floor_why = floor_why
+        """Roles whose min a scheduled window raised, and which window."""
         self.p, self.d = obs.roles["prefill"], obs.roles["decode"]
         self.enough = obs.requests >= policy.min_requests
         self.events: list[Event] = []
@@ -285,6 +316,8 @@ class _Tick:
         bounds = pol.bounds[role]
         cur = _current(s)
         want = bounds.clamp(max(rec, bounds.min))
+        if rec < want and role in self.floor_why:
+            why = self.floor_why[role]
         if rec > bounds.max:
             self.limits.append(("AtMax", f"{role} wants {rec} instances, max is {bounds.max}"))
             if rec > cur:

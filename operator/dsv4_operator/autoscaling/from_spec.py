@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dsv4_operator.api.spec import AutoscalingSpec, DeploymentSpec
 from dsv4_operator.autoscaling.policy import ROLES, Policy, Role, RoleBounds
+from dsv4_operator.autoscaling.schedule import from_spec as scheduled_from_spec
 
 
 def npus_per_instance(spec: DeploymentSpec) -> dict[Role, int]:
@@ -29,4 +30,5 @@ def policy_of(a: AutoscalingSpec, npus: dict[Role, int] | None = None) -> Policy
         ratio=a.ratio,
         npu_budget=a.npu_budget,
         npus_per_instance=npus or {"prefill": 0, "decode": 0},
+        scheduled=scheduled_from_spec(a.scheduled_minimums, ROLES),
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dsv4_operator.autoscaling.schedule import ScheduledMinimum
+
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
@@ -68,3 +70,5 @@ class Policy:
     proportion to each role's deficit (Dynamo's ``max_gpu_budget``)."""
     npus_per_instance: dict[Role, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     """NPUs one instance of each role holds (npusPerNode x nodes; 0 on CPU)."""
+    scheduled: tuple[ScheduledMinimum, ...] = ()
+    """Windows that raise a role's min ahead of a known peak (``autoscaling/schedule.py``)."""
