@@ -39,6 +39,11 @@ class RoleState:
     """Learned prefill tokens/s per instance."""
     samples: tuple[tuple[float, float], ...] = ()
     """Decode (running per instance, ITL) samples."""
+    running: tuple[tuple[float, float], ...] = ()
+    """Decode (time, running per instance) over the metrics window: a sample's ITL p90 covers
+    the window, whose busiest moments set it, so it is paired with the window's highest count
+    (with the count of the moment, the ticks after a load drop read as few sequences at the
+    peak's ITL and the fit collapsed)."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,11 @@ class _Tick:
         )
         dst = st.roles["decode"]
         itl = self.d.latency_p90 if self.d.latency_p90 is not None else self.obs.tpot_p90
-        samples = add_sample(dst.samples, self.d.running / max(self.d.ready, 1), itl)
+        running = (
+            *((t, n) for t, n in dst.running if self.now - t < pol.window_s),
+            (self.now, self.d.running / max(self.d.ready, 1)),
+        )
+        samples = add_sample(dst.samples, max(n for _, n in running), itl)
         bstar = batch_target(
             samples, pol.tpot_s, pol.headroom, pol.running_per_instance, pol.max_num_seqs
         )
@@ -187,7 +196,13 @@ class _Tick:
                 d_rec, d_why = floor, f"follows prefill {p_dec.current}->{p_dec.target}"
                 d_panic = True  # in the same tick, not after breach_ticks
         d_dec, d_state = self._move(
-            "decode", d_rec, d_why, d_panic, samples=samples, other_up=p_dec.direction == "up"
+            "decode",
+            d_rec,
+            d_why,
+            d_panic,
+            samples=samples,
+            running=running,
+            other_up=p_dec.direction == "up",
         )
         if d_dec.direction == "up" and p_dec.direction == "down":
             p_dec = replace(
@@ -309,6 +324,7 @@ class _Tick:
         *,
         capacity: float | None = None,
         samples: tuple[tuple[float, float], ...] | None = None,
+        running: tuple[tuple[float, float], ...] | None = None,
         other_up: bool = False,
     ) -> tuple[RoleDecision, RoleState]:
         pol, s = self.policy, self.obs.roles[role]
@@ -334,6 +350,7 @@ class _Tick:
             last_up=old.last_up,
             capacity=capacity if capacity is not None else old.capacity,
             samples=samples if samples is not None else old.samples,
+            running=running if running is not None else old.running,
         )
         if want >= cur and s.blocked:
             msg = f"{role}: {s.blocked} new instance(s) cannot be scheduled; not adding more"

@@ -272,6 +272,25 @@ def test_learned_batch_target_from_itl_samples() -> None:
     assert dec.roles["decode"].signals["batchTarget"] == pytest.approx(17.5)
 
 
+def test_the_batch_target_survives_the_window_lag_after_a_load_drop() -> None:
+    """The ITL p90 covers the window, whose busiest moments set it, so each sample pairs it with
+    the window's highest running count. Paired with the running count of the moment, the ten
+    ticks after a drop read as (1 running, the peak's ITL) and the fit collapsed: B* fell to
+    about 1 and decode stayed scaled up for minutes at low load (benchmark, 2026-12-03)."""
+    policy = replace(POLICY, interval_s=1.0, window_s=10.0)
+    per_instance = [1.0 + i / 10 for i in range(50)] + [1.0] * 30  # up to 5.9, then a drop
+    st = State(started_at=LONG_AGO)
+    targets_seen = []
+    for t, _ in enumerate(per_instance):
+        busiest = max(per_instance[max(0, t - 9) : t + 1])  # what the window's p90 saw
+        d = RoleSignals(ready=2, running=2 * per_instance[t], latency_p90=0.02 + 0.003 * busiest)
+        dec, st = tick(obs(d=d, tpot=None), st, now=float(t), policy=policy)
+        targets_seen.append(dec.roles["decode"].signals["batchTarget"])
+    # itl = 0.02 + 0.003 x running: B* = (0.9 x 0.05 - 0.02) / 0.003 = 8.33, before and after
+    assert targets_seen[4:] == pytest.approx([25 / 3] * (len(per_instance) - 4))
+    assert targets_seen[:4] == [16.0] * 4  # the default until five samples
+
+
 def test_a_step_in_the_recent_prompt_rate_scales_prefill_before_the_window_shows_it() -> None:
     policy = replace(POLICY, prefill_tokens_per_s=1000.0)  # planned at 0.8 x: 800 tok/s each
     # the window's average still fits one instance; the last ticks' rate needs two
