@@ -23,10 +23,13 @@ long answers). For each it prints:
 - failed requests (goal 0), and those sent while any instance was starting or draining;
 - instance-seconds against static provisioning at max (goal <= 0.7x at equal attainment;
   ``--baseline`` also runs the schedule at static max to measure that attainment);
-- direction changes per hour (up after down or down after up, per role).
+- direction changes per hour (up after down or down after up, per role);
+- with ``--known-peak LEAD_S``, the same for a third run where the peak is declared
+  (``scheduledMinimums``: the heavy role at its max from LEAD_S before the step to the peak's end).
 
     .venv/bin/python benchmarks/autoscaling.py --baseline            # the full run, ~20 min
     .venv/bin/python benchmarks/autoscaling.py --baseline --shape legacy
+    .venv/bin/python benchmarks/autoscaling.py --baseline --known-peak 15   # + peak declared
     .venv/bin/python benchmarks/autoscaling.py --profiles decode-heavy --time-scale 0.5
     .venv/bin/python benchmarks/autoscaling.py --baseline --prompt-deadline 0   # FCFS engines
 """
@@ -491,7 +494,10 @@ def main() -> int:
         help="also run each profile autoscaled with the peak declared: scheduledMinimums raise "
         "the heavy role to its max LEAD_S seconds before each step up, until the peak ends",
     )
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead")
+    ap.add_argument(
+        "--json-out", type=Path, help="also write the results as JSON here (scale events included)"
+    )
     args = ap.parse_args()
     if args.time_scale <= 0:
         ap.error("--time-scale must be > 0")
@@ -552,6 +558,8 @@ def main() -> int:
                 if known is not None:
                     title = f"{name}, {args.shape} shape, peak declared {args.known_peak:g} s ahead"
                     _print(title, mode, known, static)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(results, indent=2))
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
