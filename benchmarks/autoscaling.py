@@ -200,6 +200,11 @@ def _cold_starts(
     return out
 
 
+def _phase_starts(p: Profile, t0: float) -> list[float]:
+    """Epoch seconds each schedule phase starts at, the schedule having started at ``t0``."""
+    return [t0 + sum(sec for sec, _ in p.schedule[:i]) for i in range(len(p.schedule))]
+
+
 def analyse(
     p: Profile,
     t0: float,
@@ -211,10 +216,7 @@ def analyse(
 ) -> dict[str, Any]:
     """``lead``: a scheduled minimum raised the floor this long before each step up (the
     decision then comes before the step)."""
-    starts, acc = [], 0.0
-    for sec, _ in p.schedule:
-        starts.append(t0 + acc)
-        acc += sec
+    starts = _phase_starts(p, t0)
     phases = []
     for i, (sec, rate) in enumerate(p.schedule):
         mine = [r for r in records if r["phase"] == i]
@@ -402,15 +404,11 @@ def _known_peaks(p: Profile, t0: float, lead: float) -> list[dict[str, Any]]:
         return time.strftime("%H:%M:%S", time.gmtime(t))
 
     role = "prefill" if p.name == "prefill-heavy" else "decode"
-    out, acc = [], 0.0
-    for i, (sec, rate) in enumerate(p.schedule):
-        if i and rate > p.schedule[i - 1][1]:
-            start = t0 + acc
-            out.append(
-                {"name": f"peak-{i}", "start": utc(start - lead), "end": utc(start + sec), role: 2}
-            )
-        acc += sec
-    return out
+    return [
+        {"name": f"peak-{i}", "start": utc(start - lead), "end": utc(start + sec), role: 2}
+        for i, ((sec, rate), start) in enumerate(zip(p.schedule, _phase_starts(p, t0), strict=True))
+        if i and rate > p.schedule[i - 1][1]
+    ]
 
 
 def _pct(x: float | None) -> str:
