@@ -9,6 +9,7 @@ the same names, dtypes, shapes and relative offsets back.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -197,3 +198,25 @@ class Layout:
         if end > total:
             raise LayoutError(f"buffers end at byte {end}, past the layout's {total} bytes")
         return cls(tuple(placed), total)
+
+
+class LayoutCache:
+    """Layouts parsed (and checked) from export trailers, by their manifest line: exports of one
+    model with as many blocks look alike, so each shape is parsed once. Bounded: cleared when
+    full. ``ValueError`` (``LayoutError`` is one) for a line that is not a layout."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._layouts: dict[bytes, Layout] = {}
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def get(self, raw: bytes) -> Layout:
+        layout = self._layouts.get(raw)
+        if layout is None:
+            layout = Layout.from_dict(json.loads(raw))
+            if len(self._layouts) >= self.capacity:
+                self._layouts.clear()
+            self._layouts[raw] = layout
+        return layout

@@ -11,11 +11,18 @@ import argparse
 import dataclasses
 import os
 import socket
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from dsv4_common.config_cli import add_config_arguments, config_from_args, given
 from dsv4_common.ports import sidecar_control_port
 from dsv4_kvtransfer.config import SidecarConfig, parse_size
+
+if TYPE_CHECKING:  # the sidecar's own modules load inside ``run`` (see above)
+    import logging
+
+    from dsv4_kvtransfer.control import ControlServer
+    from dsv4_kvtransfer.sidecar import Sidecar
 
 __all__ = ["add_arguments", "derived_defaults", "parse_size", "run"]
 
@@ -56,45 +63,60 @@ def derived_defaults(flags: dict[str, Any], env: dict[str, str]) -> dict[str, An
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    import faulthandler
-    import json
-    import logging
-    import signal
-    import sys
-    import threading
+class _Refused(Exception):
+    """What stops the sidecar before it serves: printed as ``error: ...``, exit status 2."""
 
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
+    try:
+        cfg = _config(args)
+        logging.basicConfig(
+            level=cfg.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        log = logging.getLogger("dsv4.kv.sidecar")
+        sidecar, control, port = _start(cfg, log)
+    except _Refused as e:
+        print(f"dsv4 kv-sidecar: error: {e}", file=sys.stderr)
+        return 2
+    if cfg.ready_file:
+        _write_ready_file(cfg.ready_file, cfg, sidecar, control, port)
+    hurry = _wait_for_signal(log)
+    if not hurry.is_set():
+        sidecar.drain(cfg.shutdown_timeout, hurry)
+    _stop(sidecar, control, log)
+
+
+def _config(args: argparse.Namespace) -> SidecarConfig:
     from dsv4_kvtransfer.auth import AuthError, load_token
+
+    if not args.auth_token_file:
+        raise _Refused("--auth-token-file is required: sidecars never run unauthenticated")
+    try:
+        token = load_token(args.auth_token_file)
+    except AuthError as e:
+        raise _Refused(str(e)) from None
+    base = derived_defaults(given(SidecarConfig, args), dict(os.environ))
+    try:
+        return config_from_args(SidecarConfig, args, base=base, token=token)
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+
+
+def _start(cfg: SidecarConfig, log: logging.Logger) -> tuple[Sidecar, ControlServer, int]:
+    """The sidecar listening for peers and its control API (and metrics) serving."""
     from dsv4_kvtransfer.control import ControlServer
     from dsv4_kvtransfer.sidecar import Sidecar
     from dsv4_kvtransfer.staging import StagingError
     from dsv4_kvtransfer.transports import TransportUnavailable
 
-    def fail(msg: str) -> int:
-        print(f"dsv4 kv-sidecar: error: {msg}", file=sys.stderr)
-        return 2
-
-    if not args.auth_token_file:
-        return fail("--auth-token-file is required: sidecars never run unauthenticated")
-    try:
-        token = load_token(args.auth_token_file)
-    except AuthError as e:
-        return fail(str(e))
-    base = derived_defaults(given(SidecarConfig, args), dict(os.environ))
-    try:
-        cfg = config_from_args(SidecarConfig, args, base=base, token=token)
-    except ValueError as e:
-        return fail(str(e))
-
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    log = logging.getLogger("dsv4.kv.sidecar")
     try:
         sidecar = Sidecar(cfg, log)
     except (TransportUnavailable, StagingError) as e:
-        return fail(str(e))
+        raise _Refused(str(e)) from None
     try:
         port = sidecar.start()
         control = ControlServer(
@@ -106,29 +128,42 @@ def run(args: argparse.Namespace) -> int:
         )
     except OSError as e:
         sidecar.stop()
-        return fail(f"cannot listen: {e}")
+        raise _Refused(f"cannot listen: {e}") from None
     control.start()
     log.info("control API on http://%s:%d", cfg.control_host, control.port)
-    if cfg.ready_file:
-        tmp = f"{cfg.ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(
-                {
-                    "pid": os.getpid(),
-                    "port": port,
-                    "control_port": control.port,
-                    "metrics_port": control.metrics_port,
-                    "shm_name": sidecar.store.region.name,
-                    "shm_dir": cfg.shm_dir,
-                },
-                f,
-            )
-        os.replace(tmp, cfg.ready_file)
+    return sidecar, control, port
+
+
+def _write_ready_file(
+    path: str, cfg: SidecarConfig, sidecar: Sidecar, control: ControlServer, port: int
+) -> None:
+    """Where the sidecar listens, for whoever started it; written whole (renamed into place)."""
+    import json
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {
+                "pid": os.getpid(),
+                "port": port,
+                "control_port": control.port,
+                "metrics_port": control.metrics_port,
+                "shm_name": sidecar.store.region.name,
+                "shm_dir": cfg.shm_dir,
+            },
+            f,
+        )
+    os.replace(tmp, path)
+
+
+def _wait_for_signal(log: logging.Logger) -> threading.Event:
+    """Block until SIGTERM (drain: the returned event unset) or SIGINT or a second signal (stop
+    now: set; it is also set by a signal during the drain)."""
+    import signal
 
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        # SIGTERM drains; SIGINT, or a second signal, stops now
         if stop.is_set() or signum == signal.SIGINT:
             hurry.set()
         log.info("signal %d: %s", signum, "stopping" if hurry.is_set() else "draining")
@@ -140,8 +175,14 @@ def run(args: argparse.Namespace) -> int:
     # thread blocked in an untimed wait would never run the handler (a SIGTERM was lost so)
     while not stop.wait(0.1):
         pass
-    if not hurry.is_set():
-        sidecar.drain(cfg.shutdown_timeout, hurry)
+    return hurry
+
+
+def _stop(sidecar: Sidecar, control: ControlServer, log: logging.Logger) -> NoReturn:
+    import faulthandler
+    import logging
+    import sys
+
     # if the orderly stop below hangs, every thread's stack goes to the log
     faulthandler.dump_traceback_later(STOP_REPORT_S, exit=False)
     control.stop()

@@ -360,7 +360,7 @@ class FastControlServer:
                 tid, host, port, n, seconds, data_s, want, release = json.loads(line)
                 params = RemotePrefillParams(
                     "-", "-", (), str(host), int(port), str(tid), 0.0, 0, int(n)
-                )  # fmt: skip
+                )
                 timing = (float(seconds), float(data_s))
                 after.append(sc.puller.adopt(gid, params, manifest, timing, trace))
                 grants.discard(gid)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4_kvtransfer.buffers import Layout
+from dsv4_kvtransfer.buffers import Layout, LayoutCache
 from dsv4_kvtransfer.control_requests import FAST_REPLY, FAST_REQUEST, MAX_GRANT_BYTES
 from dsv4_kvtransfer.pd_protocol import ShmSource
 from dsv4_kvtransfer.staging import HEADER_BYTES, StagingError, StagingRegion
@@ -46,7 +46,6 @@ MIN_GRANT_BYTES = 1 << 20
 REFUSED_S = 1.0
 # a region the params named that is not here (another host): not looked for again this long
 ABSENT_S = 10.0
-LAYOUT_CACHE = 64
 # a pull copied here is adopted at the latest this long after (if nothing else told the sidecar)
 FLUSH_S = 1.0
 
@@ -151,7 +150,7 @@ class LocalPuller:
         self._lease_s = 30.0
         self._sources: dict[str, StagingRegion] = {}
         self._absent: dict[tuple[str, str], float] = {}
-        self._layouts: dict[bytes, Layout] = {}
+        self._layouts = LayoutCache()
         # as the sidecar copies: one thread, or spread where that measured faster (from 2 MiB)
         self._copy = ParallelCopy(copy_threads)
         self.copies = 0
@@ -176,8 +175,6 @@ class LocalPuller:
         raw_layout, _, raw_meta = trailer.manifest.partition(b"\n")
         try:
             layout = self._layouts.get(raw_layout)
-            if layout is None:
-                layout = self._layout(raw_layout)
             meta = json.loads(raw_meta)
         except ValueError:  # (LayoutError is one)
             return None
@@ -414,10 +411,3 @@ class LocalPuller:
         if old is not None:  # that sidecar restarted: its old region is no export's now
             old.close()
         return new
-
-    def _layout(self, raw: bytes) -> Layout:
-        layout = Layout.from_dict(json.loads(raw))
-        if len(self._layouts) >= LAYOUT_CACHE:
-            self._layouts.clear()
-        self._layouts[raw] = layout
-        return layout

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dsv4_kvtransfer.auth import AuthError
-from dsv4_kvtransfer.buffers import Layout, LayoutError
+from dsv4_kvtransfer.buffers import Layout, LayoutCache, LayoutError
 from dsv4_kvtransfer.config import SidecarConfig
 from dsv4_kvtransfer.control_requests import PullRequest
 from dsv4_kvtransfer.errors import ApiError
@@ -44,8 +44,6 @@ POOL_IDLE_S = 20.0
 POOL_PER_PEER = 2
 # pulls up to this size asked with a wait run on the asking thread (see ``start``)
 INLINE_PULL_BYTES = 64 << 20
-# layouts parsed from trailers, kept (exports of one model with as many blocks look alike)
-LAYOUT_CACHE = 64
 
 
 @dataclass(slots=True)
@@ -118,7 +116,7 @@ class Puller:
         # pulls running at once, on the pool or inline (``start``)
         self._slots = threading.BoundedSemaphore(self.cfg.max_concurrent_pulls)
         self.spans: SidecarSpans | None = None
-        self._layouts: dict[bytes, Layout] = {}  # in-place pulls': trailer layout -> parsed
+        self._layouts = LayoutCache()  # in-place pulls' trailers
 
     def stop(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
@@ -200,7 +198,7 @@ class Puller:
         whole pull and for its copy. ``ValueError`` (the grant unchanged) if it does not add
         up."""
         raw_layout, _, raw_meta = manifest.partition(b"\n")
-        layout = self._layouts.get(raw_layout) or self._layout(raw_layout)
+        layout = self._layouts.get(raw_layout)
         meta = json.loads(raw_meta)
         if layout.total_bytes != params.remote_total_bytes or not isinstance(meta, dict):
             raise ValueError("the adopted pull's manifest does not match its size")
@@ -438,7 +436,7 @@ class Puller:
             return False
         raw_layout, _, raw_meta = trailer.manifest.partition(b"\n")
         try:
-            layout = self._layouts.get(raw_layout) or self._layout(raw_layout)
+            layout = self._layouts.get(raw_layout)
             meta = json.loads(raw_meta)
         except ValueError:  # (LayoutError is one)
             return False
@@ -464,14 +462,6 @@ class Puller:
         self._progress(pull, layout.total_bytes)
         self._complete(pull, layout, {"meta": meta}, t0, data_s)
         return True
-
-    def _layout(self, raw: bytes) -> Layout:
-        """A layout from a trailer, checked; kept for the next export of the same shapes."""
-        layout = Layout.from_dict(json.loads(raw))
-        if len(self._layouts) >= LAYOUT_CACHE:
-            self._layouts.clear()
-        self._layouts[raw] = layout
-        return layout
 
     def _release_remote(self, pull: Pull) -> None:
         """Every byte is ours: the prefill side frees its export (the engine goes on meanwhile:
