@@ -187,66 +187,23 @@ class _Tick:
             # a standby: its successor's State starts fresh when it takes over
             self.state, self.resumed, self.drains = None, False, {}
             return float(a.interval_s)
-        policy = policy_of(a, npus_per_instance(spec))
         now = time.time()
-        if self.state is None:
-            self.state = State(started_at=now)
-        recent_s = min(float(a.window_s), RECENT_TICKS * a.interval_s)
-        if self.window is None or (self.window.window_s, self.window.recent_s) != (
-            a.window_s,
-            recent_s,
-        ):
-            self.window = GatewayWindow(float(a.window_s), recent_s)
-        base = self.o.plans.plan_for(spec, body.get("status"))
-        assert base is not None
-        if not self.resumed:
-            # a restarted operator takes up the drains its predecessor left in the status
-            for r in ROLES:
-                for inst in base.draining[r][:1]:
-                    self.drains[r] = drains.Drain(inst, r, now)
-                    log.info("resuming the drain of %s", inst)
-            self.resumed = True
+        base = self._resume(spec, body, now)
         counts = self._counts(spec, base, now)
         obs: Observations | None = None
         if a.mode == "External":
             decision = external_decision(spec, base, counts, self._wanted(spec))
         else:
             obs = await self._observe(http, spec, counts)
-            decision, self.state = decide(obs, self.state, policy, now)
+            assert self.state is not None
+            decision, self.state = decide(
+                obs, self.state, policy_of(a, npus_per_instance(spec)), now
+            )
             self._log(decision)
         targets = dict(base.targets)
         events: list[Event] = list(decision.events)
-        for r in ROLES:
-            d = decision.roles[r]
-            if d.direction == "up":
-                dr = self.drains.pop(r, None)
-                if dr is not None:
-                    events.append(drains.cancel(dr, f"{r} scales up again"))
-                targets[r] = max(targets[r], d.target)
-                self.last_scale = iso_now()
-            elif d.direction == "down" and r not in self.drains and targets[r] > 0:
-                targets[r] -= 1
-                victim = names.instance_name(spec, r, targets[r])
-                read = await self._read_victim(http, spec, r, victim)
-                self.drains[r], started = drains.start(victim, r, now, read)
-                events.append(started)
-        for r, dr in list(self.drains.items()):
-            read = await self._read_victim(http, spec, r, dr.instance)
-            dr, outcome, stepped = drains.step(dr, read, now, a.drain_timeout_s, DRAIN_MIN_GAP_S)
-            self.drains[r] = dr
-            if stepped is not None:
-                events.append(stepped)
-            if outcome != "draining":
-                del self.drains[r]
-                self.last_scale = iso_now()
-                events.append(
-                    Event(
-                        "Normal",
-                        "ScaledDown",
-                        f"{r} -> {targets[r]}: {dr.instance} removed after "
-                        f"{now - dr.started_at:.0f}s of drain",
-                    )
-                )
+        await self._scale(http, spec, decision, targets, events, now)
+        await self._step_drains(http, spec, targets, events, now)
         plan = ScalePlan(
             targets,
             {r: tuple(x.instance for x in self.drains.values() if x.role == r) for r in ROLES},
@@ -262,16 +219,88 @@ class _Tick:
         )
         self.o.plans.put(*self.key, plan)
         self.o.enqueue(self.key)
-        record_metrics(
-            spec.namespace,
-            spec.name,
-            decision,
-            now - obs.observed_at if obs is not None else None,
-        )
+        age = now - obs.observed_at if obs is not None else None
+        record_metrics(spec.namespace, spec.name, decision, age)
         await self._post(body, events, now)
         if a.mode == "External":
             await self._report_scales(spec, counts)
         return float(a.interval_s)
+
+    def _resume(self, spec: DeploymentSpec, body: Mapping[str, Any], now: float) -> ScalePlan:
+        """The plan this tick starts from; the first tick also sets up the loop's memory and
+        takes up the drains a restarted operator's predecessor left in the status."""
+        a = spec.autoscaling
+        if self.state is None:
+            self.state = State(started_at=now)
+        recent_s = min(float(a.window_s), RECENT_TICKS * a.interval_s)
+        if self.window is None or (self.window.window_s, self.window.recent_s) != (
+            a.window_s,
+            recent_s,
+        ):
+            self.window = GatewayWindow(float(a.window_s), recent_s)
+        base = self.o.plans.plan_for(spec, body.get("status"))
+        assert base is not None
+        if not self.resumed:
+            for r in ROLES:
+                for inst in base.draining[r][:1]:
+                    self.drains[r] = drains.Drain(inst, r, now)
+                    log.info("resuming the drain of %s", inst)
+            self.resumed = True
+        return base
+
+    async def _scale(
+        self,
+        http: aiohttp.ClientSession,
+        spec: DeploymentSpec,
+        decision: Decision,
+        targets: dict[Role, int],
+        events: list[Event],
+        now: float,
+    ) -> None:
+        """The decision applied to ``targets``: up at once (cancelling that role's drain), down
+        one instance at a time, the last one drained first."""
+        for r in ROLES:
+            d = decision.roles[r]
+            if d.direction == "up":
+                dr = self.drains.pop(r, None)
+                if dr is not None:
+                    events.append(drains.cancel(dr, f"{r} scales up again"))
+                targets[r] = max(targets[r], d.target)
+                self.last_scale = iso_now()
+            elif d.direction == "down" and r not in self.drains and targets[r] > 0:
+                targets[r] -= 1
+                victim = names.instance_name(spec, r, targets[r])
+                read = await self._read_victim(http, spec, r, victim)
+                self.drains[r], started = drains.start(victim, r, now, read)
+                events.append(started)
+
+    async def _step_drains(
+        self,
+        http: aiohttp.ClientSession,
+        spec: DeploymentSpec,
+        targets: dict[Role, int],
+        events: list[Event],
+        now: float,
+    ) -> None:
+        """Each drain one step on: an instance done (or out of time) is removed."""
+        timeout_s = spec.autoscaling.drain_timeout_s
+        for r, dr in list(self.drains.items()):
+            read = await self._read_victim(http, spec, r, dr.instance)
+            dr, outcome, stepped = drains.step(dr, read, now, timeout_s, DRAIN_MIN_GAP_S)
+            self.drains[r] = dr
+            if stepped is not None:
+                events.append(stepped)
+            if outcome != "draining":
+                del self.drains[r]
+                self.last_scale = iso_now()
+                events.append(
+                    Event(
+                        "Normal",
+                        "ScaledDown",
+                        f"{r} -> {targets[r]}: {dr.instance} removed after "
+                        f"{now - dr.started_at:.0f}s of drain",
+                    )
+                )
 
     def _wanted(self, spec: DeploymentSpec) -> dict[Role, int | None]:
         live = self.o.cache.children(spec, False)

@@ -39,67 +39,26 @@ def gateway_command(spec: DeploymentSpec) -> list[str]:
 
 
 def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """The gateway's ServiceAccount, its Role and RoleBinding, and its Deployment."""
     labels = names.gateway_labels(spec)
     name = names.gateway_name(spec)
-    env: list[dict[str, Any]] = []
-    secret = spec.gateway.api_key_secret
-    if secret:
-        env.append(
-            {
-                "name": "DSV4_GATEWAY_API_KEY",
-                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
-            }
-        )
-    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
-    shutdown = gateway_shutdown(spec)
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": names.metadata(spec, name, labels),
-        "spec": {
-            "replicas": spec.gateway.replicas,
-            "selector": {"matchLabels": names.selector_for(labels)},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "serviceAccountName": name,
-                    "terminationGracePeriodSeconds": shutdown.grace_s,
-                    "enableServiceLinks": False,
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
-                    "containers": [
-                        {
-                            "name": "gateway",
-                            "image": spec.gateway.image,
-                            "imagePullPolicy": spec.image_pull_policy,
-                            "command": gateway_command(spec),
-                            "env": env,
-                            "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
-                            "resources": spec.gateway.resources
-                            or {"requests": {"cpu": "1", "memory": "1Gi"}},
-                            # /ready fails as soon as it drains (SIGTERM); /health only if stuck
-                            "readinessProbe": {
-                                **probe,
-                                "httpGet": {"path": "/ready", "port": "http"},
-                            },
-                            "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
-                            "lifecycle": shutdown.lifecycle(),
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "capabilities": {"drop": ["ALL"]},
-                                "readOnlyRootFilesystem": True,
-                            },
-                        }
-                    ],
-                },
-            },
-        },
-    }
     account = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
         "metadata": names.metadata(spec, name, labels),
     }
-    role = {
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": names.metadata(spec, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
+    }
+    return [account, _gateway_role(spec, name, labels), binding, _deployment(spec, name, labels)]
+
+
+def _gateway_role(spec: DeploymentSpec, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": names.metadata(spec, name, labels),
@@ -118,11 +77,55 @@ def gateway_objects(spec: DeploymentSpec) -> list[dict[str, Any]]:
             },
         ],
     }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
+
+
+def _deployment(spec: DeploymentSpec, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": names.metadata(spec, name, labels),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
+        "spec": {
+            "replicas": spec.gateway.replicas,
+            "selector": {"matchLabels": names.selector_for(labels)},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": name,
+                    "terminationGracePeriodSeconds": gateway_shutdown(spec).grace_s,
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                    "containers": [_container(spec)],
+                },
+            },
+        },
     }
-    return [account, role, binding, deployment]
+
+
+def _container(spec: DeploymentSpec) -> dict[str, Any]:
+    env: list[dict[str, Any]] = []
+    if secret := spec.gateway.api_key_secret:
+        env.append(
+            {
+                "name": "DSV4_GATEWAY_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            }
+        )
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
+    return {
+        "name": "gateway",
+        "image": spec.gateway.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": gateway_command(spec),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
+        "resources": spec.gateway.resources or {"requests": {"cpu": "1", "memory": "1Gi"}},
+        # /ready fails as soon as it drains (SIGTERM); /health only if stuck
+        "readinessProbe": {**probe, "httpGet": {"path": "/ready", "port": "http"}},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "lifecycle": gateway_shutdown(spec).lifecycle(),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+        },
+    }

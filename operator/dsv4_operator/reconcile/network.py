@@ -60,94 +60,70 @@ def _peer(labels: dict[str, str]) -> dict[str, Any]:
 
 
 def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    gw = names.gateway_labels(spec)
-    engines_sel = {
-        "matchLabels": {names.DEPLOYMENT_LABEL: spec.name},
-        "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(ROLES)}],
-    }
-    gateway_policy = {
+    return [_gateway_policy(spec), _engines_policy(spec)]
+
+
+def _gateway_policy(spec: DeploymentSpec) -> dict[str, Any]:
+    return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": names.metadata(
             spec, names.gateway_policy_name(spec), names.base_labels(spec, "gateway")
         ),
         "spec": {
-            "podSelector": {"matchLabels": names.selector_for(gw)},
+            "podSelector": {"matchLabels": names.selector_for(names.gateway_labels(spec))},
             "policyTypes": ["Ingress"],
             # Clients may come from anywhere the Service is exposed to.
             "ingress": [{"ports": [{"protocol": "TCP", "port": names.GATEWAY_PORT}]}],
         },
     }
-    engine_policy = {
+
+
+def _engines_policy(spec: DeploymentSpec) -> dict[str, Any]:
+    engines_sel = {
+        "matchLabels": {names.DEPLOYMENT_LABEL: spec.name},
+        "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(ROLES)}],
+    }
+    metrics_ports = [
+        {"protocol": "TCP", "port": names.ENGINE_PORT},
+        {"protocol": "TCP", "port": spec.kv.metrics_port},
+    ]
+    ingress: list[dict[str, Any]] = [
+        # engine HTTP API: the gateway only
+        {
+            "from": [_peer(names.gateway_labels(spec))],
+            "ports": [{"protocol": "TCP", "port": names.ENGINE_PORT}],
+        },
+        # KV pulls: sidecars of this deployment only
+        {
+            "from": [{"podSelector": engines_sel}],
+            "ports": [{"protocol": "TCP", "port": spec.kv.port}],
+        },
+        # Prometheus (any namespace) scrapes the engine's and the sidecar's /metrics
+        _from_any_namespace({"app.kubernetes.io/name": "prometheus"}, metrics_ports),
+    ]
+    if spec.autoscaling.enabled:
+        # the autoscaler (the operator's pods, any namespace) reads a draining instance's
+        # queue and held KV exports directly
+        ingress.append(_from_any_namespace(OPERATOR_POD_LABELS, metrics_ports))
+    # collectives inside a multi-node instance (rendezvous, HCCL host sockets)
+    ingress += [
+        {"from": [_peer({names.DEPLOYMENT_LABEL: spec.name, names.ROLE_LABEL: r})]}
+        for r in ROLES
+        if spec.role(r).nodes_per_instance > 1
+    ]
+    return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": names.metadata(
             spec, names.engines_policy_name(spec), names.base_labels(spec, "engine")
         ),
-        "spec": {
-            "podSelector": engines_sel,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                # engine HTTP API: the gateway only
-                {"from": [_peer(gw)], "ports": [{"protocol": "TCP", "port": names.ENGINE_PORT}]},
-                # KV pulls: sidecars of this deployment only
-                {
-                    "from": [{"podSelector": engines_sel}],
-                    "ports": [{"protocol": "TCP", "port": spec.kv.port}],
-                },
-                # Prometheus (any namespace) scrapes the engine's and the sidecar's /metrics
-                {
-                    "from": [
-                        {
-                            "namespaceSelector": {},
-                            "podSelector": {
-                                "matchLabels": {"app.kubernetes.io/name": "prometheus"}
-                            },
-                        }
-                    ],
-                    "ports": [
-                        {"protocol": "TCP", "port": names.ENGINE_PORT},
-                        {"protocol": "TCP", "port": spec.kv.metrics_port},
-                    ],
-                },
-                # the autoscaler (the operator's pods, any namespace) reads a draining
-                # instance's queue and held KV exports directly
-                *(
-                    [
-                        {
-                            "from": [
-                                {
-                                    "namespaceSelector": {},
-                                    "podSelector": {"matchLabels": OPERATOR_POD_LABELS},
-                                }
-                            ],
-                            "ports": [
-                                {"protocol": "TCP", "port": names.ENGINE_PORT},
-                                {"protocol": "TCP", "port": spec.kv.metrics_port},
-                            ],
-                        }
-                    ]
-                    if spec.autoscaling.enabled
-                    else []
-                ),
-                # collectives inside a multi-node instance (rendezvous, HCCL host sockets)
-                *(
-                    {
-                        "from": [
-                            {
-                                "podSelector": {
-                                    "matchLabels": {
-                                        names.DEPLOYMENT_LABEL: spec.name,
-                                        names.ROLE_LABEL: r,
-                                    }
-                                }
-                            }
-                        ]
-                    }
-                    for r in ROLES
-                    if spec.role(r).nodes_per_instance > 1
-                ),
-            ],
-        },
+        "spec": {"podSelector": engines_sel, "policyTypes": ["Ingress"], "ingress": ingress},
     }
-    return [gateway_policy, engine_policy]
+
+
+def _from_any_namespace(pod_labels: dict[str, str], ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": pod_labels}}],
+        "ports": [dict(p) for p in ports],
+    }

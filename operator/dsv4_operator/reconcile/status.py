@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
-from dsv4_operator.autoscaling.plan import ScalePlan, status_conditions
+from dsv4_operator.autoscaling.plan import ConditionTuple, ScalePlan, status_conditions
 from dsv4_operator.reconcile import names
 
 
@@ -61,18 +61,12 @@ def compute_status(
     """The status subresource; ``previous`` keeps lastTransitionTime of unchanged conditions.
     ``plan``: the autoscaler's (None when autoscaling is off): its targets are the desired
     counts (what a restarted operator resumes from), its drains and report are written along."""
-    prev_conditions = {c["type"]: c for c in previous.get("conditions") or []}
     status: dict[str, Any] = {"observedGeneration": spec.generation}
     all_ready = True
     for r in ROLES:
-        desired = plan.targets[r] if plan is not None else spec.role(r).instances
-        ready = min(observed.ready_instances.get(r, 0), desired)
-        status[r] = {"desired": desired, "ready": ready, "summary": f"{ready}/{desired}"}
-        if plan is not None:
-            status[r]["draining"] = list(plan.draining[r])
-            # a draining instance is on its way out: the role is not done until it is gone
-            all_ready &= not plan.draining[r]
-        all_ready &= ready == desired
+        status[r] = _role_status(spec, r, observed, plan)
+        # a draining instance is on its way out: the role is not done until it is gone
+        all_ready &= status[r]["ready"] == status[r]["desired"] and not status[r].get("draining")
     gw_desired = spec.gateway.replicas
     gw_ready = min(observed.gateway_ready, gw_desired)
     all_ready &= gw_ready == gw_desired
@@ -80,60 +74,20 @@ def compute_status(
         "ready": gw_ready,
         "endpoint": f"http://{names.gateway_name(spec)}.{spec.namespace}.svc:{spec.gateway.port}",
     }
-
     degraded = bool(observed.problems)
-    message = "; ".join(observed.problems[:5])
-    if degraded:
-        phase = "Degraded"
-    elif all_ready:
-        phase = "Ready"
-    else:
-        phase = "Progressing"
-    status["phase"] = phase
-    g = spec.generation
+    status["phase"] = "Degraded" if degraded else ("Ready" if all_ready else "Progressing")
     waiting = ", ".join(
         f"{r} {status[r]['summary']}" for r in ROLES if status[r]["ready"] < status[r]["desired"]
     )
     if gw_ready < gw_desired:
         waiting = ", ".join(filter(None, [waiting, f"gateway {gw_ready}/{gw_desired}"]))
+    prev_conditions = {c["type"]: c for c in previous.get("conditions") or []}
     status["conditions"] = [
-        _condition(
-            "Ready",
-            all_ready and not degraded,
-            "Degraded" if degraded else ("AllInstancesReady" if all_ready else "InstancesNotReady"),
-            message
-            if degraded
-            else (
-                "every instance and the gateway are ready"
-                if all_ready
-                else f"waiting for {waiting}"
-            ),
-            g,
-            prev_conditions,
-            now,
-        ),
-        _condition(
-            "Progressing",
-            not all_ready and not degraded,
-            "Reconciling" if not all_ready else "Complete",
-            f"waiting for {waiting}" if not all_ready else "nothing left to do",
-            g,
-            prev_conditions,
-            now,
-        ),
-        _condition(
-            "Degraded",
-            degraded,
-            observed.problem_reason or ("Problem" if degraded else "AsExpected"),
-            message,
-            g,
-            prev_conditions,
-            now,
-        ),
-        *(
-            _condition(t, st == "True", reason, msg, g, prev_conditions, now)
-            for t, st, reason, msg in status_conditions(plan)
-        ),
+        _condition(t, st == "True", reason, msg, spec.generation, prev_conditions, now)
+        for t, st, reason, msg in (
+            *_own_conditions(observed, all_ready, waiting),
+            *status_conditions(plan),
+        )
     ]
     if plan is not None:
         if plan.autoscaling is not None:
@@ -141,3 +95,45 @@ def compute_status(
         if plan.metrics:
             status["metrics"] = plan.metrics
     return status
+
+
+def _role_status(
+    spec: DeploymentSpec, r: Role, observed: Observed, plan: ScalePlan | None
+) -> dict[str, Any]:
+    desired = plan.targets[r] if plan is not None else spec.role(r).instances
+    ready = min(observed.ready_instances.get(r, 0), desired)
+    out: dict[str, Any] = {"desired": desired, "ready": ready, "summary": f"{ready}/{desired}"}
+    if plan is not None:
+        out["draining"] = list(plan.draining[r])
+    return out
+
+
+def _own_conditions(observed: Observed, all_ready: bool, waiting: str) -> list[ConditionTuple]:
+    """Ready, Progressing and Degraded as (type, status, reason, message)."""
+    degraded = bool(observed.problems)
+    message = "; ".join(observed.problems[:5])
+    if degraded:
+        ready = ("Degraded", message)
+    elif all_ready:
+        ready = ("AllInstancesReady", "every instance and the gateway are ready")
+    else:
+        ready = ("InstancesNotReady", f"waiting for {waiting}")
+    return [
+        ("Ready", _flag(all_ready and not degraded), *ready),
+        (
+            "Progressing",
+            _flag(not all_ready and not degraded),
+            "Reconciling" if not all_ready else "Complete",
+            f"waiting for {waiting}" if not all_ready else "nothing left to do",
+        ),
+        (
+            "Degraded",
+            _flag(degraded),
+            observed.problem_reason or ("Problem" if degraded else "AsExpected"),
+            message,
+        ),
+    ]
+
+
+def _flag(ok: bool) -> str:
+    return "True" if ok else "False"
