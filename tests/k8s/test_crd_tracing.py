@@ -18,8 +18,8 @@ def test_an_otlp_url_is_accepted(k8s_control_plane, dsv4_crd) -> None:  # type: 
     cr = _cr(observability={"tracing": {"otlpEndpoint": ENDPOINT}})
     res = _apply(k8s_control_plane, copy.deepcopy(cr))
     assert res.returncode == 0, res.stderr
-    assert parse(cr).observability.otlp_endpoint == ENDPOINT
-    assert parse(_cr()).observability.otlp_endpoint is None  # off by default
+    assert parse(cr).observability.tracing.otlp_endpoint == ENDPOINT
+    assert parse(_cr()).observability.tracing.otlp_endpoint is None  # off by default
 
 
 @pytest.mark.parametrize("bad", ["otel-collector:4318", "grpc://c:4317", "http://c 4318", ""])

@@ -1,59 +1,356 @@
-"""Typed view of a DeepSeekV4Deployment, built from the object after the CRD's defaults apply.
+"""The DeepSeekV4Deployment's spec: each field declared once, read as the CRD's schema and as a
+typed view of the object (``api.fields``).
 
-``apply_defaults`` walks the same schema the API server uses, so a spec built from a partial dict
-in a unit test is the spec the operator sees in a cluster. Every section is a frozen dataclass:
-the rest of the operator reads attributes, never string keys.
+Every section is a frozen dataclass whose fields carry their OpenAPI schema (description,
+default, validation) and whose ``crd_object`` carries the CEL rules that span fields (messages
+written for the person who made the mistake). ``spec_schema`` is what the CRD serves;
+``parse`` builds the typed spec from an object after the CRD's defaults apply
+(``apply_defaults`` walks the same schema the API server uses, so a spec built from a partial
+dict in a unit test is the spec the operator sees in a cluster). The rest of the operator reads
+attributes, never string keys.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from dsv4_common.ports import sidecar_control_port, sidecar_metrics_port
-from dsv4_operator.api.crd import spec_schema
-from dsv4_operator.api.schema import Schema
+from dsv4_common.ports import (
+    KV_PORT,
+    SIDECAR_CONTROL_OFFSET,
+    SIDECAR_METRICS_OFFSET,
+    sidecar_control_port,
+    sidecar_metrics_port,
+)
+from dsv4_operator.api import DEFAULT_NPU_RESOURCE
+from dsv4_operator.api.autoscaling_spec import AutoscalingSpec
+from dsv4_operator.api.fields import crd_object, from_crd, object_schema, place, prop, section
+from dsv4_operator.api.schema import (
+    Schema,
+    boolean,
+    integer,
+    opaque,
+    resources,
+    string,
+    string_list,
+    string_map,
+)
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 Workload = Literal["StatefulSet", "LeaderWorkerSet"]
 
+DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
+DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (no torch)
+# How an engine pod stops (reconcile/shutdown.py sizes it): the preStop pause for endpoints to drop
+# the pod, then the drain, then a margin to exit; a grace period below their sum drains nothing.
+PRESTOP_S = 5
+EXIT_MARGIN_S = 5
+MIN_GRACE_S = PRESTOP_S + EXIT_MARGIN_S
+# Engine flags the operator sets itself, on the command line or as engine.json keys (the engine
+# takes those as flags too): engineArgs may not repeat them, nor a prefix of them (argparse takes
+# a unique prefix for the whole flag). A unit test keeps this the set the operator renders.
+OWNED_ENGINE_FLAGS = (
+    "--architecture",
+    "--config",
+    "--data-parallel-size",
+    "--device",
+    "--dtype",
+    "--enable-eplb",
+    "--eplb-interval",
+    "--eplb-redundant-experts",
+    "--eplb-window",
+    "--expert-parallel-size",
+    "--host",
+    "--kv-failure-policy",
+    "--kv-pull-timeout",
+    "--kv-sidecar",
+    "--kv-sidecar-wait",
+    "--max-model-len",
+    "--model",
+    "--num-speculative-tokens",
+    "--otlp-traces-endpoint",
+    "--port",
+    "--prompt-deadline",
+    "--quantization",
+    "--rank-table",
+    "--rendezvous-timeout",
+    "--role",
+    "--served-model-name",
+    "--shutdown-timeout",
+    "--tensor-parallel-size",
+    "--threads-per-rank",
+)
+# Models built into the engine image (dsv4_serving.presets; a unit test keeps them in step).
+PRESETS = ("dsv3-small", "dsv4-tiny")
 
-def apply_defaults(schema: Schema, value: Any) -> Any:
-    """Structural defaulting as the API server does it: fill absent fields that have defaults."""
-    if not isinstance(value, dict) or schema.get("type") != "object":
-        return value
-    out = copy.deepcopy(value)
-    for name, prop in schema.get("properties", {}).items():
-        if name not in out and "default" in prop:
-            out[name] = copy.deepcopy(prop["default"])
-        if name in out:
-            out[name] = apply_defaults(prop, out[name])
-    return out
+
+def _not_yet(field: str, why: str, fix: str) -> str:
+    """The message of a rule that keeps a field at its default until something acts on it."""
+    return f"{field} is not supported yet ({why}); {fix}"
 
 
-@dataclass(frozen=True)
+@crd_object(
+    description="Checkpoint on a PersistentVolumeClaim (ReadOnlyMany or ReadWriteMany).",
+)
+@dataclass(frozen=True, kw_only=True)
+class PvcSpec:
+    claim_name: str = prop(
+        string("PersistentVolumeClaim holding the checkpoint.", min_length=1, max_length=253),
+        required=True,
+    )
+    sub_path: str = prop(string("Directory inside the volume.", default="", max_length=1024))
+
+
+@crd_object(
+    rules=[
+        (
+            "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.preset) ? 1 : 0) == 1",
+            "model: set exactly one of path, pvc or preset",
+        ),
+    ],
+    description="What to serve and where the weights are.",
+)
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    path: str | None = prop(
+        string(
+            "Checkpoint directory on every node (mounted read-only from the host).",
+            pattern="^/",
+            max_length=1024,
+        )
+    )
+    pvc: PvcSpec | None = section(PvcSpec)
+    preset: str | None = prop(
+        string(
+            "A model built into the engine image (dsv4-tiny: for CPU smoke tests).",
+            enum=list(PRESETS),
+        )
+    )
+    architecture: str | None = prop(
+        string(
+            "The architecture the checkpoint's config.json must name; engines refuse to "
+            "start on another model. Unset: whatever the checkpoint is.",
+            enum=["DeepseekV4ForCausalLM", "DeepseekV3ForCausalLM"],
+        )
+    )
+    dtype: str = prop(
+        string(
+            "Compute dtype.",
+            default="bfloat16",
+            enum=["auto", "bfloat16", "float16", "float32"],
+        )
+    )
+    quantization: str = prop(
+        string(
+            "How the engine holds the weights: auto = as the checkpoint stores them (fp8 "
+            "128x128 blocks, fp4 experts and W8A8 int8 stay quantized); none = dequantized "
+            "to dtype at load; fp8, fp4 (fp8 linears + fp4 experts, DeepSeek-V4 as shipped) "
+            "or w8a8 must match the checkpoint, or the engine refuses to start.",
+            default="auto",
+            enum=["auto", "none", "fp8", "fp4", "w8a8"],
+        )
+    )
+    served_name: str = prop(
+        string("Model name clients send in requests.", min_length=1, max_length=253),
+        required=True,
+    )
+    max_model_len: int = prop(integer("Context length limit (tokens).", default=65536, minimum=16))
+
+    @property
+    def engine_model_arg(self) -> str:
+        """What the engine's --model gets: a preset name or the mount path of the checkpoint."""
+        if self.preset:
+            return self.preset
+        if self.path:
+            return self.path
+        return "/models/checkpoint"
+
+
+@crd_object(defaulted=True)
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    image: str = prop(
+        string("Engine image.", default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512)
+    )
+    image_pull_policy: str = prop(
+        string("Pull policy.", default="IfNotPresent", enum=["Always", "IfNotPresent", "Never"])
+    )
+    image_pull_secrets: list[str] = prop(string_list("Secrets for pulling images.", max_items=16))
+
+
+@crd_object(
+    rules=[
+        (
+            "!has(self.ep) || self.ep == 1 || self.ep == self.tp * self.dp",
+            "parallelism.ep must be 1 (every rank holds every expert) or tp * dp "
+            "(experts spread over every rank; the default)",
+        )
+    ],
+    defaulted=True,
+)
+@dataclass(frozen=True, kw_only=True)
 class Parallelism:
-    tp: int
-    dp: int
-    ep: int
+    tp: int = prop(
+        integer(
+            "Tensor-parallel size (attention heads split across ranks).",
+            default=8,
+            minimum=1,
+            maximum=256,
+        )
+    )
+    dp: int = prop(
+        integer(
+            "Data-parallel ranks per instance (DPLB balances across them).",
+            default=1,
+            minimum=1,
+            maximum=256,
+        )
+    )
+    ep: int = prop(
+        integer("Expert-parallel size: 1 or tp*dp (the default).", minimum=1, maximum=1024)
+    )
+
+    def __post_init__(self) -> None:
+        if not self.ep:  # unset: experts spread over every rank
+            object.__setattr__(self, "ep", self.tp * self.dp)
 
 
-@dataclass(frozen=True)
+ENV_NAME = "^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+def _engine_args(role: str) -> Schema:
+    """Each argument is checked on its own: one that sets (or abbreviates: argparse takes a
+    unique prefix for the whole flag) a flag the operator sets is refused, by name."""
+    owned = "[" + ", ".join(f"'{f}'" for f in OWNED_ENGINE_FLAGS) + "]"
+    arg: Schema = {
+        "type": "string",
+        "maxLength": 1024,
+        "x-kubernetes-validations": [
+            {
+                "rule": "!self.startsWith('--') || self.size() <= 2 || "
+                f"!{owned}.exists(f, f.startsWith(self.split('=')[0]))",
+                "messageExpression": f"'{role}.engineArgs: ' + self + ' sets what the operator "
+                "sets from the deployment (use its fields: model, parallelism, mtpTokens, "
+                "kvTransfer, terminationGracePeriodSeconds, ...)'",
+            }
+        ],
+    }
+    return {
+        "type": "array",
+        "description": "Extra engine command-line arguments, appended last; not the flags the "
+        "operator sets (" + ", ".join(OWNED_ENGINE_FLAGS) + ").",
+        "items": arg,
+        "maxItems": 64,
+    }
+
+
+def _env(role: str) -> Schema:
+    return {
+        **string_map("Extra environment variables for the engine container."),
+        "maxProperties": 256,
+        "x-kubernetes-validations": [
+            {
+                "rule": f"self.all(k, k.size() <= 256 && k.matches('{ENV_NAME}'))",
+                "message": f"{role}.env: variable names must be letters, digits, '_', "
+                "'-' or '.', not starting with a digit (what every Kubernetes version "
+                "accepts), at most 256 characters",
+            }
+        ],
+    }
+
+
+def _role_rules(role: str) -> list[tuple[str, str]]:
+    return [
+        (
+            "isQuantity(self.shmSize)",
+            f"{role}.shmSize must be a Kubernetes quantity such as 1Gi or 512Mi",
+        ),
+        (
+            "!isQuantity(self.shmSize) || quantity(self.shmSize).compareTo(quantity('320Mi')) >= 0",
+            f"{role}.shmSize must be at least 320Mi: the KV sidecar's staging region (at least "
+            "64Mi) plus 256Mi for the engine's own shared memory",
+        ),
+        (
+            "self.npusPerNode == 0 || "
+            "self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance * self.npusPerNode",
+            f"{role}: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode "
+            "(one rank per NPU)",
+        ),
+        (
+            # CPU: each pod runs tp*dp/nodesPerInstance rank processes on its own CPUs
+            "self.npusPerNode > 0 || "
+            "(self.parallelism.tp * self.parallelism.dp) % self.nodesPerInstance == 0",
+            f"{role}: on CPU (npusPerNode 0) parallelism.tp * parallelism.dp must be a multiple "
+            "of nodesPerInstance (each pod runs tp * dp / nodesPerInstance rank processes)",
+        ),
+    ]
+
+
+@crd_object(rules=_role_rules, defaulted=True, description=lambda role: f"The {role} role.")
+@dataclass(frozen=True, kw_only=True)
 class RoleSpec:
-    role: Role
-    instances: int
-    nodes_per_instance: int
-    npus_per_node: int
-    parallelism: Parallelism
-    mtp_tokens: int
-    engine_args: list[str]
-    env: dict[str, str]
-    resources: dict[str, Any]
-    shm_size: str
-    startup_timeout_s: int
-    termination_grace_s: int
+    """A role's section (``ctx``: the role)."""
+
+    role: Role = place()
+    instances: int = prop(
+        lambda role: integer(
+            f"Number of {role} instances (each one engine, possibly over several nodes).",
+            default=1,
+            minimum=0,
+            maximum=512,
+        )
+    )
+    nodes_per_instance: int = prop(
+        integer("Nodes (pods) one instance spans.", default=1, minimum=1, maximum=64)
+    )
+    npus_per_node: int = prop(
+        integer(
+            "NPUs each pod requests; 0 runs on CPU: each pod runs tp * dp / "
+            "nodesPerInstance rank processes on its CPUs (development and tests).",
+            default=8,
+            minimum=0,
+            maximum=16,
+        )
+    )
+    parallelism: Parallelism = section(Parallelism)
+    mtp_tokens: int = prop(
+        integer("MTP speculative tokens per step (0 disables).", default=1, minimum=0, maximum=3)
+    )
+    engine_args: list[str] = prop(_engine_args)
+    env: dict[str, str] = prop(_env)
+    resources: dict[str, Any] = prop(
+        resources("CPU/memory for the engine container; NPUs are added by the operator.")
+    )
+    shm_size: str = prop(
+        string(
+            "Size of the in-memory /dev/shm shared by the engine and the KV sidecar: "
+            "the sidecar's staging region is this minus 256Mi for the engine.",
+            default="16Gi",
+            max_length=32,
+        )
+    )
+    startup_timeout_s: int = prop(
+        integer(
+            "How long weight loading may take before the startup probe fails the pod.",
+            default=1800,
+            minimum=30,
+        ),
+        key="startupTimeoutSeconds",
+    )
+    termination_grace_s: int = prop(
+        integer(
+            f"The whole time an engine pod gets to stop: a {PRESTOP_S} s pause for "
+            "endpoints to drop it, then the engine finishes in-flight requests and the KV "
+            f"sidecar serves its exports (each --shutdown-timeout: this minus {MIN_GRACE_S}), "
+            f"then {EXIT_MARGIN_S} s to exit.",
+            default=120,
+            minimum=MIN_GRACE_S,
+            maximum=3600,
+        ),
+        key="terminationGracePeriodSeconds",
+    )
 
     @property
     def on_npu(self) -> bool:
@@ -67,38 +364,55 @@ class RoleSpec:
         return par.tp * par.dp // self.nodes_per_instance
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    served_name: str
-    architecture: str | None
-    dtype: str
-    quantization: str
-    max_model_len: int
-    path: str | None = None
-    pvc_claim: str | None = None
-    pvc_sub_path: str = ""
-    preset: str | None = None
-
-    @property
-    def engine_model_arg(self) -> str:
-        """What the engine's --model gets: a preset name or the mount path of the checkpoint."""
-        if self.preset:
-            return self.preset
-        if self.path:
-            return self.path
-        return "/models/checkpoint"
-
-
-@dataclass(frozen=True)
+@crd_object(defaulted=True)
+@dataclass(frozen=True, kw_only=True)
 class KVTransferSpec:
-    transport: str
-    port: int
+    transport: str = prop(
+        string(
+            "How KV moves from prefill to decode: hccl (Ascend), rdma (Mooncake), tcp.",
+            default="hccl",
+            enum=["hccl", "tcp", "rdma"],
+        )
+    )
+    port: int = prop(
+        integer(
+            f"KV sidecar port (its control API uses port+{SIDECAR_CONTROL_OFFSET} on "
+            f"127.0.0.1, its metrics port+{SIDECAR_METRICS_OFFSET}).",
+            default=KV_PORT,
+            minimum=1024,
+            maximum=65533,
+        )
+    )
     """The sidecar's peer port; its control API and metrics ports derive from it."""
-    lease_seconds: int
-    failure_policy: str
-    pull_timeout_s: int
-    sidecar_image: str | None = None
-    sidecar_resources: dict[str, Any] = field(default_factory=dict)
+    lease_seconds: int = prop(
+        integer(
+            "How long prefill keeps KV blocks for a decode that has not pulled them.",
+            default=30,
+            minimum=1,
+            maximum=3600,
+        )
+    )
+    failure_policy: str = prop(
+        string(
+            "What decode does when a KV pull fails or times out: recompute the prompt locally, "
+            "or fail the request with a clear error.",
+            default="recompute",
+            enum=["recompute", "fail"],
+        )
+    )
+    pull_timeout_s: int = prop(
+        integer(
+            "How long decode waits for a KV pull before the failure policy applies.",
+            default=30,
+            minimum=1,
+            maximum=3600,
+        ),
+        key="pullTimeoutSeconds",
+    )
+    sidecar_image: str | None = prop(
+        string("KV sidecar image; default the engine image.", max_length=512)
+    )
+    sidecar_resources: dict[str, Any] = prop(resources("CPU/memory for the KV sidecar container."))
 
     @property
     def control_port(self) -> int:
@@ -109,273 +423,291 @@ class KVTransferSpec:
         return sidecar_metrics_port(self.port)
 
 
-@dataclass(frozen=True)
+@crd_object(description="Require this API key from clients (Authorization: Bearer).")
+@dataclass(frozen=True, kw_only=True)
 class SecretKeyRef:
-    name: str
-    key: str
+    name: str = prop(string("Secret name.", min_length=1, max_length=253), required=True)
+    key: str = prop(string("Key in the Secret.", default="api-key", min_length=1, max_length=253))
 
 
-@dataclass(frozen=True)
+@crd_object(defaulted=True)
+@dataclass(frozen=True, kw_only=True)
 class GatewaySpec:
-    replicas: int
-    image: str
-    routing_policy: str
-    service_type: str
-    port: int
-    api_key_secret: SecretKeyRef | None = None
-    resources: dict[str, Any] = field(default_factory=dict)
+    replicas: int = prop(integer("Gateway replicas.", default=1, minimum=0, maximum=64))
+    image: str = prop(
+        string("Gateway image (no torch needed).", default=DEFAULT_GATEWAY_IMAGE, max_length=512)
+    )
+    routing_policy: str = prop(
+        string(
+            "How the gateway picks instances.",
+            default="dplb",
+            enum=["dplb", "least_load", "round_robin"],
+        )
+    )
+    service_type: str = prop(
+        string(
+            "Type of the gateway Service.",
+            default="ClusterIP",
+            enum=["ClusterIP", "NodePort", "LoadBalancer"],
+        )
+    )
+    port: int = prop(integer("Gateway Service port.", default=8000, minimum=1, maximum=65535))
+    api_key_secret: SecretKeyRef | None = section(SecretKeyRef)
+    resources: dict[str, Any] = prop(resources("CPU/memory for the gateway container."))
 
 
-@dataclass(frozen=True)
-class Bounds:
-    min: int
-    max: int
-
-
-@dataclass(frozen=True)
-class AutoscalingSpec:
-    """``spec.autoscaling``; ``autoscaling.from_spec.policy_of`` turns it into the core's Policy."""
-
-    enabled: bool
-    ttft_seconds: float
-    tpot_seconds: float
-    prefill: Bounds
-    decode: Bounds
-    mode: str = "Builtin"
-    interval_s: int = 15
-    window_s: int = 60
-    stabilization_s: int = 300
-    drain_timeout_s: int = 600
-    source: str = "Gateway"
-    prometheus_url: str | None = None
-    prefill_tokens_per_s: float | None = None
-    waiting_per_instance: float = 2.0
-    prompt_deadline_s: float | None = None
-    """The prefill engines' ``--prompt-deadline`` (SLO-aware prompt order); None: FCFS."""
-    running_per_instance: int = 16
-    kv_cache_target: float = 0.8
-    ratio: tuple[float, float] | None = None
-    npu_budget: int | None = None
-    scheduled_minimums: tuple[dict[str, Any], ...] = ()
-    """``scheduledMinimums`` as written (``autoscaling.schedule`` reads the windows)."""
-
-    def bounds(self, role: Role) -> Bounds:
-        return self.prefill if role == "prefill" else self.decode
-
-
-@dataclass(frozen=True)
+@crd_object(defaulted=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulingSpec:
-    npu_resource: str
-    workload: Workload
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    affinity: dict[str, Any] = field(default_factory=dict)
-    topology_spread_constraints: list[dict[str, Any]] = field(default_factory=list)
-    priority_class_name: str | None = None
+    npu_resource: str = prop(
+        string(
+            "Extended resource of the NPU device plugin.",
+            default=DEFAULT_NPU_RESOURCE,
+            pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+            max_length=253,
+        ),
+        key="npuResourceName",
+    )
+    workload: Workload = prop(
+        string(
+            "Workload kind for multi-node instances.",
+            default="StatefulSet",
+            enum=["StatefulSet", "LeaderWorkerSet"],
+        )
+    )
+    node_selector: dict[str, str] = prop(string_map("Node labels engine pods require."))
+    tolerations: list[dict[str, Any]] = prop(opaque("Tolerations for engine pods.", array=True))
+    affinity: dict[str, Any] = prop(opaque("Affinity for engine pods."))
+    topology_spread_constraints: list[dict[str, Any]] = prop(
+        opaque("Topology spread for engine pods.", array=True)
+    )
+    priority_class_name: str | None = prop(string("Priority class of engine pods.", max_length=253))
 
     @property
     def use_lws(self) -> bool:
         return self.workload == "LeaderWorkerSet"
 
 
-@dataclass(frozen=True)
+@crd_object(
+    rules=[
+        (
+            "self.enabled || self.redundantExperts == 0",
+            "features.eplb.redundantExperts needs features.eplb.enabled",
+        )
+    ],
+    defaulted=True,
+    description="Expert-parallel load balancing (EPLB, docs/eplb.md).",
+)
+@dataclass(frozen=True, kw_only=True)
 class EplbSpec:
-    enabled: bool
-    redundant_experts: int
-    interval_steps: int
-    window_steps: int = 600
+    enabled: bool = prop(
+        boolean(
+            "Expert-parallel load balancing: engines count each MoE layer's expert "
+            "load and every intervalSteps re-place experts over their EP ranks, "
+            "live (needs expert parallelism > 1 on both roles).",
+            default=False,
+        )
+    )
+    redundant_experts: int = prop(
+        integer(
+            "Extra physical expert slots per MoE layer (in total over an "
+            "instance's EP ranks) for replicas of hot experts; routed experts + "
+            "redundant must split evenly over the EP ranks.",
+            default=0,
+            minimum=0,
+            maximum=64,
+        )
+    )
+    interval_steps: int = prop(
+        integer("Forward steps between expert re-placements.", default=600, minimum=1)
+    )
+    window_steps: int = prop(
+        integer(
+            "The last this many forward steps' expert load decide a re-placement.",
+            default=600,
+            minimum=1,
+        )
+    )
 
 
-@dataclass(frozen=True)
+@crd_object(
+    rules=[
+        (
+            "self.hostPath.matches('^(/[-_.a-zA-Z0-9]+)*/hccn[.]conf$') && "
+            "!self.hostPath.contains('/../')",
+            "features.hccnConf.hostPath must be an absolute path to a file named "
+            "hccn.conf (no '..')",
+        )
+    ],
+    defaulted=True,
+)
+@dataclass(frozen=True, kw_only=True)
 class HccnConfSpec:
-    enabled: bool
-    host_path: str
+    enabled: bool = prop(boolean("Mount the host's hccn.conf (NPU network config).", default=True))
+    host_path: str = prop(
+        string(
+            "Where hccn.conf is on the node (a file of that name: anyone who may "
+            "create the CR chooses it, so it cannot name any other file).",
+            default="/etc/hccn.conf",
+            max_length=256,
+        )
+    )
 
 
-@dataclass(frozen=True)
+@crd_object(
+    rules=[
+        (
+            "self.mlapo",
+            _not_yet("features.mlapo", "the engine has no switch for it", "remove it or set true"),
+        ),
+        (
+            "self.c8 == 'auto'",
+            _not_yet("features.c8", "the engine has no switch for it", "remove it or set auto"),
+        ),
+    ],
+    defaulted=True,
+)
+@dataclass(frozen=True, kw_only=True)
 class FeaturesSpec:
     """``eplb`` becomes the engines' EPLB settings (engine.json); ``mlapo`` and ``c8`` are
     accepted by the CRD only at their defaults (no engine acts on them yet); ``hccn_conf`` and
     ``privileged`` shape the engine pods."""
 
-    eplb: EplbSpec
-    mlapo: bool
-    c8: str
-    hccn_conf: HccnConfSpec
-    privileged: bool
+    eplb: EplbSpec = section(EplbSpec)
+    mlapo: bool = prop(
+        boolean(
+            "Fused MLA preprocessing kernels (on Ascend). Not supported yet: must be true "
+            "(the default).",
+            default=True,
+        )
+    )
+    c8: str = prop(
+        string(
+            "8-bit KV block mode for sparse attention. Not supported yet: must be auto.",
+            default="auto",
+            enum=["auto", "on", "off"],
+        )
+    )
+    hccn_conf: HccnConfSpec = section(HccnConfSpec)
+    privileged: bool = prop(boolean("Run engine containers privileged (opt-in).", default=False))
 
 
-@dataclass(frozen=True)
+OTLP_URL_PATTERN = r"^https?://[^\s/?#]+(/[^\s]*)?$"
+
+
+@crd_object(defaulted=True, description="OpenTelemetry request traces (docs/tracing.md).")
+@dataclass(frozen=True, kw_only=True)
+class TracingSpec:
+    otlp_endpoint: str | None = prop(
+        string(
+            "OTLP/HTTP endpoint (an OpenTelemetry collector, Jaeger, ...) that every "
+            "engine, KV sidecar and gateway of this deployment sends request traces "
+            "to, e.g. http://otel-collector.observability:4318 (/v1/traces is added "
+            "when no path is given). Unset: tracing off.",
+            pattern=OTLP_URL_PATTERN,
+            max_length=512,
+        )
+    )
+    """Request traces (--otlp-traces-endpoint); None: off."""
+
+
+@crd_object(defaulted=True)
+@dataclass(frozen=True, kw_only=True)
 class ObservabilitySpec:
-    otlp_endpoint: str | None = None  # request traces (--otlp-traces-endpoint); None: off
+    tracing: TracingSpec = section(TracingSpec)
 
 
-@dataclass(frozen=True)
+def _eplb_needs_ep_rule() -> tuple[str, str]:
+    ep = (
+        f"(has(self.{r}.parallelism.ep) ? self.{r}.parallelism.ep : "
+        f"self.{r}.parallelism.tp * self.{r}.parallelism.dp) > 1"
+        for r in ROLES
+    )
+    return (
+        "!self.features.eplb.enabled || (" + " && ".join(ep) + ")",
+        "features.eplb needs expert parallelism > 1 on both roles (parallelism.ep, "
+        "by default tp * dp): it balances experts over an instance's EP ranks",
+    )
+
+
+@crd_object(
+    rules=[
+        (
+            "self.prefill.parallelism.tp >= self.decode.parallelism.tp && "
+            "self.prefill.parallelism.tp % self.decode.parallelism.tp == 0",
+            "prefill.parallelism.tp must be >= decode.parallelism.tp and a multiple of it",
+        ),
+        (
+            "self.kvTransfer.transport != 'hccl' || "
+            "(self.prefill.npusPerNode > 0 && self.decode.npusPerNode > 0)",
+            "kvTransfer.transport hccl needs NPUs on both roles (npusPerNode > 0); use tcp on CPU",
+        ),
+        _eplb_needs_ep_rule(),
+        (
+            "!self.autoscaling.enabled || self.scheduling.workload != 'LeaderWorkerSet'",
+            _not_yet(
+                "autoscaling with scheduling.workload LeaderWorkerSet",
+                "the autoscaler counts and drains StatefulSet instances only",
+                "use workload StatefulSet or size instances by hand",
+            ),
+        ),
+    ]
+)
+@dataclass(frozen=True, kw_only=True)
 class DeploymentSpec:
+    """The deployment: its metadata, then ``spec``'s sections."""
+
     name: str
     namespace: str
     uid: str
     generation: int
-    model: ModelSpec
-    image: str
-    image_pull_policy: str
-    image_pull_secrets: list[str]
-    prefill: RoleSpec
-    decode: RoleSpec
-    kv: KVTransferSpec
-    gateway: GatewaySpec
-    autoscaling: AutoscalingSpec
-    scheduling: SchedulingSpec
-    features: FeaturesSpec
-    labels: dict[str, str] = field(default_factory=dict)
-    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    labels: dict[str, str]
+    model: ModelSpec = section(ModelSpec, required=True)
+    engine: EngineSpec = section(EngineSpec)
+    prefill: RoleSpec = section(RoleSpec, ctx="prefill")
+    decode: RoleSpec = section(RoleSpec, ctx="decode")
+    kv: KVTransferSpec = section(KVTransferSpec, key="kvTransfer")
+    gateway: GatewaySpec = section(GatewaySpec)
+    autoscaling: AutoscalingSpec = section(AutoscalingSpec)
+    scheduling: SchedulingSpec = section(SchedulingSpec)
+    features: FeaturesSpec = section(FeaturesSpec)
+    observability: ObservabilitySpec = section(ObservabilitySpec)
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
 
     @property
     def sidecar_image(self) -> str:
-        return self.kv.sidecar_image or self.image
+        return self.kv.sidecar_image or self.engine.image
 
 
-def _role(role: Role, raw: dict[str, Any]) -> RoleSpec:
-    par = raw["parallelism"]
-    tp, dp = int(par["tp"]), int(par["dp"])
-    return RoleSpec(
-        role=role,
-        instances=int(raw["instances"]),
-        nodes_per_instance=int(raw["nodesPerInstance"]),
-        npus_per_node=int(raw["npusPerNode"]),
-        parallelism=Parallelism(tp=tp, dp=dp, ep=int(par.get("ep") or tp * dp)),
-        mtp_tokens=int(raw["mtpTokens"]),
-        engine_args=list(raw.get("engineArgs") or []),
-        env=dict(raw.get("env") or {}),
-        resources=dict(raw.get("resources") or {}),
-        shm_size=str(raw["shmSize"]),
-        startup_timeout_s=int(raw["startupTimeoutSeconds"]),
-        termination_grace_s=int(raw["terminationGracePeriodSeconds"]),
-    )
+def spec_schema() -> Schema:
+    """The CRD's ``spec``."""
+    return object_schema(DeploymentSpec)
 
 
-def _kv(raw: dict[str, Any]) -> KVTransferSpec:
-    return KVTransferSpec(
-        transport=raw["transport"],
-        port=int(raw["port"]),
-        lease_seconds=int(raw["leaseSeconds"]),
-        failure_policy=raw["failurePolicy"],
-        pull_timeout_s=int(raw["pullTimeoutSeconds"]),
-        sidecar_image=raw.get("sidecarImage"),
-        sidecar_resources=dict(raw.get("sidecarResources") or {}),
-    )
-
-
-def _gateway(raw: dict[str, Any]) -> GatewaySpec:
-    secret = raw.get("apiKeySecret")
-    return GatewaySpec(
-        replicas=int(raw["replicas"]),
-        image=raw["image"],
-        routing_policy=raw["routingPolicy"],
-        service_type=raw["serviceType"],
-        port=int(raw["port"]),
-        api_key_secret=SecretKeyRef(secret["name"], secret["key"]) if secret else None,
-        resources=dict(raw.get("resources") or {}),
-    )
-
-
-def _autoscaling(raw: dict[str, Any]) -> AutoscalingSpec:
-    def bounds(b: dict[str, Any]) -> Bounds:
-        return Bounds(min=int(b["min"]), max=int(b["max"]))
-
-    p, d, metrics = raw["prefill"], raw["decode"], raw["metrics"]
-    ratio = raw.get("prefillDecodeRatio")
-    tps = p.get("tokensPerSecond")
-    return AutoscalingSpec(
-        enabled=bool(raw["enabled"]),
-        ttft_seconds=float(raw["ttftSeconds"]),
-        tpot_seconds=float(raw["tpotSeconds"]),
-        prefill=bounds(p),
-        decode=bounds(d),
-        mode=raw["mode"],
-        interval_s=int(raw["intervalSeconds"]),
-        window_s=int(raw["windowSeconds"]),
-        stabilization_s=int(raw["scaleDownStabilizationSeconds"]),
-        drain_timeout_s=int(raw["drainTimeoutSeconds"]),
-        source=metrics["source"],
-        prometheus_url=metrics.get("prometheusURL"),
-        prefill_tokens_per_s=float(tps) if tps is not None else None,
-        waiting_per_instance=float(p["waitingPerInstance"]),
-        prompt_deadline_s=float(dl) if (dl := p.get("promptDeadlineSeconds")) is not None else None,
-        running_per_instance=int(d["runningPerInstance"]),
-        kv_cache_target=float(d["kvCacheTarget"]),
-        ratio=(float(ratio["min"]), float(ratio["max"])) if ratio else None,
-        npu_budget=int(raw["npuBudget"]) if raw.get("npuBudget") is not None else None,
-        scheduled_minimums=tuple(copy.deepcopy(w) for w in raw.get("scheduledMinimums") or ()),
-    )
-
-
-def _scheduling(raw: dict[str, Any]) -> SchedulingSpec:
-    return SchedulingSpec(
-        npu_resource=raw["npuResourceName"],
-        workload=raw["workload"],
-        node_selector=dict(raw.get("nodeSelector") or {}),
-        tolerations=list(raw.get("tolerations") or []),
-        affinity=dict(raw.get("affinity") or {}),
-        topology_spread_constraints=list(raw.get("topologySpreadConstraints") or []),
-        priority_class_name=raw.get("priorityClassName"),
-    )
-
-
-def _features(raw: dict[str, Any]) -> FeaturesSpec:
-    eplb, hccn = raw["eplb"], raw["hccnConf"]
-    return FeaturesSpec(
-        eplb=EplbSpec(
-            enabled=bool(eplb["enabled"]),
-            redundant_experts=int(eplb["redundantExperts"]),
-            interval_steps=int(eplb["intervalSteps"]),
-            window_steps=int(eplb.get("windowSteps", 600)),
-        ),
-        mlapo=bool(raw["mlapo"]),
-        c8=raw["c8"],
-        hccn_conf=HccnConfSpec(enabled=bool(hccn["enabled"]), host_path=hccn["hostPath"]),
-        privileged=bool(raw["privileged"]),
-    )
+def apply_defaults(schema: Schema, value: Any) -> Any:
+    """Structural defaulting as the API server does it: fill absent fields that have defaults."""
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return value
+    out = copy.deepcopy(value)
+    for name, prop_schema in schema.get("properties", {}).items():
+        if name not in out and "default" in prop_schema:
+            out[name] = copy.deepcopy(prop_schema["default"])
+        if name in out:
+            out[name] = apply_defaults(prop_schema, out[name])
+    return out
 
 
 def parse(body: dict[str, Any]) -> DeploymentSpec:
     """A DeploymentSpec from a DeepSeekV4Deployment object (dict as read from the API)."""
     meta = body["metadata"]
-    spec = apply_defaults(spec_schema(), body.get("spec") or {})
-    model = spec["model"]
-    pvc = model.get("pvc") or {}
-    engine = spec["engine"]
-    return DeploymentSpec(
+    return from_crd(
+        DeploymentSpec,
+        apply_defaults(spec_schema(), body.get("spec") or {}),
         name=meta["name"],
         namespace=meta.get("namespace", "default"),
         uid=meta.get("uid", ""),
         generation=int(meta.get("generation", 0)),
-        model=ModelSpec(
-            served_name=model["servedName"],
-            architecture=model.get("architecture"),
-            dtype=model["dtype"],
-            quantization=model["quantization"],
-            max_model_len=int(model["maxModelLen"]),
-            path=model.get("path"),
-            pvc_claim=pvc.get("claimName"),
-            pvc_sub_path=pvc.get("subPath", ""),
-            preset=model.get("preset"),
-        ),
-        image=engine["image"],
-        image_pull_policy=engine["imagePullPolicy"],
-        image_pull_secrets=list(engine.get("imagePullSecrets") or []),
-        prefill=_role("prefill", spec["prefill"]),
-        decode=_role("decode", spec["decode"]),
-        kv=_kv(spec["kvTransfer"]),
-        gateway=_gateway(spec["gateway"]),
-        autoscaling=_autoscaling(spec["autoscaling"]),
-        scheduling=_scheduling(spec["scheduling"]),
-        features=_features(spec["features"]),
         labels=dict(meta.get("labels") or {}),
-        observability=ObservabilitySpec(
-            otlp_endpoint=(spec["observability"]["tracing"].get("otlpEndpoint") or None)
-        ),
     )

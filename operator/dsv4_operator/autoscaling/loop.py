@@ -210,7 +210,7 @@ class _Tick:
             autoscaling=autoscaling_status(
                 decision,
                 list(self.drains.values()),
-                source="External" if a.mode == "External" else a.source,
+                source="External" if a.mode == "External" else a.metrics.source,
                 observed_at=_iso(obs.observed_at) if obs is not None else None,
                 last_scale_time=self.last_scale,
             ),
@@ -361,7 +361,7 @@ class _Tick:
     async def _observe(
         self, http: aiohttp.ClientSession, spec: DeploymentSpec, counts: dict[Role, RoleCounts]
     ) -> Observations | None:
-        if spec.autoscaling.source == "Prometheus":
+        if spec.autoscaling.metrics.source == "Prometheus":
             return await self._observe_prometheus(http, spec, counts)
         assert self.window is not None
         gateways = [
@@ -395,7 +395,7 @@ class _Tick:
     async def _observe_prometheus(
         self, http: aiohttp.ClientSession, spec: DeploymentSpec, counts: dict[Role, RoleCounts]
     ) -> Observations | None:
-        url = (spec.autoscaling.prometheus_url or "").rstrip("/")
+        url = (spec.autoscaling.metrics.prometheus_url or "").rstrip("/")
         q = Queries(spec.name, spec.namespace, float(spec.autoscaling.window_s))
         values: dict[str, float | None] = {}
         try:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4_operator.api.autoscaling_schema import DAYS, TIME_PATTERN
+from dsv4_operator.api.autoscaling_spec import DAYS, TIME_PATTERN
 
 
 class ScheduleError(ValueError):

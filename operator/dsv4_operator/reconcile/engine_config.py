@@ -43,7 +43,7 @@ _FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
     "eplb_interval": lambda s: _eplb(s, s.features.eplb.interval_steps),
     "eplb_window": lambda s: _eplb(s, s.features.eplb.window_steps),
     # request tracing: only when the deployment turns it on (spec.observability.tracing)
-    "otlp_traces_endpoint": lambda s: s.observability.otlp_endpoint,
+    "otlp_traces_endpoint": lambda s: s.observability.tracing.otlp_endpoint,
 }
 ENGINE_CONFIG_FIELDS = tuple(_FIELDS)
 """Every key engine.json may hold: settings the operator owns (``engineArgs`` may not repeat

@@ -156,12 +156,15 @@ def _volumes(
     if m.path:
         volumes.append({"name": "model", "hostPath": {"path": m.path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": m.path, "readOnly": True})
-    elif m.pvc_claim:
+    elif m.pvc:
         volumes.append(
-            {"name": "model", "persistentVolumeClaim": {"claimName": m.pvc_claim, "readOnly": True}}
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": m.pvc.claim_name, "readOnly": True},
+            }
         )
         mounts.append(
-            {"name": "model", "mountPath": MODEL_DIR, "subPath": m.pvc_sub_path, "readOnly": True}
+            {"name": "model", "mountPath": MODEL_DIR, "subPath": m.pvc.sub_path, "readOnly": True}
         )
     if role.on_npu:
         table = identity.ranktable_configmap(spec, role)
@@ -202,9 +205,9 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
     ]
     engine = {
         "name": "engine",
-        "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": engine_command(role, spec.autoscaling.prompt_deadline_s),
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": engine_command(role, spec.autoscaling.prefill.prompt_deadline_s),
         "env": env,
         "ports": [{"name": names.METRICS_PORT_NAME, "containerPort": names.ENGINE_PORT}],
         "resources": _engine_resources(spec, role),
@@ -221,7 +224,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
     sidecar = {
         "name": "kv-sidecar",
         "image": spec.sidecar_image,
-        "imagePullPolicy": spec.image_pull_policy,
+        "imagePullPolicy": spec.engine.image_pull_policy,
         "command": sidecar_command(spec, role),
         "env": [_downward("POD_IP", "status.podIP")],
         "ports": [
@@ -256,7 +259,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "affinity": sched.affinity,
         "topologySpreadConstraints": sched.topology_spread_constraints,
         "priorityClassName": sched.priority_class_name,
-        "imagePullSecrets": [{"name": s} for s in spec.image_pull_secrets],
+        "imagePullSecrets": [{"name": s} for s in spec.engine.image_pull_secrets],
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
     return {"metadata": {"labels": identity.labels(spec, role)}, "spec": pod_spec}

@@ -114,7 +114,7 @@ def _container(spec: DeploymentSpec) -> dict[str, Any]:
     return {
         "name": "gateway",
         "image": spec.gateway.image,
-        "imagePullPolicy": spec.image_pull_policy,
+        "imagePullPolicy": spec.engine.image_pull_policy,
         "command": gateway_command(spec),
         "env": env,
         "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],

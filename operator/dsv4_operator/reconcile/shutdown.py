@@ -13,8 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4_operator.api.crd import EXIT_MARGIN_S, MIN_GRACE_S, PRESTOP_S
-from dsv4_operator.api.spec import ROLES, DeploymentSpec, RoleSpec
+from dsv4_operator.api.spec import (
+    EXIT_MARGIN_S,
+    MIN_GRACE_S,
+    PRESTOP_S,
+    ROLES,
+    DeploymentSpec,
+    RoleSpec,
+)
 
 __all__ = ["PRESTOP_S", "Shutdown", "gateway_shutdown", "role_shutdown"]
 

@@ -8,5 +8,5 @@ from dsv4_operator.api.spec import DeploymentSpec
 
 
 def tracing_args(spec: DeploymentSpec) -> list[str]:
-    endpoint = spec.observability.otlp_endpoint
+    endpoint = spec.observability.tracing.otlp_endpoint
     return ["--otlp-traces-endpoint", endpoint] if endpoint else []

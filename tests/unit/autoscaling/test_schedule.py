@@ -150,14 +150,14 @@ def test_a_floor_never_exceeds_max_and_an_unnamed_role_keeps_its_min() -> None:
 
 
 def test_policy_of_reads_the_windows_from_the_spec() -> None:
-    from dsv4_operator.api.spec import AutoscalingSpec, Bounds
+    from dsv4_operator.api.autoscaling_spec import AutoscalingSpec, DecodeScaling, PrefillScaling
 
     a = AutoscalingSpec(
         enabled=True,
         ttft_seconds=1.0,
         tpot_seconds=0.05,
-        prefill=Bounds(1, 2),
-        decode=Bounds(1, 2),
+        prefill=PrefillScaling(min=1, max=2),
+        decode=DecodeScaling(min=1, max=2),
         scheduled_minimums=({"name": "peak", "start": "09:00", "end": "10:00", "decode": 2},),
     )
     assert policy_of(a).scheduled == (

@@ -61,9 +61,13 @@ def test_spec_autoscaling_becomes_the_policy() -> None:
 def test_defaults_of_the_study() -> None:
     a = _spec().autoscaling
     assert (a.enabled, a.mode, a.interval_s, a.window_s) == (False, "Builtin", 15, 60)
-    assert (a.stabilization_s, a.drain_timeout_s, a.source) == (300, 600, "Gateway")
-    assert a.prefill_tokens_per_s is None and a.ratio is None
-    assert (a.waiting_per_instance, a.running_per_instance, a.kv_cache_target) == (2.0, 16, 0.8)
+    assert (a.stabilization_s, a.drain_timeout_s, a.metrics.source) == (300, 600, "Gateway")
+    assert a.prefill.tokens_per_second is None and a.prefill_decode_ratio is None
+    assert (
+        a.prefill.waiting_per_instance,
+        a.decode.running_per_instance,
+        a.decode.kv_cache_target,
+    ) == (2.0, 16, 0.8)
 
 
 def _sts(name: str, role: str, idx: int, ready: bool) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def test_every_rendered_command_parses_with_the_dsv4_command(path: Path) -> None
 
 def test_the_crds_owned_engine_flags_are_those_the_operator_renders() -> None:
     from dsv4_common.config_cli import flag_name
-    from dsv4_operator.api.crd import OWNED_ENGINE_FLAGS
+    from dsv4_operator.api.spec import OWNED_ENGINE_FLAGS
     from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_FIELDS
 
     specs = [_example(path) for path in EXAMPLES]
@@ -109,7 +109,7 @@ def test_the_crds_owned_engine_flags_are_those_the_operator_renders() -> None:
 
 
 def test_the_crds_presets_are_the_engines() -> None:
-    from dsv4_operator.api.crd import PRESETS
+    from dsv4_operator.api.spec import PRESETS
     from dsv4_serving.presets.configs import PRESETS as ENGINE_PRESETS
 
     assert tuple(sorted(ENGINE_PRESETS)) == PRESETS
@@ -123,7 +123,7 @@ def test_a_prompt_deadline_reaches_the_prefill_engines_only() -> None:
     cr["metadata"].update(namespace="ml", uid="u")
     cr["spec"]["autoscaling"] = {"ttftSeconds": 1.0, "prefill": {"promptDeadlineSeconds": 0.7}}
     spec = parse(cr)
-    assert spec.autoscaling.prompt_deadline_s == 0.7
+    assert spec.autoscaling.prefill.prompt_deadline_s == 0.7
     engines = [c for c in _commands(spec) if c[1] == "engine"]
     by_role = {c[c.index("--role") + 1]: c for c in engines}
     assert by_role["prefill"][by_role["prefill"].index("--prompt-deadline") + 1] == "0.7"

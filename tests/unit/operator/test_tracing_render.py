@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from dsv4_common.cli import build_parser
-from dsv4_operator.api.crd import spec_schema
-from dsv4_operator.api.spec import parse
+from dsv4_operator.api.spec import parse, spec_schema
 from dsv4_operator.reconcile import Facts, desired_children
 from dsv4_serving.engine.config import EngineConfig
 from tests.unit.operator.conftest import make_cr
