@@ -252,16 +252,10 @@ def kv_sizes(config: dict[str, Any], itemsize: int) -> dict[str, float]:
     }
 
 
-def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
-    """A prefill engine (``dsv4-tiny``, in this process) beside a real sidecar: each request is
-    prefilled alone and its KV exported for a remote decode. -> mean milliseconds of the prefill
-    step, of its forward, of the rest of that step, and of the export (reserve, copy, commit),
-    which runs on the connector's thread while the engine steps on."""
-    from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
+def _prefill_engine(tmp: Path, prompt: int) -> tuple[SidecarService, Any]:
+    """A real sidecar and, in this process, a dsv4-tiny prefill engine using it."""
     from dsv4_serving.engine.config import EngineConfig
     from dsv4_serving.engine.engine_core import EngineCore
-    from dsv4_serving.engine.request import EngineCoreRequest
-    from dsv4_serving.engine.sampling_params import SamplingParams
 
     proc = SidecarService(
         "engine-export",
@@ -288,6 +282,19 @@ def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
             enable_prefix_caching=False,
         )
     )
+    return proc, core
+
+
+def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
+    """A prefill engine (``dsv4-tiny``, in this process) beside a real sidecar: each request is
+    prefilled alone and its KV exported for a remote decode. -> mean milliseconds of the prefill
+    step, of its forward, of the rest of that step, and of the export (reserve, copy, commit),
+    which runs on the connector's thread while the engine steps on."""
+    from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
+    from dsv4_serving.engine.request import EngineCoreRequest
+    from dsv4_serving.engine.sampling_params import SamplingParams
+
+    proc, core = _prefill_engine(tmp, prompt)
     forward: list[float] = []
     execute = core.runner.execute
 
