@@ -8,8 +8,11 @@ STAMP := $(VENV)/.installed
 EXTRAS := operator,serving,gateway,test,dev
 # every package the tests run with, pinned; `make lock` refreshes it from pyproject.toml
 LOCK := requirements.lock
+# the test tiers: one pytest marker and one directory under tests/ each; `make test-<tier>` runs one
+TIERS := unit model engine pd gateway k8s dist node
+TIER_TARGETS := $(addprefix test-,$(TIERS))
 
-.PHONY: install lock k8s-binaries node-prereqs early-images lint format test test-unit test-k8s test-node up clean
+.PHONY: install lock k8s-binaries node-prereqs early-images lint format test $(TIER_TARGETS) up clean
 
 # The node tier runs real pods (containerd, runc, kubelet) and needs root: as root the test
 # binaries include the node's (kubelet, kube-proxy, crictl, coredns); otherwise the tier skips
@@ -79,14 +82,14 @@ early-images:
 test: $(EARLY_IMAGES) install lint
 	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" DSV4_JAEGER_BIN="$$(scripts/trace-backend | tail -n 1)" $(BIN)/pytest --durations=30 $(PYTEST_ARGS)
 
-test-unit: install
-	$(BIN)/pytest -m unit $(PYTEST_ARGS)
+# What a tier needs beside the venv: the Kubernetes binaries (k8s, node) and the Jaeger binary
+# (the gateway tier's tracing tests; built on first use otherwise).
+TIER_ENV_k8s = DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)"
+TIER_ENV_node = DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)"
+TIER_ENV_gateway = DSV4_JAEGER_BIN="$$(scripts/trace-backend | tail -n 1)"
 
-test-k8s: install
-	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(BIN)/pytest -m k8s $(PYTEST_ARGS)
-
-test-node: install
-	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(BIN)/pytest -m node $(PYTEST_ARGS)
+$(TIER_TARGETS): test-%: install
+	$(TIER_ENV_$*) $(BIN)/pytest -m $* $(PYTEST_ARGS)
 
 # The local stack on the built-in tiny model: gateway on 127.0.0.1:8000, one prefill and one
 # decode engine with their KV sidecars. Ctrl-C stops it. UP_ARGS='--port 9000' etc. pass through.

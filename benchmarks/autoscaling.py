@@ -205,18 +205,7 @@ def _phase_starts(p: Profile, t0: float) -> list[float]:
     return [t0 + sum(sec for sec, _ in p.schedule[:i]) for i in range(len(p.schedule))]
 
 
-def analyse(
-    p: Profile,
-    t0: float,
-    records: list[dict[str, Any]],
-    events: list[tuple[float, str, str]],
-    history: list[tuple[float, str, str]],
-    t1: float,
-    lead: float = 0.0,
-) -> dict[str, Any]:
-    """``lead``: a scheduled minimum raised the floor this long before each step up (the
-    decision then comes before the step)."""
-    starts = _phase_starts(p, t0)
+def _phases(p: Profile, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     phases = []
     for i, (sec, rate) in enumerate(p.schedule):
         mine = [r for r in records if r["phase"] == i]
@@ -230,6 +219,20 @@ def analyse(
                 "slo_attainment": good / len(mine) if mine else None,
             }
         )
+    return phases
+
+
+def _steps(
+    p: Profile,
+    t0: float,
+    starts: list[float],
+    records: list[dict[str, Any]],
+    events: list[tuple[float, str, str]],
+    history: list[tuple[float, str, str]],
+    lead: float,
+) -> list[dict[str, Any]]:
+    """Per load step up: the decision, the new engine Ready and the SLO recovered, in seconds
+    after the step."""
     steps = []
     for i in range(1, len(p.schedule)):
         if p.schedule[i][1] <= p.schedule[i - 1][1]:
@@ -258,6 +261,10 @@ def analyse(
                 "recovered_s": rel(recovered),
             }
         )
+    return steps
+
+
+def _drains(events: list[tuple[float, str, str]]) -> list[dict[str, Any]]:
     drains = []
     for t, r, m in events:
         if r == "DrainStarted":
@@ -277,6 +284,24 @@ def analyse(
                     "outcome": None if done is None else done[1],
                 }
             )
+    return drains
+
+
+def analyse(
+    p: Profile,
+    t0: float,
+    records: list[dict[str, Any]],
+    events: list[tuple[float, str, str]],
+    history: list[tuple[float, str, str]],
+    t1: float,
+    lead: float = 0.0,
+) -> dict[str, Any]:
+    """``lead``: a scheduled minimum raised the floor this long before each step up (the
+    decision then comes before the step)."""
+    starts = _phase_starts(p, t0)
+    phases = _phases(p, records)
+    steps = _steps(p, t0, starts, records, events, history, lead)
+    drains = _drains(events)
     cold = _cold_starts(t0, events, history)
     overall = sum(1 for r in records if _good(r)) / len(records) if records else None
     scaling = [(t, w) for t, _, w in history]
@@ -303,6 +328,64 @@ def analyse(
     }
 
 
+def _process_nodes(
+    cluster: LocalCluster,
+    ns: str,
+    name: str,
+    work: Path,
+    engine_args: list[str],
+    prompt_deadline: float,
+) -> ProcessNodes:
+    """The engines and sidecars of ``name``'s pods, as processes (the kubelet of the kwok pods)."""
+    (work / ns).mkdir(parents=True, exist_ok=True)
+    token = work / ns / "kv-token"
+    token.write_text("b" * 32)
+    nodes = ProcessNodes(
+        cluster=cluster,
+        namespace=ns,
+        deployment=name,
+        token_file=token,
+        log_dir=work / ns,
+        engine_args=engine_args,
+        sidecar_metrics_port=sidecar_metrics_port(KV_PORT),
+        role_engine_args=(
+            {"prefill": ["--prompt-deadline", f"{prompt_deadline:g}"]} if prompt_deadline else {}
+        ),
+    )
+    return nodes
+
+
+def _wait_published(nodes: ProcessNodes, want: int) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if all(
+            sum(1 for i in nodes.by_role(r) if i.published) >= want for r in ("prefill", "decode")
+        ):
+            break
+        time.sleep(1)
+    else:
+        raise RuntimeError("engines did not come up")
+
+
+def _bench_argv(p: Profile, url: str, records: Path) -> list[str]:
+    schedule = ",".join(f"{s:g}s@{r:g}" for s, r in p.schedule)
+    return dsv4_argv(
+        "bench",
+        *("--url", url, "--model", "tiny", "--json", "--no-progress", "--timeout", "300"),
+        *("--schedule", schedule, "--records", str(records)),
+        *("--input-len", str(p.input_len), "--output-len", str(p.output_len)),
+        *("--ttft-slo", str(TTFT_S), "--tpot-slo", str(TPOT_S)),
+    )
+
+
+def _wait_drained(nodes: ProcessNodes) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (
+        len(nodes.by_role("prefill")) > 1 or len(nodes.by_role("decode")) > 1
+    ):
+        time.sleep(1)
+
+
 def run_profile(
     cluster: LocalCluster,
     op_kubeconfig: Path,
@@ -319,21 +402,7 @@ def run_profile(
     cluster.kubectl("create", "namespace", ns)
     name = "bench"
     cr = _cr(name, p, autoscaled, prompt_deadline)
-    (work / ns).mkdir(parents=True, exist_ok=True)
-    token = work / ns / "kv-token"
-    token.write_text("b" * 32)
-    nodes = ProcessNodes(
-        cluster=cluster,
-        namespace=ns,
-        deployment=name,
-        token_file=token,
-        log_dir=work / ns,
-        engine_args=engine_args,
-        sidecar_metrics_port=sidecar_metrics_port(KV_PORT),
-        role_engine_args=(
-            {"prefill": ["--prompt-deadline", f"{prompt_deadline:g}"]} if prompt_deadline else {}
-        ),
-    )
+    nodes = _process_nodes(cluster, ns, name, work, engine_args, prompt_deadline)
     op = OperatorService(
         op_kubeconfig, cluster.log_dir, ("--autoscaler-address-map", str(nodes.address_map))
     ).launch()
@@ -341,27 +410,10 @@ def run_profile(
         cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(cr))
         nodes.start()
         gw = nodes.start_gateway()
-        want = 1 if autoscaled else 2
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if all(
-                sum(1 for i in nodes.by_role(r) if i.published) >= want
-                for r in ("prefill", "decode")
-            ):
-                break
-            time.sleep(1)
-        else:
-            raise RuntimeError("engines did not come up")
+        _wait_published(nodes, 1 if autoscaled else 2)
         time.sleep(3)  # the gateway's first health round
-        schedule = ",".join(f"{s:g}s@{r:g}" for s, r in p.schedule)
         records = work / ns / "records.jsonl"
-        argv = dsv4_argv(
-            "bench",
-            *("--url", gw.url, "--model", "tiny", "--json", "--no-progress", "--timeout", "300"),
-            *("--schedule", schedule, "--records", str(records)),
-            *("--input-len", str(p.input_len), "--output-len", str(p.output_len)),
-            *("--ttft-slo", str(TTFT_S), "--tpot-slo", str(TPOT_S)),
-        )
+        argv = _bench_argv(p, gw.url, records)
         t0 = time.time()
         if known_peak_lead is not None:
             windows = _known_peaks(p, t0, known_peak_lead)
@@ -373,11 +425,7 @@ def run_profile(
         if res.returncode != 0:
             raise RuntimeError(f"bench failed: {res.stderr[-2000:]}")
         if autoscaled:  # let the last drains finish inside the measurement
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and (
-                len(nodes.by_role("prefill")) > 1 or len(nodes.by_role("decode")) > 1
-            ):
-                time.sleep(1)
+            _wait_drained(nodes)
         t1 = time.time()
         out = analyse(
             p,
@@ -459,7 +507,7 @@ def _print(name: str, mode: str, auto: dict[str, Any], static: dict[str, Any] | 
     print(f"direction changes per hour: {auto['direction_changes_per_hour']:.1f}")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -496,13 +544,11 @@ def main() -> int:
     ap.add_argument(
         "--json-out", type=Path, help="also write the results as JSON here (scale events included)"
     )
-    args = ap.parse_args()
-    if args.time_scale <= 0:
-        ap.error("--time-scale must be > 0")
-    if args.known_peak is not None and args.known_peak <= 0:
-        ap.error("--known-peak must be > 0 seconds")
-    if not 0 <= args.prompt_deadline <= TTFT_S:
-        ap.error(f"--prompt-deadline must be in [0, {TTFT_S:g}] (the TTFT objective)")
+    return ap
+
+
+def engine_mode(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The engines' arguments and the line that names their mode in the report."""
     engine_args = ["--num-speculative-tokens", "0", "--num-kv-blocks", "600"]
     engine_args += ["--max-model-len", "2048"]
     if args.engine_mode == "emulated":
@@ -514,6 +560,58 @@ def main() -> int:
         mode += f"; prefill prompt order: deadline {args.prompt_deadline:g} s"
     else:
         mode += "; prompt order: first come, first served"
+    return engine_args, mode
+
+
+def run_one(
+    args: argparse.Namespace,
+    cluster: LocalCluster,
+    op_kc: Path,
+    i: int,
+    name: str,
+    engine_args: list[str],
+    work: Path,
+    mode: str,
+) -> dict[str, Any]:
+    """One profile autoscaled, and at static max and with the peak declared when asked."""
+    base = PROFILES[name]
+    shape = SHAPES[args.shape]
+    schedule = base.schedule if shape is None else shape[name]
+    p = Profile(
+        name,
+        [(s * args.time_scale, r) for s, r in schedule],
+        base.input_len,
+        base.output_len,
+        base.prefill_tokens_per_s,
+    )
+    dl = args.prompt_deadline
+    auto = run_profile(cluster, op_kc, p, f"auto-{i}", True, engine_args, work, dl)
+    static = None
+    if args.baseline:
+        static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work, dl)
+    known = None
+    if args.known_peak is not None:
+        known = run_profile(
+            cluster, op_kc, p, f"known-{i}", True, engine_args, work, dl, args.known_peak
+        )
+    if not args.json:
+        _print(f"{name}, {args.shape} shape", mode, auto, static)
+        if known is not None:
+            title = f"{name}, {args.shape} shape, peak declared {args.known_peak:g} s ahead"
+            _print(title, mode, known, static)
+    return {"autoscaled": auto, "static_max": static, "known_peak": known}
+
+
+def main() -> int:
+    ap = parser()
+    args = ap.parse_args()
+    if args.time_scale <= 0:
+        ap.error("--time-scale must be > 0")
+    if args.known_peak is not None and args.known_peak <= 0:
+        ap.error("--known-peak must be > 0 seconds")
+    if not 0 <= args.prompt_deadline <= TTFT_S:
+        ap.error(f"--prompt-deadline must be in [0, {TTFT_S:g}] (the TTFT objective)")
+    engine_args, mode = engine_mode(args)
 
     work = Path(tempfile.mkdtemp(prefix="dsv4-bench-autoscaling-"))
     bin_dir = ensure_binaries()
@@ -526,36 +624,9 @@ def main() -> int:
         cluster.install_chart(REPO / "charts" / "dsv4", RELEASE_NAMESPACE)
         op_kc = cluster.service_account_kubeconfig(RELEASE_NAMESPACE, "dsv4-operator")
         for i, name in enumerate(args.profiles):
-            base = PROFILES[name]
-            shape = SHAPES[args.shape]
-            schedule = base.schedule if shape is None else shape[name]
-            p = Profile(
-                name,
-                [(s * args.time_scale, r) for s, r in schedule],
-                base.input_len,
-                base.output_len,
-                base.prefill_tokens_per_s,
+            results["profiles"][name] = run_one(
+                args, cluster, op_kc, i, name, engine_args, work, mode
             )
-            dl = args.prompt_deadline
-            auto = run_profile(cluster, op_kc, p, f"auto-{i}", True, engine_args, work, dl)
-            static = None
-            if args.baseline:
-                static = run_profile(cluster, op_kc, p, f"static-{i}", False, engine_args, work, dl)
-            known = None
-            if args.known_peak is not None:
-                known = run_profile(
-                    cluster, op_kc, p, f"known-{i}", True, engine_args, work, dl, args.known_peak
-                )
-            results["profiles"][name] = {
-                "autoscaled": auto,
-                "static_max": static,
-                "known_peak": known,
-            }
-            if not args.json:
-                _print(f"{name}, {args.shape} shape", mode, auto, static)
-                if known is not None:
-                    title = f"{name}, {args.shape} shape, peak declared {args.known_peak:g} s ahead"
-                    _print(title, mode, known, static)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(results, indent=2))
     if args.json:

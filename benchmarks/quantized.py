@@ -2,12 +2,12 @@
 scales) and W8A8 int8, on the same model config and the same (dummy) weights quantized
 (CPU). The goal: W8A8 decode >= 1.0x the float32 path's tokens/s.
 
-    .venv/bin/python benchmarks/quantized.py [--configs dsv3-small anchor]
+    .venv/bin/python benchmarks/quantized.py [--configs dsv3-small dsv3-anchor]
         [--formats float32 bfloat16 fp8 fp8-torch w8a8 w8a8-torch w8a8-avx2]
         [--batches 1 16] [--prompt 64]
         [--decode-steps 8] [--repeats 1] [--threads N]
 
-``anchor`` is ../shared/anchors/dsv3-anchor-config.json (the engine comparison's model).
+``dsv3-anchor`` is the engine comparison's model (a config-only shape in ``presets/configs.py``).
 Each decode step runs ``batch`` sequences one token each after a ``--prompt``-token prefill.
 """
 
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,12 +28,9 @@ from dsv4_serving.layers.quant.methods import W8A8, Fp8Block, cast_model
 from dsv4_serving.layers.quant.scheme import QuantScheme
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.registry import REGISTRY
-from dsv4_serving.presets import preset_config
+from dsv4_serving.presets.configs import SHAPES, preset_config, shape_config
 
 BLOCK = 64
-ANCHOR = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "anchors" / "dsv3-anchor-config.json"
-)
 FORMATS = {
     "float32": ("none", torch.float32),
     "bfloat16": ("none", torch.bfloat16),
@@ -48,10 +43,7 @@ FORMATS = {
 
 
 def _config(name: str) -> dict[str, Any]:
-    if name == "anchor":
-        path = ANCHOR if ANCHOR.exists() else Path("/work/shared/anchors/dsv3-anchor-config.json")
-        return dict(json.loads(path.read_text()))
-    return preset_config(name)
+    return shape_config(name) if name in SHAPES else preset_config(name)
 
 
 def _model(config: dict[str, Any], fmt: str) -> Any:
@@ -82,9 +74,11 @@ def bench(
     clock = clock or time.perf_counter
     model = _model(config, fmt)
     ids = torch.randint(
-        0, int(config["vocab_size"]), (batch, prompt + steps + 1),
+        0,
+        int(config["vocab_size"]),
+        (batch, prompt + steps + 1),
         generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    )
     nb = -(-(prompt + steps + 1) // BLOCK)
     blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     cache = model.allocate_cache(batch * nb, BLOCK, batch)
@@ -108,15 +102,17 @@ def bench(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["dsv3-small", "anchor"])
+    ap.add_argument("--configs", nargs="+", default=["dsv3-small", "dsv3-anchor"])
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument(
-        "--repeats", type=int, default=1,
+        "--repeats",
+        type=int,
+        default=1,
         help="runs of every format, alternating; the median of each format's runs is reported",
-    )  # fmt: skip
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument(
         "--clock",

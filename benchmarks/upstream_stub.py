@@ -23,83 +23,27 @@ from dsv4_common.errors import openai_error
 Scope = dict[str, Any]
 
 
-def make_app(tokens: int, engine_id: str) -> Any:
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
+class StubApp:
+    """The ASGI app: a prefill answer with the params a decode needs, or ``tokens`` tokens."""
+
+    def __init__(self, tokens: int, engine_id: str) -> None:
+        self.tokens = tokens
+        self.engine_id = engine_id
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await _lifespan(receive, send)
         path, method = scope["path"], scope["method"]
         if method == "GET":
-            if path == "/v1/models":
-                body = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
-                return await _json(send, 200, body)
-            if path in ("/health", "/metrics"):
-                return await _raw(send, 200, b"", b"text/plain")
-            return await _json(send, 404, openai_error(404, f"no route {path}"))
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        req = json.loads(raw or b"{}")
+            return await _get(send, path)
+        req = json.loads(await _body(receive) or b"{}")
         rid = f"cmpl-{uuid.uuid4().hex}"
         params = req.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
-            return await _json(
-                send,
-                200,
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": int(time.time()),
-                    "model": "stub",
-                    "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-                    "kv_transfer_params": {
-                        "do_remote_prefill": True,
-                        "do_remote_decode": False,
-                        "remote_engine_id": engine_id,
-                        "remote_request_id": rid,
-                        "remote_block_ids": [0, 1],
-                        "remote_host": "127.0.0.1",
-                        "remote_port": 1,
-                    },
-                },
-            )
-        n = int(req.get("max_tokens") or tokens)
+            return await _json(send, 200, self._prefill_answer(rid))
+        n = int(req.get("max_tokens") or self.tokens)
         if req.get("stream"):
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
-            for i in range(n):
-                chunk = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "choices": [
-                        {"index": 0, "text": "a", "finish_reason": None if i < n - 1 else "length"}
-                    ],
-                }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                        "more_body": True,
-                    }
-                )
-            await send(
-                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
-            )
-            return None
+            return await _stream(send, rid, n)
         return await _json(
             send,
             200,
@@ -112,7 +56,78 @@ def make_app(tokens: int, engine_id: str) -> Any:
             },
         )
 
-    return app
+    def _prefill_answer(self, rid: str) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": "stub",
+            "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": rid,
+                "remote_block_ids": [0, 1],
+                "remote_host": "127.0.0.1",
+                "remote_port": 1,
+            },
+        }
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _get(send: Any, path: str) -> None:
+    if path == "/v1/models":
+        body = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+        return await _json(send, 200, body)
+    if path in ("/health", "/metrics"):
+        return await _raw(send, 200, b"", b"text/plain")
+    return await _json(send, 404, openai_error(404, f"no route {path}"))
+
+
+async def _body(receive: Any) -> bytes:
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return raw
+
+
+async def _stream(send: Any, rid: str, n: int) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    for i in range(n):
+        chunk = {
+            "id": rid,
+            "object": "text_completion",
+            "choices": [
+                {"index": 0, "text": "a", "finish_reason": None if i < n - 1 else "length"}
+            ],
+        }
+        await send(
+            {
+                "type": "http.response.body",
+                "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                "more_body": True,
+            }
+        )
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 async def _raw(send: Any, status: int, body: bytes, ctype: bytes) -> None:
@@ -136,7 +151,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     args = p.parse_args()
     uvicorn.run(
-        make_app(args.tokens, f"stub-{args.port}"),
+        StubApp(args.tokens, f"stub-{args.port}"),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

@@ -1,6 +1,6 @@
 """The autoscaler end to end on the real control plane (kwok nodes): the operator reads its
 metrics from a stub that stands in for the gateway, engine and sidecar (kwok pods run no
-process), scales, drains and reports (design study section 7, A6 and A8)."""
+process), scales, drains and reports."""
 
 from __future__ import annotations
 

@@ -94,8 +94,10 @@ def test_quantized_logits_match_the_dequantized_oracle(
         top2 = want.topk(2, dim=-1).values
         differ = got.argmax(-1) != want.argmax(-1)
         margins = (top2[:, 0] - top2[:, 1])[differ]
-        print(f"{preset} w8a8: rel L2 {rel:.3f}, argmax differs at {int(differ.sum())}/40 "
-              f"positions, oracle margins there {margins.tolist()}")  # fmt: skip
+        print(
+            f"{preset} w8a8: rel L2 {rel:.3f}, argmax differs at {int(differ.sum())}/40 "
+            f"positions, oracle margins there {margins.tolist()}"
+        )
         assert rel < W8A8_REL_L2
         assert bool((margins < W8A8_MARGIN).all())
     else:
@@ -106,8 +108,10 @@ def test_quantized_logits_match_the_dequantized_oracle(
     assert lo <= stored / params <= hi
     total_q = sum(p.numel() * p.element_size() for p in q.model.parameters())
     total_o = sum(p.numel() * p.element_size() for p in oracle.model.parameters())
-    print(f"{preset} {fmt}: {stored / params:.3f} B/param quantized, model {total_q} B vs "
-          f"{total_o} B float32")  # fmt: skip
+    print(
+        f"{preset} {fmt}: {stored / params:.3f} B/param quantized, model {total_q} B vs "
+        f"{total_o} B float32"
+    )
     assert total_q < 0.6 * total_o
 
 

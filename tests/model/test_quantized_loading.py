@@ -22,7 +22,7 @@ from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.loader.weights import load_weights
 from dsv4_serving.models.config import DeepseekV4Config
 from dsv4_serving.models.deepseek_v4 import DeepseekV4ForCausalLM
-from dsv4_serving.presets.configs import preset_config
+from dsv4_serving.presets.configs import preset_config, shape_config
 
 from .quant_checkpoint import write_checkpoint
 
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.model
 
 ARCH = "DeepseekV4ForCausalLM"
 BLOCK = (32, 32)  # dsv4-tiny's TP-2 slices are multiples of 32, not of 128
-ANCHOR = Path("/work/shared/anchors/dsv3-anchor-config.json")
 
 
 def _model(parallel: ModelParallel, fmt: str) -> DeepseekV4ForCausalLM:
@@ -75,8 +74,10 @@ def test_a_rank_holds_its_slice_of_the_quantized_tensors(
     for name, p in part.named_parameters():
         spec = specs.get(name)
         want = whole[name] if spec is None else spec.narrow(whole[name])
-        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
-                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), name  # fmt: skip
+        assert torch.equal(
+            p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+            want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want,
+        ), name
 
 
 _PEAK = r"""
@@ -113,7 +114,7 @@ print(json.dumps({"peak": peak[0] - base, "resident": resident,
 
 @pytest.mark.parametrize("fmt", ["fp8", "w8a8"])
 def test_loading_holds_no_float_copy_of_the_model(tmp_path: Path, fmt: str) -> None:
-    cfg = json.loads(ANCHOR.read_text()) | {"intermediate_size": 2048, "torch_dtype": "float32"}
+    cfg = shape_config("dsv3-anchor") | {"intermediate_size": 2048, "torch_dtype": "float32"}
     from dsv4_serving.models.registry import REGISTRY
 
     cls = REGISTRY.resolve(cfg["architectures"][0])
@@ -132,8 +133,10 @@ def test_loading_holds_no_float_copy_of_the_model(tmp_path: Path, fmt: str) -> N
     )
     assert out.returncode == 0, out.stderr
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"{fmt}: resident {m['resident'] / 2**20:.1f} MiB, peak while loading "
-          f"{m['peak'] / 2**20:.1f} MiB ({m['peak'] / m['resident']:.2f}x)")  # fmt: skip
+    print(
+        f"{fmt}: resident {m['resident'] / 2**20:.1f} MiB, peak while loading "
+        f"{m['peak'] / 2**20:.1f} MiB ({m['peak'] / m['resident']:.2f}x)"
+    )
     assert m["scheme"] == fmt
     assert m["peak"] < 1.5 * m["resident"]
 
@@ -149,8 +152,10 @@ def test_dummy_quantized_weights_of_a_shard_are_the_single_process_values_sliced
     specs, whole = shard_specs(part), dict(full.named_parameters())
     for name, p in part.named_parameters():
         want = whole[name] if name not in specs else specs[name].narrow(whole[name])
-        assert torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,
-                           want.view(torch.uint8) if want.element_size() == 1 else want), name  # fmt: skip
+        assert torch.equal(
+            p.view(torch.uint8) if p.element_size() == 1 else p,
+            want.view(torch.uint8) if want.element_size() == 1 else want,
+        ), name
 
 
 def _hf_name(native: str) -> str:
@@ -188,8 +193,10 @@ def test_modelslim_w8a8_in_transformers_names_loads_as_the_native_one(tmp_path: 
     hf.mkdir()
     save_file({_hf_name(n): t for n, t in tensors.items()}, str(hf / "model.safetensors"))
     (hf / "config.json").write_text(json.dumps(cfg))
-    desc = {_hf_name(k) if k != "model_quant_type" else k: v
-            for k, v in extra["__description__"].items()}  # fmt: skip
+    desc = {
+        _hf_name(k) if k != "model_quant_type" else k: v
+        for k, v in extra["__description__"].items()
+    }
     (hf / "quant_model_description.json").write_text(json.dumps(desc))
     a = load_model(EngineConfig(model=str(native))).model.state_dict()
     b = load_model(EngineConfig(model=str(hf))).model.state_dict()

@@ -1,7 +1,8 @@
 """The node tier: a dev cluster with one real node (containerd + runc + kubelet), kube-proxy and
 CoreDNS, started once per session. Needs root; without it every test skips with the reason (never
-silently). The host state is read before the cluster starts; `test_zz_host_state.py`, the tier's
-last module, stops the cluster and asserts nothing was left."""
+silently). The host state is read before the cluster starts; `test_host_left_clean.py`, run after every
+other test (the ``after_the_tier`` marker below), stops the cluster and asserts nothing was
+left."""
 
 from __future__ import annotations
 
@@ -18,6 +19,24 @@ import pytest
 
 REAL_NODE_SELECTOR = {"dsv4.io/real-node": "true"}
 APP_IMAGES = ("engine", "operator")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "after_the_tier(n): run after every other test, n-th (it stops the tier's shared cluster)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``after_the_tier(n)`` stop the session's real node, so they run after
+    every other test, in the order of ``n``; the rest keep their order (a stable sort)."""
+
+    def last(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("after_the_tier")
+        return 0 if mark is None else int(mark.args[0])
+
+    items.sort(key=last)
 
 
 class RealClusterHandle:

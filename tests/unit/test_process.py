@@ -21,8 +21,10 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     script = f"trap '' TERM; sleep 300 & echo $! > {pid_file}; wait"
     proc = ManagedProcess("stubborn", ["bash", "-c", script], tmp_path / "log")
     proc.start()
-    deadline = time.monotonic() + 10
-    while not pid_file.exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # a hang, not a slow machine
+    # the shell creates the file before it writes the pid: wait for the whole line
+    while not (pid_file.exists() and pid_file.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "the shell never wrote its child's pid"
         time.sleep(0.05)
     child = int(pid_file.read_text())
     proc.stop(timeout_s=1.0)

@@ -2,7 +2,7 @@
 
 An instance is one engine StatefulSet. It is ready when every pod is (``observe``'s rule), else
 starting; a starting instance with a pod the scheduler has refused for longer than
-``blocked_after_s`` is blocked (capacity that will not come, design study section 6.5).
+``blocked_after_s`` is blocked (capacity that will not come).
 Instances being drained are counted apart: they are neither capacity nor on their way.
 """
 

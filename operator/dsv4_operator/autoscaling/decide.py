@@ -1,4 +1,4 @@
-"""``decide``: one autoscaler tick, as a pure function (design study section 6.3-6.5).
+"""``decide``: one autoscaler tick, as a pure function.
 
 Per role it computes a recommendation (capacity terms raise it, SLO and queue breaches add one
 instance), then moves cautiously: up after ``breach_ticks`` short ticks (at once in a panic),

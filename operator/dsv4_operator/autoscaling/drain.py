@@ -1,4 +1,4 @@
-"""Drain of one instance before its workload is deleted (design study section 6.6), pure.
+"""Drain of one instance before its workload is deleted, pure.
 
 The instance is marked draining where every gateway replica sees it (no new requests), then
 read directly each tick: it is idle when its engine runs and queues nothing and (prefill) its

@@ -1,7 +1,7 @@
 """Capacities learned online: prefill tokens/s per instance and the decode batch that meets TPOT.
 
 Both only raise a recommendation on top of the SLO and queue signals, so a noisy estimate at
-low traffic cannot shrink a role below what its latency needs (design study section 9).
+low traffic cannot shrink a role below what its latency needs.
 """
 
 from __future__ import annotations

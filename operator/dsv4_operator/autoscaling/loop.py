@@ -1,5 +1,5 @@
 """The autoscaler's loop: one asyncio task per DeepSeekV4Deployment with autoscaling on, in the
-operator's event loop (design study section 6.1).
+operator's event loop.
 
 Every ``intervalSeconds``: count the instances (watch cache), observe (the gateway pods'
 ``/metrics`` and ``/instances``, or Prometheus), ``decide``, start / step / cancel the drain of a

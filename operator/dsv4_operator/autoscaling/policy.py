@@ -1,7 +1,7 @@
 """What the autoscaler aims for: the SLOs, the bounds, and how cautiously it moves.
 
-Defaults follow ``../shared/design/autoscaling.md`` section 6 (HPA's 15 s sync and 300 s
-scale-down stabilisation, Dynamo's 0.8 scale-down sensitivity, Knative's panic threshold).
+Defaults follow the autoscalers users already know (HPA's 15 s sync and 300 s scale-down
+stabilisation, Dynamo's 0.8 scale-down sensitivity, Knative's panic threshold).
 """
 
 from __future__ import annotations

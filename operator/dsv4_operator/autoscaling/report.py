@@ -1,5 +1,5 @@
 """What a decision looks like to a user: status fields, conditions, the printer column, events
-and the operator's own metrics (design study section 6.7). Pure, except the metric objects."""
+and the operator's own metrics. Pure, except the metric objects."""
 
 from __future__ import annotations
 

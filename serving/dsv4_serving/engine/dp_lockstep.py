@@ -1,4 +1,4 @@
-"""DP lockstep (design study 5.2): one engine core per DP rank, every core one turn per step.
+"""DP lockstep: one engine core per DP rank, every core one turn per step.
 
 The front end's queues reach the DP-rank-0 core only (the leader). Each turn:
 1. the leader drains its queue (blocking up to 0.5 s when the instance is idle: the turn is

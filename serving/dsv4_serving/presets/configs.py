@@ -112,8 +112,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# Config-only shapes of the released models (their config.json fields; no weights, not
-# servable presets): ``dsv4 explain-model`` plans memory for them.
+# Config-only shapes (config.json fields; no weights or tokenizer, not servable presets): the
+# released models, for which ``dsv4 explain-model`` plans memory, and the benchmarks' anchor.
 _V4_FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]  # 43 layers, then the MTP layer
 SHAPES: dict[str, dict[str, Any]] = {
     "deepseek-v4-flash": {
@@ -220,6 +220,43 @@ SHAPES: dict[str, dict[str, Any]] = {
             "weight_block_size": [128, 128],
         },
     },
+    # The engine comparison's model (benchmarks/engine_vs_vllm.py, benchmarks/quantized.py):
+    # a small V3 with MLA dims vLLM's CPU backend accepts and twice dsv3-small's width.
+    "dsv3-anchor": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 1024,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 256,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000,
+        "rms_norm_eps": 1e-06,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+        "num_nextn_predict_layers": 0,
+    },
 }
 
 
@@ -228,3 +265,10 @@ def preset_config(name: str) -> dict[str, Any]:
         return copy.deepcopy(PRESETS[name])
     except KeyError:
         raise KeyError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    try:
+        return copy.deepcopy(SHAPES[name])
+    except KeyError:
+        raise KeyError(f"unknown shape {name!r}; shapes: {', '.join(sorted(SHAPES))}") from None

@@ -18,8 +18,12 @@ from dsv4_serving.layers.quant.scheme import (
 
 pytestmark = pytest.mark.unit
 
-V3_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-          "weight_block_size": [128, 128]}  # fmt: skip
+V3_FP8 = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def test_deepseek_releases_and_modelslim_w8a8_are_recognised(tmp_path: Path) -> None:

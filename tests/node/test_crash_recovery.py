@@ -1,4 +1,4 @@
-"""After the tier's own cluster is gone (test_zz_host_state.py): a `dsv4 dev-cluster
+"""After the tier's own cluster is gone (``after_the_tier(2)``, after test_host_left_clean.py): a `dsv4 dev-cluster
 --real-nodes 1` killed with SIGKILL, a pod running, leaves shims, cgroups, bridges, mounts and
 iptables chains; the next start's `revert_stale()` removes all of it."""
 
@@ -13,9 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.node.conftest import RealClusterHandle, busybox_pod
 
 
+@pytest.mark.after_the_tier(2)
 def test_a_killed_dev_cluster_is_reverted_at_the_next_start(real_handle: RealClusterHandle) -> None:
     from dsv4_operator.devcluster import hoststate
 
