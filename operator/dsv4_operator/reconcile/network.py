@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.ports import ENGINE_PORT
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.reconcile import names
 
@@ -28,7 +29,7 @@ def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
             "publishNotReadyAddresses": spec.role(role).nodes_per_instance > 1,
             "selector": names.selector_for(labels),
             "ports": [
-                {"name": "http", "port": names.ENGINE_PORT, "targetPort": names.ENGINE_PORT},
+                {"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT},
                 {"name": "kv", "port": spec.kv.port, "targetPort": spec.kv.port},
             ],
         },
@@ -89,7 +90,7 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 # engine HTTP API: the gateway only
-                {"from": [_peer(gw)], "ports": [{"protocol": "TCP", "port": names.ENGINE_PORT}]},
+                {"from": [_peer(gw)], "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]},
                 # KV pulls: sidecars of this deployment only
                 {
                     "from": [{"podSelector": engines_sel}],
@@ -106,7 +107,7 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
                         }
                     ],
                     "ports": [
-                        {"protocol": "TCP", "port": names.ENGINE_PORT},
+                        {"protocol": "TCP", "port": ENGINE_PORT},
                         {"protocol": "TCP", "port": spec.kv.metrics_port},
                     ],
                 },
@@ -122,7 +123,7 @@ def network_policies(spec: DeploymentSpec) -> list[dict[str, Any]]:
                                 }
                             ],
                             "ports": [
-                                {"protocol": "TCP", "port": names.ENGINE_PORT},
+                                {"protocol": "TCP", "port": ENGINE_PORT},
                                 {"protocol": "TCP", "port": spec.kv.metrics_port},
                             ],
                         }
