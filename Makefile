@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS := operator,serving,gateway,test,dev
+EXTRAS := operator,serving,gateway,devcluster,test,dev
 # every package the tests run with, pinned; `make lock` refreshes it from pyproject.toml
 LOCK := requirements.lock
 # the test tiers: one pytest marker and one directory under tests/ each; `make test-<tier>` runs one
@@ -66,7 +66,8 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy common/dsv4_common operator/dsv4_operator kvtransfer/dsv4_kvtransfer \
-		serving/dsv4_serving/distributed serving/dsv4_serving/eplb serving/dsv4_serving/kernels
+		serving/dsv4_serving/distributed serving/dsv4_serving/eplb serving/dsv4_serving/kernels \
+		devcluster/dsv4_devcluster
 	$(BIN)/lint-imports
 
 format: install

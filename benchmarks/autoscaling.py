@@ -3,7 +3,7 @@
 Everything runs for real on this machine: the local control plane (etcd, kube-apiserver,
 controller manager, scheduler, kwok nodes), ``helm install`` of charts/dsv4, the operator with
 the chart's ServiceAccount, one real gateway, and per instance StatefulSet a ``dsv4 engine`` +
-``dsv4 kv-sidecar`` started by ``dsv4_serving.bench.process_nodes.ProcessNodes`` (kwok pods run
+``dsv4 kv-sidecar`` started by ``dsv4_devcluster.process_nodes.ProcessNodes`` (kwok pods run
 no process). The load is ``dsv4 bench --schedule`` against the gateway.
 
 The engines are EMULATED by default (``--emulate-step-time``): on two cores a second real
@@ -50,10 +50,10 @@ from typing import Any
 
 from dsv4_common.ports import KV_PORT, sidecar_metrics_port
 from dsv4_common.process import dsv4_argv
-from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster
-from dsv4_operator.devcluster.binaries import ensure_binaries
-from dsv4_operator.devcluster.operator_process import OperatorService
-from dsv4_serving.bench.process_nodes import ProcessNodes
+from dsv4_devcluster import ClusterConfig, FakeNodeSpec, LocalCluster
+from dsv4_devcluster.binaries import ensure_binaries
+from dsv4_devcluster.operator_process import OperatorService
+from dsv4_devcluster.process_nodes import ProcessNodes
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -32,9 +32,9 @@ import httpx
 
 from dsv4_common.process import Service, free_port
 from dsv4_kvtransfer.launch import SidecarService
-from dsv4_serving import up
 from dsv4_serving.bench.client import one_request, random_prompts
 from dsv4_serving.bench.stats import RequestRecord
+from dsv4_serving.commands import up
 
 
 @dataclass

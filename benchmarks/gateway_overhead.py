@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from dsv4_common.process import Service, dsv4_argv, free_port
-from dsv4_serving.bench.vllm_router import ROUTER_VERSION, ensure_vllm_router, router_argv
+from dsv4_devcluster.vllm_router import ROUTER_VERSION, ensure_vllm_router, router_argv
 
 STUB = Path(__file__).resolve().parent / "upstream_stub.py"
 
@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
         "--otlp-traces-endpoint",
         metavar="URL",
         help="also measure a second gateway tracing every request to this OTLP/HTTP endpoint "
-        "(e.g. a local Jaeger: dsv4_serving.jaeger), beside the untraced one",
+        "(e.g. a local Jaeger: dsv4_devcluster.jaeger), beside the untraced one",
     )
     return p
 

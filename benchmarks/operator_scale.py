@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_common.process import metric_value
-from dsv4_operator.devcluster import ClusterConfig, FakeNodeSpec, LocalCluster
-from dsv4_operator.devcluster.binaries import ensure_binaries
-from dsv4_operator.devcluster.operator_process import OperatorService
+from dsv4_devcluster import ClusterConfig, FakeNodeSpec, LocalCluster
+from dsv4_devcluster.binaries import ensure_binaries
+from dsv4_devcluster.operator_process import OperatorService
 
 REPO = Path(__file__).resolve().parents[1]
 RELEASE_NAMESPACE = "dsv4-system"

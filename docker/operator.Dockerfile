@@ -37,8 +37,10 @@ COPY common ./common
 COPY operator ./operator
 COPY serving ./serving
 COPY kvtransfer ./kvtransfer
+# (the dev cluster, devcluster/, is not copied: nor is its `cryptography`; the check says so)
 RUN python -m pip install --no-deps . && rm -rf build *.egg-info \
- && python -c "import dsv4_operator.handlers, sys; assert 'torch' not in sys.modules"
+ && python -c "import dsv4_operator.handlers, sys; assert 'torch' not in sys.modules" \
+ && python -c "import importlib.util as u; assert not u.find_spec('cryptography') and not u.find_spec('dsv4_devcluster')"
 
 USER 1000
 ENTRYPOINT ["dsv4"]

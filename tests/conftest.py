@@ -29,8 +29,8 @@ class _ClusterHandle:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def get(self):  # type: ignore[no-untyped-def]
-        from dsv4_operator.devcluster import ClusterConfig, LocalCluster
-        from dsv4_operator.devcluster.binaries import ensure_binaries
+        from dsv4_devcluster import ClusterConfig, LocalCluster
+        from dsv4_devcluster.binaries import ensure_binaries
 
         if self.cluster is None:
             keep = os.environ.get("DSV4_K8S_KEEP_DIR")

@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run the DeepSeekV4Deployment operator against the current cluster",
     ),
     "dev-cluster": (
-        "dsv4_operator.devcluster.cli",
+        "dsv4_devcluster.cli",
         "run a local Kubernetes control plane (real binaries) with fake Ascend nodes",
     ),
     "gateway": (
@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run the KV-transfer sidecar beside an engine (staging region, leases, peer pulls)",
     ),
     "up": (
-        "dsv4_serving.up",
+        "dsv4_serving.commands.up",
         "run the local stack (gateway, prefill and decode engines with KV sidecars) until Ctrl-C",
     ),
     "bench": (
@@ -36,12 +36,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "load an OpenAI-compatible server; report TTFT, TPOT, ITL, E2E, throughput, goodput",
     ),
     "trace": (
-        "dsv4_serving.trace_cli",
+        "dsv4_serving.commands.trace",
         "show where one request's time went: its trace (gateway, prefill, KV, decode) as a "
         "text waterfall",
     ),
     "explain-model": (
-        "dsv4_serving.explain_model",
+        "dsv4_serving.commands.explain_model",
         "show which model class, device, attention backend and switches a checkpoint selects",
     ),
     "engine": (

@@ -3,6 +3,8 @@ pods, ``dsv4 up`` hands them out, the sidecar defaults to them."""
 
 from __future__ import annotations
 
+ENGINE_PORT = 8000
+"""The engine's OpenAI API and /metrics in a pod: the operator renders it and reads it there."""
 KV_PORT = 14579
 """The KV sidecar's peer port (remote sidecars pull from it)."""
 SIDECAR_CONTROL_OFFSET = 1

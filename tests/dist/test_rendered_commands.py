@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dsv4_common.ports import ENGINE_PORT
 from dsv4_common.process import Service, dsv4_argv, free_port, free_ports
 from dsv4_operator.api.spec import DeploymentSpec, parse
 from dsv4_operator.reconcile import Facts, desired_children, names
@@ -178,7 +179,7 @@ def _start_pods(
             name = f"{sts['metadata']['name']}-{i}"
             pod = Pod(name, i, free_port(), free_ports(3, taken))
             mapping = {
-                names.ENGINE_PORT: pod.engine_port,
+                ENGINE_PORT: pod.engine_port,
                 kv.port: pod.kv_base,
                 kv.control_port: pod.kv_base + 1,
                 kv.metrics_port: pod.kv_base + 2,

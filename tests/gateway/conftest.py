@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_common.process import Service, dsv4_argv, free_port, free_ports
+from dsv4_common.process import Service, dsv4_argv, free_port
 from dsv4_kvtransfer.launch import SidecarService
+from dsv4_serving.commands.launch import TINY_ENGINE, engine_with_sidecar
 
 LOG_DIR = Path(tempfile.gettempdir()) / "dsv4-test-gateway"
 _ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-_SIDECAR_PORTS: set[int] = set()  # sidecars take 3 consecutive ports: never hand out overlaps
+_PD_PORTS: set[int] = set()  # an engine and its sidecar take 4 consecutive ports: no overlaps
 
 
 def dsv4_service(name: str, *subcommand: str) -> Service:
@@ -27,8 +28,7 @@ def dsv4_service(name: str, *subcommand: str) -> Service:
 
 
 def engine(name: str, *extra: str) -> Service:
-    tiny = ["--model", "dsv4-tiny", "--load-format", "dummy", "--dtype", "float32", "--seed", "0"]
-    return dsv4_service(name, "engine", *tiny, *extra)
+    return dsv4_service(name, "engine", *TINY_ENGINE, *extra)
 
 
 def gateway(name: str, *args: str) -> Service:
@@ -81,17 +81,13 @@ def pd_pair(
     name: str, role: str, token_file: Path, *engine_args: str
 ) -> tuple[SidecarService, Service]:
     """A sidecar and its engine (not started)."""
-    eng = engine(name, "--role", role, *engine_args)
-    port = free_ports(3, _SIDECAR_PORTS)
-    side = SidecarService(
-        f"{name}-sidecar",
-        LOG_DIR / f"{name}-sidecar-{port}.log",
-        token_file,
-        port,
-        transport="tcp",
-        engine_url=eng.url,
-        shm_name=f"dsv4-test-{name}-{port}",
-        staging_bytes=64 << 20,
+    return engine_with_sidecar(
+        name,
+        role,
+        TINY_ENGINE,
+        log_dir=LOG_DIR,
+        token_file=token_file,
+        taken=_PD_PORTS,
+        shm_prefix="dsv4-test",
+        engine_args=engine_args,
     )
-    eng.argv += ["--kv-sidecar", f"http://127.0.0.1:{side.control_port}"]
-    return side, eng

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dsv4_common.process import Service, dsv4_argv, free_port
-from dsv4_serving.bench.vllm_router import ensure_vllm_router, router_argv
+from dsv4_devcluster.vllm_router import ensure_vllm_router, router_argv
 from tests.gateway.conftest import LOG_DIR, engine, gateway, pd_pair, routed_counts, running
 
 PROMPTS = [

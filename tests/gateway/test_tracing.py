@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from dsv4_common.process import Service, dsv4_argv, free_port
-from dsv4_serving.jaeger import Jaeger, binary
-from dsv4_serving.trace_cli import fetch
-from dsv4_serving.trace_waterfall import Span, parse_jaeger
+from dsv4_devcluster.jaeger import Jaeger, binary
+from dsv4_serving.traces.query import fetch
+from dsv4_serving.traces.waterfall import Span, parse_jaeger
 from tests.gateway.conftest import LOG_DIR
 
 SLACK_US = 1000  # 1 ms: Jaeger keeps microseconds, each process rounds its own clock reads

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from dsv4_common.process import Service, free_port
-from dsv4_serving.jaeger import Jaeger, binary
-from dsv4_serving.trace_cli import TraceNotFound, fetch
-from dsv4_serving.trace_waterfall import parse_jaeger
+from dsv4_devcluster.jaeger import Jaeger, binary
+from dsv4_serving.traces.query import TraceNotFound, fetch
+from dsv4_serving.traces.waterfall import parse_jaeger
 from tests.gateway.conftest import LOG_DIR, gateway, running
 
 STUB = Path(__file__).resolve().parents[2] / "benchmarks" / "upstream_stub.py"

@@ -72,7 +72,7 @@ def operator_kubeconfig(k8s_cluster, helm_release) -> Path:  # type: ignore[no-u
 @pytest.fixture(scope="module")
 def operator(k8s_cluster, operator_kubeconfig):  # type: ignore[no-untyped-def]
     """A running `dsv4 operator` process with the chart's RBAC and peering, stopped after the module."""
-    from dsv4_operator.devcluster.operator_process import OperatorService
+    from dsv4_devcluster.operator_process import OperatorService
 
     proc = OperatorService(operator_kubeconfig, k8s_cluster.log_dir).launch()
     yield proc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsv4_operator.devcluster.operator_process import OperatorService
+from dsv4_devcluster.operator_process import OperatorService
 
 __all__ = ["OperatorService", "apply_yaml", "kubectl_json", "warning_events"]
 

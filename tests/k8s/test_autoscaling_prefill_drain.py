@@ -31,8 +31,8 @@ import pytest
 
 from dsv4_common.ports import KV_PORT, sidecar_metrics_port
 from dsv4_common.process import metric_value
+from dsv4_devcluster.process_nodes import Instance, ProcessNodes
 from dsv4_kvtransfer.peer_server import RATE_PIECE
-from dsv4_serving.bench.process_nodes import Instance, ProcessNodes
 from tests.helpers import wait_for
 from tests.k8s.operator_fixtures import apply_yaml
 from tests.k8s.test_autoscaling_processes import (

@@ -1,5 +1,5 @@
 """The autoscaler closed-loop on the real control plane, with engines running as processes behind
-the kwok pods (``dsv4_serving.bench.process_nodes.ProcessNodes``): the real operator reads the real
+the kwok pods (``dsv4_devcluster.process_nodes.ProcessNodes``): the real operator reads the real
 gateway's metrics, scales the StatefulSets, drains through the routing ConfigMap the real
 gateway watches, and the load is ``dsv4 bench --schedule`` against that gateway.
 
@@ -33,7 +33,7 @@ import pytest
 
 from dsv4_common.ports import KV_PORT, sidecar_metrics_port
 from dsv4_common.process import dsv4_argv
-from dsv4_serving.bench.process_nodes import ProcessNodes
+from dsv4_devcluster.process_nodes import ProcessNodes
 from tests.helpers import wait_for
 from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
 from tests.k8s.test_operator import _status

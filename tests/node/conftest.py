@@ -43,7 +43,7 @@ class RealClusterHandle:
     """Starts on first use; ``close()`` (idempotent) stops it and returns the host-state diff."""
 
     def __init__(self) -> None:
-        from dsv4_operator.devcluster import hoststate
+        from dsv4_devcluster.realnodes import hoststate
 
         self.before = hoststate.snapshot()
         self._stack: Any = None
@@ -58,18 +58,18 @@ class RealClusterHandle:
     def get(self) -> Any:
         import contextlib
 
-        from dsv4_operator.devcluster import ClusterConfig
-        from dsv4_operator.devcluster.binaries import (
+        from dsv4_devcluster import ClusterConfig
+        from dsv4_devcluster.binaries import (
             cache_root,
             ensure_binaries,
             ensure_node_images,
         )
-        from dsv4_operator.devcluster.preflight import unavailable_reason
-        from dsv4_operator.devcluster.realnode import (
+        from dsv4_devcluster.realnodes.nodes import (
             BASE_IMAGES,
             RealNodes,
             cluster_with_real_nodes,
         )
+        from dsv4_devcluster.realnodes.preflight import unavailable_reason
 
         if self.cluster is not None:
             return self.cluster
@@ -98,7 +98,7 @@ class RealClusterHandle:
 
     def app_images(self) -> dict[str, str]:
         """Build (cached) and import the engine and operator images; name -> image reference."""
-        from dsv4_operator.devcluster.binaries import ensure_node_images
+        from dsv4_devcluster.binaries import ensure_node_images
 
         self.get()
         if not self._app_imported:
@@ -114,7 +114,7 @@ class RealClusterHandle:
         return {n: f"dsv4.local/{n}:dev" for n in APP_IMAGES}
 
     def close(self) -> dict[str, list[str]]:
-        from dsv4_operator.devcluster import hoststate
+        from dsv4_devcluster.realnodes import hoststate
 
         if self.left is None:
             if self._stack is not None:

@@ -20,7 +20,7 @@ from tests.node.conftest import RealClusterHandle, busybox_pod
 
 @pytest.mark.after_the_tier(2)
 def test_a_killed_dev_cluster_is_reverted_at_the_next_start(real_handle: RealClusterHandle) -> None:
-    from dsv4_operator.devcluster import hoststate
+    from dsv4_devcluster.realnodes import hoststate
 
     real_handle.get()  # skips, with the reason, where real nodes cannot run
     assert real_handle.close() == {}

@@ -77,7 +77,7 @@ def test_repo_root_does_not_shadow_stdlib_operator() -> None:
         (["--help"], ["dsv4_operator", "dsv4_serving", "dsv4_kvtransfer"]),
         (["kv-sidecar", "--help"], ["dsv4_operator", "dsv4_serving", "cryptography", "torch"]),
         (["engine", "--help"], ["dsv4_operator", "cryptography", "torch"]),
-        (["gateway", "--help"], ["dsv4_operator.devcluster", "cryptography", "torch"]),
+        (["gateway", "--help"], ["dsv4_devcluster", "cryptography", "torch"]),
     ],
 )
 def test_a_command_imports_only_what_it_needs(argv: list[str], absent: list[str]) -> None:

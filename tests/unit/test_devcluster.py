@@ -10,9 +10,9 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dsv4_operator.devcluster.certs import LocalPKI
-from dsv4_operator.devcluster.cluster import ClusterConfig, ClusterError, _kubeconfig
-from dsv4_operator.devcluster.nodes import KWOK_ANNOTATION, FakeNodeSpec, fake_node
+from dsv4_devcluster.certs import LocalPKI
+from dsv4_devcluster.cluster import ClusterConfig, ClusterError, render_kubeconfig
+from dsv4_devcluster.kwok_nodes import KWOK_ANNOTATION, FakeNodeSpec, fake_node
 
 
 def test_serving_cert_chains_to_ca_with_sans(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_fake_node_advertises_npus_and_is_managed_by_kwok() -> None:
 def test_kubeconfig_points_at_server_and_client_cert(tmp_path: Path) -> None:
     pki = LocalPKI(tmp_path)
     admin = pki.issue("admin", "a", org="system:masters")
-    kc = json.loads(_kubeconfig("https://127.0.0.1:6443", pki.ca.cert, admin, "admin"))
+    kc = json.loads(render_kubeconfig("https://127.0.0.1:6443", pki.ca.cert, admin, "admin"))
     assert kc["clusters"][0]["cluster"]["server"] == "https://127.0.0.1:6443"
     assert kc["users"][0]["user"]["client-key"] == str(admin.key)
     assert kc["current-context"] == kc["contexts"][0]["name"]
@@ -67,7 +67,7 @@ def test_missing_binaries_are_named(tmp_path: Path) -> None:
 
 
 def test_operator_service_checks_kopf_liveness_and_reads_its_own_metrics(tmp_path: Path) -> None:
-    from dsv4_operator.devcluster.operator_process import OperatorService
+    from dsv4_devcluster.operator_process import OperatorService
 
     op = OperatorService(tmp_path / "sa.kubeconfig", tmp_path, extra=("--priority", "100"))
     assert op.argv[1:] == [
@@ -121,7 +121,7 @@ def _layout_blob(root: Path, data: bytes) -> str:
 
 
 def test_oci_layout_image_lists_its_metadata_and_layers(tmp_path: Path) -> None:
-    from dsv4_operator.devcluster import ocilayout
+    from dsv4_devcluster.realnodes import ocilayout
 
     d = _image_layout(tmp_path)
     assert ocilayout.refs(tmp_path) == ["dsv4.local/app:1", "dsv4.local/app:2"]
@@ -141,7 +141,7 @@ def test_thin_archive_leaves_out_the_layers_a_node_has(tmp_path: Path) -> None:
     import io
     import tarfile
 
-    from dsv4_operator.devcluster import ocilayout
+    from dsv4_devcluster.realnodes import ocilayout
 
     d = _image_layout(tmp_path / "oci")
     img = ocilayout.image(tmp_path / "oci", "dsv4.local/app:2")
@@ -167,7 +167,7 @@ def test_thin_archive_leaves_out_the_layers_a_node_has(tmp_path: Path) -> None:
 def test_thin_archive_names_a_missing_blob(tmp_path: Path) -> None:
     import io
 
-    from dsv4_operator.devcluster import ocilayout
+    from dsv4_devcluster.realnodes import ocilayout
 
     d = _image_layout(tmp_path)
     (tmp_path / "blobs" / "sha256" / d["app1"][7:]).unlink()
@@ -188,6 +188,6 @@ def test_thin_archive_names_a_missing_blob(tmp_path: Path) -> None:
     ],
 )
 def test_repository_of_a_reference(ref: str, repo: str) -> None:
-    from dsv4_operator.devcluster.ocilayout import repository
+    from dsv4_devcluster.realnodes.ocilayout import repository
 
     assert repository(ref) == repo

@@ -18,20 +18,6 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / d for d in ("common", "operator", "serving", "kvtransfer", "devcluster")]
 
-# Known cycles, each to be removed by the change that breaks it (the test fails once it is gone,
-# so the entry cannot outlive its cycle).
-# - the dev cluster's node setup: RealNode's record lives in realnode.py, which node_config and
-#   preflight both need; the dev-cluster package move breaks it (RealNode down, CNI_BIN_DIR into
-#   preflight).
-KNOWN: set[frozenset[str]] = {
-    frozenset(
-        {
-            "dsv4_operator.devcluster.node_config",
-            "dsv4_operator.devcluster.preflight",
-            "dsv4_operator.devcluster.realnode",
-        }
-    ),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -141,12 +127,10 @@ def test_the_graph_sees_relative_typing_and_package_imports() -> None:
 
 
 def test_no_module_level_import_cycle() -> None:
-    cycles = [c for c in _cycles(_graph()) if frozenset(c) not in KNOWN]
+    cycles = _cycles(_graph())
     assert not cycles, "module-level import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("known", sorted(sorted(k) for k in KNOWN))
-def test_each_known_cycle_still_exists(known: list[str]) -> None:
-    if not all(m in _graph() for m in known):
-        pytest.fail(f"the known cycle's modules moved or went: drop it from KNOWN ({known})")
-    assert known in _cycles(_graph()), f"{known} is no longer a cycle: drop it from KNOWN"
+def test_a_cycle_is_found_and_named() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]

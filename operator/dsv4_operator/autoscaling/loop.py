@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 
+from dsv4_common.ports import ENGINE_PORT
 from dsv4_common.process import metric_value
 from dsv4_operator.api.rolescale import ROLE_SCALE_KIND
 from dsv4_operator.api.spec import DeploymentSpec, parse
@@ -415,7 +416,7 @@ class _Tick:
             (p for p in self.o.cache.pods(spec) if p["metadata"]["name"] == f"{instance}-0"),
             None,
         )
-        engine = self._address(pod, names.ENGINE_PORT)
+        engine = self._address(pod, ENGINE_PORT)
         if engine is None:
             return None
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.ports import ENGINE_PORT
 from dsv4_operator.api.spec import DeploymentSpec, RoleSpec
 from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.cpu_ranks import rank_threads
@@ -63,7 +64,7 @@ def engine_command(role: RoleSpec, prompt_deadline_s: float | None = None) -> li
         "--host",
         "0.0.0.0",
         "--port",
-        str(names.ENGINE_PORT),
+        str(ENGINE_PORT),
         "--tensor-parallel-size",
         str(par.tp),
         "--data-parallel-size",
@@ -106,7 +107,7 @@ def sidecar_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         "--control-port",
         str(kv.control_port),
         "--engine-url",
-        f"http://127.0.0.1:{names.ENGINE_PORT}",
+        f"http://127.0.0.1:{ENGINE_PORT}",
         "--lease-seconds",
         str(kv.lease_seconds),
         "--auth-token-file",
@@ -209,7 +210,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": engine_command(role, spec.autoscaling.prefill.prompt_deadline_s),
         "env": env,
-        "ports": [{"name": names.METRICS_PORT_NAME, "containerPort": names.ENGINE_PORT}],
+        "ports": [{"name": names.METRICS_PORT_NAME, "containerPort": ENGINE_PORT}],
         "resources": _engine_resources(spec, role),
         "volumeMounts": mounts,
         "startupProbe": _probe(

@@ -20,7 +20,6 @@ ASCEND_DEVICE_ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuratio
 # live fields still hold what was applied is left alone (no write).
 DESIRED_HASH_ANNOTATION = "serving.dsv4.io/desired-hash"
 
-ENGINE_PORT = 8000
 GATEWAY_PORT = 8000
 METRICS_PORT_NAME = "http"
 

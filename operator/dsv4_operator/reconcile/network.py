@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.ports import ENGINE_PORT
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.reconcile import names
 
@@ -28,7 +29,7 @@ def role_service(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
             "publishNotReadyAddresses": spec.role(role).nodes_per_instance > 1,
             "selector": names.selector_for(labels),
             "ports": [
-                {"name": "http", "port": names.ENGINE_PORT, "targetPort": names.ENGINE_PORT},
+                {"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT},
                 {"name": "kv", "port": spec.kv.port, "targetPort": spec.kv.port},
             ],
         },
@@ -85,14 +86,14 @@ def _engines_policy(spec: DeploymentSpec) -> dict[str, Any]:
         "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(ROLES)}],
     }
     metrics_ports = [
-        {"protocol": "TCP", "port": names.ENGINE_PORT},
+        {"protocol": "TCP", "port": ENGINE_PORT},
         {"protocol": "TCP", "port": spec.kv.metrics_port},
     ]
     ingress: list[dict[str, Any]] = [
         # engine HTTP API: the gateway only
         {
             "from": [_peer(names.gateway_labels(spec))],
-            "ports": [{"protocol": "TCP", "port": names.ENGINE_PORT}],
+            "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
         },
         # KV pulls: sidecars of this deployment only
         {

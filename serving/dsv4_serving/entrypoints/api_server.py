@@ -29,7 +29,6 @@ from dsv4_kvtransfer.pd_protocol import (
     RemotePrefillParams,
     prefill_overrides,
 )
-from dsv4_serving.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
 from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError, KVTransferError
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.tokenizer import Tokenizer
@@ -44,7 +43,8 @@ from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_serving.entrypoints.serving import OpenAIServing
 from dsv4_serving.entrypoints.tracing import answered, start_request_span
-from dsv4_serving.http_errors import draining_response, error_response
+from dsv4_serving.http.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
+from dsv4_serving.http.errors import draining_response, error_response
 
 log = logging.getLogger(__name__)
 Body = CompletionRequest | ChatCompletionRequest

@@ -1,5 +1,5 @@
 """OpenAI request bodies (the fields this engine honours; unknown fields are ignored, as
-OpenAI-compatible servers do). Errors are ``dsv4_serving.http_errors``'s common body."""
+OpenAI-compatible servers do). Errors are ``dsv4_serving.http.errors``'s common body."""
 
 from __future__ import annotations
 

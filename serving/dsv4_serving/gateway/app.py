@@ -22,7 +22,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError
-from dsv4_serving.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
 from dsv4_serving.gateway.health import health_loop
@@ -35,7 +34,8 @@ from dsv4_serving.gateway.prompt import load_encoder, routing_key
 from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
 from dsv4_serving.gateway.tracing import request_span, routing
 from dsv4_serving.gateway.tracing import setup as setup_tracing
-from dsv4_serving.http_errors import error_response
+from dsv4_serving.http.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
+from dsv4_serving.http.errors import error_response
 
 log = logging.getLogger("dsv4.gateway")
 

@@ -38,7 +38,7 @@ from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
 from dsv4_serving.gateway.tracing import attempt_span, upstream_status
 from dsv4_serving.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
-from dsv4_serving.http_errors import DRAINING_HEADER, error_response
+from dsv4_serving.http.errors import DRAINING_HEADER, error_response
 
 log = logging.getLogger("dsv4.gateway")
 _HOP_HEADERS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dsv4_serving.disconnect import Drain
+from dsv4_serving.http.disconnect import Drain
 
 
 def test_a_drain_waits_for_in_flight_work_and_returns_none_left() -> None:

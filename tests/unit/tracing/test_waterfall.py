@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4_serving.trace_waterfall import ordered, parse_jaeger, render
+from dsv4_serving.traces.waterfall import ordered, parse_jaeger, render
 
 
 def _span(sid: str, name: str, parent: str | None, start: int, dur: int, proc: str, **tags: Any):  # type: ignore[no-untyped-def]

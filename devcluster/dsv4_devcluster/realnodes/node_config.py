@@ -5,13 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dsv4_operator.devcluster.realnode import RealNode
+from dsv4_devcluster.realnodes.node import POD_NET, RealNode
+from dsv4_devcluster.realnodes.preflight import CNI_BIN_DIR
 
-POD_NET = "10.99"
-CNI_BIN_DIR = Path("/usr/lib/cni")
 PAUSE_IMAGE = "dsv4.local/pause:3.10"
 
 

@@ -9,15 +9,15 @@ import tempfile
 import threading
 from pathlib import Path
 
-from dsv4_operator.devcluster.binaries import cache_root, ensure_binaries, ensure_node_images
-from dsv4_operator.devcluster.cluster import ClusterConfig, LocalCluster
-from dsv4_operator.devcluster.nodes import FakeNodeSpec
-from dsv4_operator.devcluster.preflight import unavailable_reason
-from dsv4_operator.devcluster.realnode import (
+from dsv4_devcluster.binaries import cache_root, ensure_binaries, ensure_node_images
+from dsv4_devcluster.cluster import ClusterConfig, LocalCluster
+from dsv4_devcluster.kwok_nodes import FakeNodeSpec
+from dsv4_devcluster.realnodes.nodes import (
     BASE_IMAGES,
     RealNodes,
     cluster_with_real_nodes,
 )
+from dsv4_devcluster.realnodes.preflight import unavailable_reason
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

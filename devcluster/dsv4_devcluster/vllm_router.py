@@ -1,7 +1,7 @@
 """vLLM's Rust router (PyPI ``vllm-router``), the gateway's point of comparison, installed once
-into its own venv outside the repo. It lives in the load-testing package because the gateway
-benchmark and the gateway tests both drive it, and an installed module is what both can import
-(benchmarks never import ``tests/``)."""
+into its own venv outside the repo. It lives in the dev cluster's package, with the other
+harness pieces, because the gateway benchmark and the gateway tests both drive it, and an
+installed module is what both can import (benchmarks never import ``tests/``)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 
 kwok runs the pods the operator creates but no process behind them. ``ProcessNodes`` plays the
 kubelet for one DeepSeekV4Deployment: for every prefill/decode instance StatefulSet whose rank-0
-pod the scheduler has bound (as a kubelet starts only bound pods) it starts a real ``dsv4 engine`` (real or EMULATED step time) with its ``dsv4 kv-sidecar`` on 127.0.0.1,
-and, once the engine is healthy, publishes it in an EndpointSlice of its role (one slice per
+pod the scheduler has bound (as a kubelet starts only bound pods) it starts a real ``dsv4
+engine`` (real or EMULATED step time) with its ``dsv4 kv-sidecar`` on 127.0.0.1 (the one launcher,
+``dsv4_serving.commands.launch``), and, once the engine is healthy, publishes it in an EndpointSlice of its role (one slice per
 instance, the engine's port, target pod ``<instance>-0``; the gateway's test-only
 ``--endpoint-host 127.0.0.1`` stands for the address, which slices refuse as loopback). One real
 ``dsv4 gateway`` watches those slices and the operator's ``<name>-routing`` ConfigMap with the
@@ -34,18 +35,19 @@ from typing import Any
 
 from kubernetes import client, config
 
-from dsv4_common.process import Service, dsv4_argv, free_port, free_ports
+from dsv4_common.ports import ENGINE_PORT
+from dsv4_common.process import Service, dsv4_argv, free_port
 from dsv4_kvtransfer.launch import SidecarService
+from dsv4_serving.commands.launch import TINY_ENGINE, engine_with_sidecar
 
 log = logging.getLogger(__name__)
 
 PROCESS_LABEL = "dsv4.test/process"
-ENGINE_PORT = 8000  # the pod port the operator reads (names.ENGINE_PORT)
 SLICE_ADDRESS = "203.0.113.1"
 """What the slices say (they refuse loopback IPs; TEST-NET-3, never contacted): the gateway
 runs with ``--endpoint-host 127.0.0.1`` (tests only), which replaces every slice address."""
 _ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-_SIDECAR_PORTS: set[int] = set()
+_PORTS: set[int] = set()  # every instance's ports, never handed out twice
 
 
 @dataclass
@@ -105,7 +107,7 @@ class ProcessNodes:
     def __post_init__(self) -> None:
         self.address_map = self.log_dir / f"address-map-{self.deployment}.json"
         self.address_map.write_text("{}")
-        self._api = config.new_client_from_config(config_file=str(self.cluster.kubeconfig))
+        self._api = config.new_client_from_config(config_file=str(self.cluster.kubeconfig))  # type: ignore[no-untyped-call]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="process-nodes", daemon=True)
         self.gateway: Service | None = None
@@ -173,10 +175,11 @@ class ProcessNodes:
     def sync(self) -> None:
         apps = client.AppsV1Api(self._api)
         sel = f"app.kubernetes.io/instance={self.deployment}"
-        live = {
-            s.metadata.name: s
-            for s in apps.list_namespaced_stateful_set(self.namespace, label_selector=sel).items
-        }
+        # the client's models are read as plain objects (every field of theirs is Optional)
+        sets: list[Any] = apps.list_namespaced_stateful_set(
+            self.namespace, label_selector=sel
+        ).items
+        live = {s.metadata.name: s for s in sets}
         new = [
             (name, role)
             for name, sts in live.items()
@@ -205,40 +208,28 @@ class ProcessNodes:
         self._write_map()
 
     def _bound_pods(self) -> set[str]:
-        pods = client.CoreV1Api(self._api).list_namespaced_pod(
-            self.namespace, label_selector=f"app.kubernetes.io/instance={self.deployment}"
+        pods: list[Any] = (
+            client.CoreV1Api(self._api)
+            .list_namespaced_pod(
+                self.namespace, label_selector=f"app.kubernetes.io/instance={self.deployment}"
+            )
+            .items
         )
-        return {p.metadata.name for p in pods.items if p.spec and p.spec.node_name}
+        return {p.metadata.name for p in pods if p.spec and p.spec.node_name}
 
     def _launch(self, name: str, role: str) -> None:
-        port = free_port()
-        argv = dsv4_argv(
-            "engine",
-            *("--host", "127.0.0.1", "--port", str(port)),
-            *("--model", "dsv4-tiny", "--load-format", "dummy", "--dtype", "float32"),
-            *("--seed", "0", "--served-model-name", "tiny", "--role", role),
-            *self.engine_args,
-            *self.role_engine_args.get(role, []),
+        engine_args = [*self.engine_args, *self.role_engine_args.get(role, [])]
+        sidecar, engine = engine_with_sidecar(
+            name,
+            role,
+            [*TINY_ENGINE, "--served-model-name", "tiny"],
+            log_dir=self.log_dir,
+            token_file=self.token_file,
+            taken=_PORTS,
+            shm_prefix="dsv4-as",
+            engine_args=engine_args,
+            **{**self.sidecar_settings, **self.instance_sidecar_settings.get(name, {})},
         )
-        engine = Service(
-            name, argv, self.log_dir / f"{name}-{port}.log", f"http://127.0.0.1:{port}"
-        )
-        side_port = free_ports(3, _SIDECAR_PORTS)
-        sidecar = SidecarService(
-            f"{name}-sidecar",
-            self.log_dir / f"{name}-sidecar-{side_port}.log",
-            self.token_file,
-            side_port,
-            transport="tcp",
-            engine_url=engine.url,
-            shm_name=f"dsv4-as-{name}-{side_port}",
-            **{
-                "staging_bytes": 64 << 20,
-                **self.sidecar_settings,
-                **self.instance_sidecar_settings.get(name, {}),
-            },
-        )
-        engine.argv += ["--kv-sidecar", f"http://127.0.0.1:{sidecar.control_port}"]
         scheduled = time.time()
         self.history.append((scheduled, name, "scheduled"))
         sidecar.start(env=_ENV)
@@ -265,7 +256,7 @@ class ProcessNodes:
 
     def _publish(self, inst: Instance) -> None:
         port = int(inst.engine.url.rsplit(":", 1)[1])
-        body = {
+        body: Any = {  # the client takes a plain dict for its V1EndpointSlice
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
             "metadata": {
@@ -310,13 +301,17 @@ class ProcessNodes:
         """One gateway pod (the operator sums the windows of every gateway pod it can read,
         and one process plays the gateway)."""
         if self._gateway_pod is None:
-            pods = client.CoreV1Api(self._api).list_namespaced_pod(
-                self.namespace,
-                label_selector=f"app.kubernetes.io/instance={self.deployment},"
-                "serving.dsv4.io/role=gateway",
+            pods: list[Any] = (
+                client.CoreV1Api(self._api)
+                .list_namespaced_pod(
+                    self.namespace,
+                    label_selector=f"app.kubernetes.io/instance={self.deployment},"
+                    "serving.dsv4.io/role=gateway",
+                )
+                .items
             )
             running = sorted(
-                p.metadata.name for p in pods.items if (p.status and p.status.phase) == "Running"
+                p.metadata.name for p in pods if (p.status and p.status.phase) == "Running"
             )
             self._gateway_pod = running[0] if running else None
         return self._gateway_pod

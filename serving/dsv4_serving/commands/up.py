@@ -19,9 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dsv4_common.ports import sidecar_control_port
 from dsv4_common.process import Service, dsv4_argv, free_ports
-from dsv4_kvtransfer.launch import SidecarService
+from dsv4_serving.commands.launch import engine_service, engine_with_sidecar
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,106 +82,69 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
+def _roles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(process name, engine role) of every engine: ``engine-0`` (both) with ``--no-pd``, else
+    ``prefill-<i>`` and ``decode-<i>``."""
+    if args.no_pd:
+        return [("engine-0", "both")]
+    return [
+        *((f"prefill-{i}", "prefill") for i in range(args.prefill)),
+        *((f"decode-{i}", "decode") for i in range(args.decode)),
+    ]
+
+
 def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
     """The processes, in start order (sidecars, engines, gateway)."""
-    dsv4 = dsv4_argv()
     taken: set[int] = {args.port}
     token = run_dir / "kv-token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
-    engine = [
-        *dsv4,
-        "engine",
-        "--model",
-        args.model,
-        "--load-format",
-        args.load_format,
-        "--host",
-        "127.0.0.1",
-    ]
+    model = ["--model", args.model, "--load-format", args.load_format]
     traced: dict[str, str] = {}  # the flag every process gets when tracing is on
     if args.otlp_traces_endpoint:
         traced = {"otlp_traces_endpoint": args.otlp_traces_endpoint}
-        engine += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        model += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     children: list[Service] = []
-    roles = (
-        [("engine", "both")]
-        if args.no_pd
-        else [*(("prefill", "prefill"),) * args.prefill, *(("decode", "decode"),) * args.decode]
-    )
     gateway_args: list[str] = []
-    for i, (kind, role) in enumerate(roles):
-        name = (
-            f"{kind}-{i}"
-            if kind == "engine"
-            else f"{kind}-{sum(1 for k, _ in roles[:i] if k == kind)}"
-        )
+    for name, role in _roles(args):
         if role == "both":
             port = free_ports(1, taken)
-            children.append(
-                Service(
-                    name,
-                    [*engine, "--port", str(port), *args.engine_arg],
-                    run_dir / f"{name}.log",
-                    f"http://127.0.0.1:{port}",
-                )
-            )
-            gateway_args += ["--engine", f"http://127.0.0.1:{port}"]
+            engine = engine_service(name, model, port, run_dir, *args.engine_arg)
+            children.append(engine)
+            gateway_args += ["--engine", engine.url]
             continue
-        # engine, then the sidecar's peer port and the control and metrics ports derived from it
-        base = free_ports(4, taken)
-        port, kv = base, base + 1
-        children.append(
-            SidecarService(
-                f"{name}-sidecar",
-                run_dir / f"{name}-sidecar.log",
-                token,
-                kv,
-                transport=args.kv_transport,
-                engine_url=f"http://127.0.0.1:{port}",
-                shm_name=f"dsv4-up-{os.getpid()}-{name}",
-                staging_bytes=256 << 20,
-                **traced,
-            )
+        pair = engine_with_sidecar(
+            name,
+            role,
+            model,
+            log_dir=run_dir,
+            token_file=token,
+            taken=taken,
+            shm_prefix=f"dsv4-up-{os.getpid()}",
+            engine_args=args.engine_arg,
+            transport=args.kv_transport,
+            staging_bytes=256 << 20,
+            **traced,
         )
-        children.append(
-            Service(
-                name,
-                [
-                    *engine,
-                    "--role",
-                    role,
-                    "--port",
-                    str(port),
-                    "--kv-sidecar",
-                    f"http://127.0.0.1:{sidecar_control_port(kv)}",
-                    *args.engine_arg,
-                ],
-                run_dir / f"{name}.log",
-                f"http://127.0.0.1:{port}",
-            )
-        )
-        gateway_args += [f"--{role}", f"http://127.0.0.1:{port}"]
-    children.append(
-        Service(
-            "gateway",
-            [
-                *dsv4,
-                "gateway",
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--log-level",
-                "warning",
-                *(["--otlp-traces-endpoint", args.otlp_traces_endpoint] if traced else []),
-                *gateway_args,
-            ],
-            run_dir / "gateway.log",
-            f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}",
-        )
-    )
+        children += pair
+        gateway_args += [f"--{role}", pair.engine.url]
+    children.append(_gateway(args, run_dir, gateway_args))
     return children
+
+
+def _gateway(args: argparse.Namespace, run_dir: Path, upstreams: list[str]) -> Service:
+    traced = ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    return Service(
+        "gateway",
+        dsv4_argv(
+            "gateway",
+            *("--host", args.host, "--port", str(args.port), "--log-level", "warning"),
+            *(traced if args.otlp_traces_endpoint else []),
+            *upstreams,
+        ),
+        run_dir / "gateway.log",
+        f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}",
+    )
 
 
 class StartFailed(RuntimeError):

@@ -7,8 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from dsv4_operator.devcluster.node_config import CNI_BIN_DIR
-
+CNI_BIN_DIR = Path("/usr/lib/cni")  # the CNI plugins scripts/node-host-packages installs
 NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns")
 NETPOL_BINARY = "kube-network-policies"  # built only where the kernel can run it
 HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "nft", "ip", "unshare", "mount")

@@ -6,8 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-# operator/dsv4_operator/devcluster/binaries.py -> the repository root.
-_REPO_ROOT = Path(__file__).resolve().parents[3]
+# devcluster/dsv4_devcluster/binaries.py -> the repository root.
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = _REPO_ROOT / "scripts" / "k8s-test-binaries"
 IMAGES_SCRIPT = _REPO_ROOT / "scripts" / "node-images"
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4_common.process import ManagedProcess, free_port
-from dsv4_operator.devcluster.certs import CertPair, LocalPKI
-from dsv4_operator.devcluster.nodes import (
+from dsv4_devcluster.certs import CertPair, LocalPKI
+from dsv4_devcluster.kwok_nodes import (
     KWOK_ANNOTATION,
     KWOK_ANNOTATION_VALUE,
     FakeNodeSpec,
@@ -62,7 +62,8 @@ class ClusterConfig:
             )
 
 
-def _kubeconfig(server: str, ca: Path, client: CertPair, user: str) -> str:
+def render_kubeconfig(server: str, ca: Path, client: CertPair, user: str) -> str:
+    """A kubeconfig (JSON) for ``user``, who authenticates with the client certificate."""
     return json.dumps(
         {
             "apiVersion": "v1",
@@ -280,27 +281,19 @@ class LocalCluster:
         pki = self._pki = LocalPKI(self.work_dir / "pki")
         self._sa = pki.service_account_keys()
         self._admin = pki.issue("admin", "dsv4-admin", org="system:masters")
-        serving = pki.issue(
-            "apiserver",
-            "kube-apiserver",
-            server_hosts=[
-                "127.0.0.1",
-                "localhost",
-                "kubernetes",
-                "kubernetes.default",
-                "kubernetes.default.svc",
-                "kubernetes.default.svc.cluster.local",
-                "10.96.0.1",
-                *([] if self.config.bind_address == "127.0.0.1" else [self.config.bind_address]),
-            ],
-            client=False,
+        etcd_url = self._start_etcd()
+        apiserver = self._start_apiserver(etcd_url)
+        self.kubeconfig.write_text(
+            render_kubeconfig(self.server, pki.ca.cert, self._admin, "admin")
         )
-        # The apiserver's client identity towards kubelets (logs, exec, port-forward).
-        kubelet_client = pki.issue(
-            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", org="system:masters"
+        ctx = ssl.create_default_context(cafile=str(pki.ca.cert))
+        ctx.load_cert_chain(str(self._admin.cert), str(self._admin.key))
+        self._wait(
+            "kube-apiserver /readyz", lambda: http_ok(f"{self.server}/readyz", ctx), apiserver
         )
-        loopback = self.config.bind_address == "127.0.0.1"
 
+    def _start_etcd(self) -> str:
+        """etcd, healthy; returns its client URL."""
         client_port, peer_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{client_port}"
         etcd = self._spawn(
@@ -318,11 +311,41 @@ class LocalCluster:
                 "--log-level=warn",
             ],
         )
-        self._wait("etcd", lambda: _http_ok(f"{etcd_url}/health"), etcd)
+        self._wait("etcd", lambda: http_ok(f"{etcd_url}/health"), etcd)
+        return etcd_url
 
+    def _apiserver_certs(self) -> tuple[CertPair, CertPair]:
+        """The apiserver's serving certificate and its client identity towards kubelets (logs,
+        exec, port-forward)."""
+        bind = self.config.bind_address
+        serving = self.pki.issue(
+            "apiserver",
+            "kube-apiserver",
+            server_hosts=[
+                "127.0.0.1",
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+                "10.96.0.1",
+                *([] if bind == "127.0.0.1" else [bind]),
+            ],
+            client=False,
+        )
+        kubelet_client = self.pki.issue(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", org="system:masters"
+        )
+        return serving, kubelet_client
+
+    def _start_apiserver(self, etcd_url: str) -> ManagedProcess:
+        assert self._sa is not None
+        ca = self.pki.ca.cert
+        serving, kubelet_client = self._apiserver_certs()
+        loopback = self.config.bind_address == "127.0.0.1"
         port = free_port()
         self.server = f"https://{self.config.bind_address}:{port}"
-        apiserver = self._spawn(
+        return self._spawn(
             "kube-apiserver",
             [
                 self._bin("kube-apiserver"),
@@ -332,14 +355,14 @@ class LocalCluster:
                 f"--cert-dir={self.work_dir / 'apiserver-certs'}",
                 f"--kubelet-client-certificate={kubelet_client.cert}",
                 f"--kubelet-client-key={kubelet_client.key}",
-                f"--kubelet-certificate-authority={pki.ca.cert}",
+                f"--kubelet-certificate-authority={ca}",
                 # nothing resolves node names here: dial the kubelet's InternalIP
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
-                f"--client-ca-file={pki.ca.cert}",
+                f"--client-ca-file={ca}",
                 # front-proxy settings the controller manager and scheduler expect to find
-                f"--requestheader-client-ca-file={pki.ca.cert}",
+                f"--requestheader-client-ca-file={ca}",
                 "--requestheader-allowed-names=front-proxy-client",
                 "--requestheader-username-headers=X-Remote-User",
                 "--requestheader-group-headers=X-Remote-Group",
@@ -360,24 +383,20 @@ class LocalCluster:
                 "--v=1",
             ],
         )
-        self.kubeconfig.write_text(_kubeconfig(self.server, pki.ca.cert, self._admin, "admin"))
-        ctx = ssl.create_default_context(cafile=str(pki.ca.cert))
-        ctx.load_cert_chain(str(self._admin.cert), str(self._admin.key))
-        self._wait(
-            "kube-apiserver /readyz", lambda: _http_ok(f"{self.server}/readyz", ctx), apiserver
-        )
 
-    def _component_kubeconfig(self, name: str, user: str) -> Path:
+    def component_kubeconfig(self, name: str, user: str) -> Path:
+        """A kubeconfig for a component (controllers, kwok; a real node's kubelet, kube-proxy,
+        CoreDNS, NetworkPolicy controller) in the work dir."""
         assert self._pki is not None
         # system:masters keeps the local control plane simple; RBAC still governs every other user.
         cert = self._pki.issue(name, user, org="system:masters")
         path = self.work_dir / f"{name}.kubeconfig"
-        path.write_text(_kubeconfig(self.server, self._pki.ca.cert, cert, user))
+        path.write_text(render_kubeconfig(self.server, self._pki.ca.cert, cert, user))
         return path
 
     def _start_controller_manager(self) -> None:
         assert self._pki is not None and self._sa is not None
-        kc = self._component_kubeconfig("controller-manager", "system:kube-controller-manager")
+        kc = self.component_kubeconfig("controller-manager", "system:kube-controller-manager")
         port = free_port()
         proc = self._spawn(
             "kube-controller-manager",
@@ -402,12 +421,12 @@ class LocalCluster:
         )
         self._wait(
             "kube-controller-manager /healthz",
-            lambda: _http_ok(f"https://127.0.0.1:{port}/healthz", _insecure()),
+            lambda: http_ok(f"https://127.0.0.1:{port}/healthz", _insecure()),
             proc,
         )
 
     def _start_scheduler(self) -> None:
-        kc = self._component_kubeconfig("scheduler", "system:kube-scheduler")
+        kc = self.component_kubeconfig("scheduler", "system:kube-scheduler")
         port = free_port()
         proc = self._spawn(
             "kube-scheduler",
@@ -425,12 +444,12 @@ class LocalCluster:
         )
         self._wait(
             "kube-scheduler /healthz",
-            lambda: _http_ok(f"https://127.0.0.1:{port}/healthz", _insecure()),
+            lambda: http_ok(f"https://127.0.0.1:{port}/healthz", _insecure()),
             proc,
         )
 
     def _start_kwok(self) -> None:
-        kc = self._component_kubeconfig("kwok", "kwok-controller")
+        kc = self.component_kubeconfig("kwok", "kwok-controller")
         port = free_port()
         proc = self._spawn(
             "kwok",
@@ -446,7 +465,7 @@ class LocalCluster:
                 "--node-lease-duration-seconds=40",
             ],
         )
-        self._wait("kwok /healthz", lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), proc)
+        self._wait("kwok /healthz", lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), proc)
 
 
 def _insecure() -> ssl.SSLContext:
@@ -457,7 +476,8 @@ def _insecure() -> ssl.SSLContext:
     return ctx
 
 
-def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
+def http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
+    """Whether ``url`` answers 200 (a health probe: any failure is False)."""
     try:
         with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
             return int(resp.status) == 200
