@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / d for d in ("common", "operator", "serving", "kvtransfer", "devcluster")]
 
 
-
 def _modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for src in SOURCES:
