@@ -300,9 +300,9 @@ def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
     which runs on the connector's thread while the engine steps on."""
     from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
     from dsv4_serving.engine.config import EngineConfig
-    from dsv4_serving.engine.engine_core import EngineCore
+    from dsv4_serving.engine.engine.engine_core import EngineCore
     from dsv4_serving.engine.request import EngineCoreRequest
-    from dsv4_serving.engine.sampling_params import SamplingParams
+    from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
     proc = SidecarService(
         "engine-export",
