@@ -103,9 +103,9 @@ def run_ours(
     server's span) and the core records its spans, exported as in production."""
     from dsv4_common import tracing
     from dsv4_serving.engine.config import EngineConfig
-    from dsv4_serving.engine.engine_core import EngineCore
+    from dsv4_serving.engine.engine.engine_core import EngineCore
     from dsv4_serving.engine.request import EngineCoreRequest
-    from dsv4_serving.engine.sampling_params import SamplingParams
+    from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
     max_len = len(prompts[0]) + output + 16
     core = EngineCore(

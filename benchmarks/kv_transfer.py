@@ -255,7 +255,7 @@ def kv_sizes(config: dict[str, Any], itemsize: int) -> dict[str, float]:
 def _prefill_engine(tmp: Path, prompt: int) -> tuple[SidecarService, Any]:
     """A real sidecar and, in this process, a dsv4-tiny prefill engine using it."""
     from dsv4_serving.engine.config import EngineConfig
-    from dsv4_serving.engine.engine_core import EngineCore
+    from dsv4_serving.engine.engine.engine_core import EngineCore
 
     proc = SidecarService(
         "engine-export",
@@ -292,7 +292,7 @@ def engine_export(tmp: Path, requests: int, prompt: int) -> dict[str, float]:
     which runs on the connector's thread while the engine steps on."""
     from dsv4_kvtransfer.pd_protocol import PrefillRequestParams
     from dsv4_serving.engine.request import EngineCoreRequest
-    from dsv4_serving.engine.sampling_params import SamplingParams
+    from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
     proc, core = _prefill_engine(tmp, prompt)
     forward: list[float] = []

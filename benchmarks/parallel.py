@@ -58,7 +58,7 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 async def _serve(llm: Any, prompts: list[list[int]], output: int) -> tuple[int, float]:
     """(output tokens, seconds) of the whole workload at once, after a warm-up request."""
-    from dsv4_serving.engine.sampling_params import SamplingParams
+    from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
     llm.attach(asyncio.get_running_loop())
 
@@ -77,10 +77,10 @@ async def _serve(llm: Any, prompts: list[list[int]], output: int) -> tuple[int, 
 
 def run_layout(name: str, prompts: list[list[int]], output: int) -> Result:
     from dsv4_serving.distributed.shm_comm import DISABLE_ENV
-    from dsv4_serving.engine.async_llm import AsyncLLM
     from dsv4_serving.engine.config import EngineConfig
-    from dsv4_serving.engine.tokenizer import load_tokenizer
-    from dsv4_serving.engine.worker import PROFILE_ENV
+    from dsv4_serving.engine.engine.async_llm import AsyncLLM
+    from dsv4_serving.engine.engine.tokenizer import load_tokenizer
+    from dsv4_serving.engine.worker.worker import PROFILE_ENV
 
     gloo = name.endswith("-gloo")
     config = EngineConfig(

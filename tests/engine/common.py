@@ -8,9 +8,9 @@ from pathlib import Path
 
 from dsv4_common.process import Service, dsv4_argv, free_port
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.engine_core import EngineCore
+from dsv4_serving.engine.engine.engine_core import EngineCore
 from dsv4_serving.engine.request import EngineCoreRequest
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 def workload(n: int, seed: int, shared_prefix: int = 0) -> list[tuple[list[int], int]]:

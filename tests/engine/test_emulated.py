@@ -10,7 +10,7 @@ import time
 import httpx
 
 from dsv4_common.process import Service
-from dsv4_serving.engine.emulated_runner import emulated_token
+from dsv4_serving.engine.emulated.runner import emulated_token
 from dsv4_serving.presets import preset_config
 
 ENGINE_ARGS = ["--model", "dsv4-tiny", "--served-model-name", "tiny", "--num-kv-blocks", "200"]
@@ -69,7 +69,7 @@ def test_emulated_engine_labels_itself_and_serves_the_token_chain(engine_server:
 def test_emulated_core_gives_the_same_tokens_with_mtp_drafts_in_fewer_steps() -> None:
     """The drafts are the chain's next tokens, so all are accepted: same output, fewer steps."""
     from dsv4_serving.engine.config import EngineConfig
-    from dsv4_serving.engine.engine_core import EngineCore
+    from dsv4_serving.engine.engine.engine_core import EngineCore
     from tests.engine.common import run, workload
 
     work = workload(6, seed=1)

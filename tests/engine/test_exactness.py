@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.engine_core import EngineCore
-from dsv4_serving.engine.prefill_order import StepCost
+from dsv4_serving.engine.core.sched.prefill_order import StepCost
+from dsv4_serving.engine.engine.engine_core import EngineCore
 
 from .common import alone, run, workload
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.engine_core import EngineCore
+from dsv4_serving.engine.engine.engine_core import EngineCore
 
 from .common import alone, pass_through_checkpoint, run, workload
 

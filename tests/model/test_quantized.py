@@ -19,8 +19,8 @@ import torch
 
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.engine_core import EngineCore
-from dsv4_serving.engine.model_loader import LoadedModel, load_model
+from dsv4_serving.engine.engine.engine_core import EngineCore
+from dsv4_serving.engine.worker.model_loader import LoadedModel, load_model
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.registry import REGISTRY
 from dsv4_serving.presets.configs import preset_config
@@ -122,7 +122,7 @@ def _work() -> list[list[int]]:
 
 def _greedy(config: EngineConfig, prompts: list[list[int]], steps: int) -> list[list[int]]:
     from dsv4_serving.engine.request import EngineCoreRequest
-    from dsv4_serving.engine.sampling_params import SamplingParams
+    from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
     core = EngineCore(config)
     out: list[list[int]] = [[] for _ in prompts]

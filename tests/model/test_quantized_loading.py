@@ -84,7 +84,7 @@ _PEAK = r"""
 import json, sys, threading, time
 import torch
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.model_loader import load_model
+from dsv4_serving.engine.worker.model_loader import load_model
 
 def anon():
     for line in open("/proc/self/status"):
@@ -178,7 +178,7 @@ def test_modelslim_w8a8_in_transformers_names_loads_as_the_native_one(tmp_path: 
     from safetensors.torch import save_file
 
     from dsv4_serving.engine.config import EngineConfig
-    from dsv4_serving.engine.model_loader import load_model
+    from dsv4_serving.engine.worker.model_loader import load_model
     from dsv4_serving.models.config import DeepseekV3Config
     from dsv4_serving.models.deepseek_v3 import DeepseekV3ForCausalLM
 

@@ -77,7 +77,7 @@ class EngineConfig:
     the engine (prefill role: its KV ready for the decode, so leave the transfer and the decode's
     first step room within the TTFT objective). The waiting prompts that can still make it go
     first, earliest deadline first, judged by this engine's measured seconds per token; those
-    that cannot go after them in arrival order, still served (``engine/prefill_order.py``).
+    that cannot go after them in arrival order, still served (``engine/core/sched/prefill_order.py``).
     0 = first come, first served."""
     enable_prefix_caching: bool = True
     """Share full KV blocks of equal prefixes across requests."""
@@ -133,7 +133,7 @@ class EngineConfig:
     """EMULATED engine, for capacity tests only: ``"base_ms,per_seq_ms,per_token_ms"`` makes
     every step sleep ``base + per_seq x sequences + per_token x tokens`` ms instead of running
     the model, with synthetic deterministic tokens; scheduler, KV blocks, metrics and the PD
-    protocol stay real (``engine/emulated_runner.py``). /metrics shows
+    protocol stay real (``engine/emulated/runner.py``). /metrics shows
     ``dsv4_engine_emulated_step_time``."""
 
     def __post_init__(self) -> None:
@@ -194,7 +194,7 @@ class EngineConfig:
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"shutdown_timeout must be in [0, 3600], got {self.shutdown_timeout}")
         if self.emulate_step_time is not None:
-            from dsv4_serving.engine.step_time import StepTime, StepTimeError
+            from dsv4_serving.engine.emulated.step_time import StepTime, StepTimeError
 
             try:
                 StepTime.parse(self.emulate_step_time)

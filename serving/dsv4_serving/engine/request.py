@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_serving.engine.core.prefix_hash import BlockHash, hash_block_tokens
 from dsv4_serving.engine.kv_connector.metadata import KVTransferFailure
-from dsv4_serving.engine.prefix_hash import BlockHash, hash_block_tokens
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

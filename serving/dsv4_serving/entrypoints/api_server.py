@@ -29,9 +29,9 @@ from dsv4_kvtransfer.pd_protocol import (
     RemotePrefillParams,
     prefill_overrides,
 )
-from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError, KVTransferError
+from dsv4_serving.engine.engine.async_llm import AsyncLLM, EngineDeadError, KVTransferError
+from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
-from dsv4_serving.engine.tokenizer import Tokenizer
 from dsv4_serving.entrypoints.checks import (
     DP_RANK_HEADER,
     BadRequest,

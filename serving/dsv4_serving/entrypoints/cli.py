@@ -144,15 +144,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4 engine: {exc}", file=sys.stderr)
         return 2
     if placement.headless:
-        from dsv4_serving.engine.headless import serve_headless
+        from dsv4_serving.engine.worker.headless import serve_headless
 
         return serve_headless(config, placement, args.host, args.port)
     return serve(config, args.host, args.port, placement)
 
 
 def serve(config: EngineConfig, host: str, port: int, placement: Placement | None = None) -> int:
-    from dsv4_serving.engine.async_llm import AsyncLLM, EngineDeadError
-    from dsv4_serving.engine.tokenizer import load_tokenizer
+    from dsv4_serving.engine.engine.async_llm import AsyncLLM, EngineDeadError
+    from dsv4_serving.engine.engine.tokenizer import load_tokenizer
     from dsv4_serving.entrypoints.metrics import EngineMetrics
 
     try:
@@ -162,8 +162,8 @@ def serve(config: EngineConfig, host: str, port: int, placement: Placement | Non
         return 1
     metrics = EngineMetrics(config.model_name)
     if config.emulate_step_time is not None:
-        from dsv4_serving.engine.emulated_runner import register_metric
-        from dsv4_serving.engine.step_time import StepTime
+        from dsv4_serving.engine.emulated.runner import register_metric
+        from dsv4_serving.engine.emulated.step_time import StepTime
 
         register_metric(metrics.registry, StepTime.parse(config.emulate_step_time))
     engine = AsyncLLM(config, tokenizer, metrics)

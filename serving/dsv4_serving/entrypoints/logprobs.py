@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.engine.request import Logprob
-from dsv4_serving.engine.tokenizer import Tokenizer
 
 FLOOR = -9999.0
 _PARTIAL = "\ufffd"

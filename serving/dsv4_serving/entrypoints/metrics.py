@@ -7,8 +7,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
 from dsv4_serving.engine.kv_connector.metadata import KVConnectorStats
-from dsv4_serving.engine.scheduler import SchedulerStats
 from dsv4_serving.eplb.stats import EplbStats
 
 # vLLM's latency buckets

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 MAX_N = 64
 """Most samples one request may ask for (each is an engine request)."""

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
-from dsv4_serving.engine.async_llm import AsyncLLM, RequestOutput
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.tokenizer import Tokenizer
+from dsv4_serving.engine.engine.async_llm import AsyncLLM, RequestOutput
+from dsv4_serving.engine.engine.tokenizer import Tokenizer
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
 
 Indexed = tuple[int, RequestOutput]

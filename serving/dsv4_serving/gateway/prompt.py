@@ -1,7 +1,7 @@
 """Prompt size and prefix block hashes for routing, without the engine (and without torch).
 
 With a tokenizer (``--tokenizer``: a tokenizer.json or a preset), hashes are the engine's own
-(``dsv4_serving.engine.prefix_hash``) over the engine's token ids for completions prompts; chat
+(``dsv4_serving.engine.core.prefix_hash``) over the engine's token ids for completions prompts; chat
 messages are joined as text. Without one, UTF-8 bytes stand in for tokens: the counts are an
 estimate, but equal prefixes still hash equal, which is all affinity needs.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dsv4_serving.engine.prefix_hash import block_hashes
+from dsv4_serving.engine.core.prefix_hash import block_hashes
 
 Encoder = Callable[[str], list[int]]
 

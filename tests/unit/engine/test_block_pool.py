@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_serving.engine.block_pool import BlockPool
-from dsv4_serving.engine.prefix_hash import block_hashes
+from dsv4_serving.engine.core.block_pool import BlockPool
+from dsv4_serving.engine.core.prefix_hash import block_hashes
 
 
 def ids(blocks):  # type: ignore[no-untyped-def]

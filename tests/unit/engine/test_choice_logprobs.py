@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
+from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 from dsv4_serving.engine.request import Logprob
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.tokenizer import load_tokenizer
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
 from dsv4_serving.entrypoints.serving import sample_params
 

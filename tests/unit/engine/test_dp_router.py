@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_serving.engine.dp_router import (
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
+from dsv4_serving.engine.dp.router import (
     DPRouter,
     Leader,
     RankReport,
     balance_freeze,
     total_stats,
 )
-from dsv4_serving.engine.messages import AbortRequests, AddRequest, Rejected, Shutdown
+from dsv4_serving.engine.engine.messages import AbortRequests, AddRequest, Rejected, Shutdown
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 def _stats(waiting: int, running: int) -> SchedulerStats:

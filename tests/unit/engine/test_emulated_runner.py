@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from dsv4_serving.engine.config import ConfigError, EngineConfig
-from dsv4_serving.engine.emulated_runner import EmulatedRunner, emulated_token
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import ScheduledRequest, SchedulerOutput
-from dsv4_serving.engine.step_time import StepTime, StepTimeError
+from dsv4_serving.engine.core.sched.scheduler import ScheduledRequest, SchedulerOutput
+from dsv4_serving.engine.emulated.runner import EmulatedRunner, emulated_token
+from dsv4_serving.engine.emulated.step_time import StepTime, StepTimeError
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 def test_step_time_parses_and_is_linear_in_sequences_and_tokens() -> None:

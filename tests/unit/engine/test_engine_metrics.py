@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dsv4_common.process import metric_value
-from dsv4_serving.engine.observer import EngineObserver
-from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
+from dsv4_serving.engine.engine.observer import EngineObserver
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
-from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.sched.scheduler import RunnerResult, Scheduler, SchedulerConfig
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, KVTransferFailure
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import RunnerResult, Scheduler, SchedulerConfig
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 REMOTE = RemotePrefillParams(
     remote_engine_id="p",

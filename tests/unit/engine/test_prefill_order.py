@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from dsv4_serving.engine.prefill_order import Prompt, StepCost, StepCostModel, prefill_order
+from dsv4_serving.engine.core.sched.prefill_order import (
+    Prompt,
+    StepCost,
+    StepCostModel,
+    prefill_order,
+)
 
 P = Prompt
 # (id, prompts in arrival order as (deadline, tokens), now, busy tokens, order, on time);

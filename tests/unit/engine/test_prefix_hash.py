@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from dsv4_serving.engine.prefix_hash import ROOT_HASH, block_hashes, hash_block_tokens
+from dsv4_serving.engine.core.prefix_hash import ROOT_HASH, block_hashes, hash_block_tokens
 
 
 def test_hash_is_sha256_over_parent_and_int64_tokens() -> None:

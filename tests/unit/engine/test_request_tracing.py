@@ -11,10 +11,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dsv4_common import tracing
+from dsv4_serving.engine.core.sched.scheduler import Scheduler
+from dsv4_serving.engine.engine.request_tracing import CoreTracing
 from dsv4_serving.engine.request import EngineCoreRequest, Request
-from dsv4_serving.engine.request_tracing import CoreTracing
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import Scheduler
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from tests.unit.engine.test_scheduler import FakeRunner, make
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_serving.engine.sampler import compute_logprobs, probs_from_logits, sample_and_verify
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampler import (
+    compute_logprobs,
+    probs_from_logits,
+    sample_and_verify,
+)
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

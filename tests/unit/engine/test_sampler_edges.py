@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_serving.engine.sampler import probs_from_logits, sample_and_verify
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampler import probs_from_logits, sample_and_verify
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("top_p", [2.2250738585e-313, 5e-324, 1e-45, 1e-9])

@@ -3,10 +3,10 @@ history), so every schedule must produce the same tokens as running each request
 
 from __future__ import annotations
 
-from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.sched.scheduler import RunnerResult, Scheduler, SchedulerConfig
 from dsv4_serving.engine.request import EngineCoreRequest, Request
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import RunnerResult, Scheduler, SchedulerConfig
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 BS = 4
 

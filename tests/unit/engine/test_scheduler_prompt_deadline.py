@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 
-from dsv4_serving.engine.kv_cache_manager import KVCacheManager
-from dsv4_serving.engine.prefill_order import StepCost
+from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.sched.prefill_order import StepCost
+from dsv4_serving.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from dsv4_serving.engine.request import EngineCoreRequest, Request
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import Scheduler, SchedulerConfig
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 from .test_scheduler import BS, FakeRunner, alone, prompts
 

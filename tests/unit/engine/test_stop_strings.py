@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dsv4_serving.engine.stop_strings import StopStrings
+from dsv4_serving.engine.engine.stop_strings import StopStrings
 
 
 def test_without_stop_strings_every_increment_is_sent_at_once() -> None:

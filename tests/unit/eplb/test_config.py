@@ -6,8 +6,8 @@ import pytest
 
 from dsv4_common.cli import build_parser
 from dsv4_serving.engine.config import ConfigError, EngineConfig
-from dsv4_serving.engine.dp_router import total_stats
-from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
+from dsv4_serving.engine.dp.router import total_stats
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 from dsv4_serving.eplb.stats import EplbStats
 from dsv4_serving.models.config import DeepseekV4Config

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dsv4_serving.engine.prefix_hash import block_hashes
+from dsv4_serving.engine.core.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.health import check_once
 from dsv4_serving.gateway.instances import InstancePool, Role

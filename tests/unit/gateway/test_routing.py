@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dsv4_serving.engine.prefix_hash import block_hashes
+from dsv4_serving.engine.core.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import (
     draining_from_configmap,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_serving.engine.config import ConfigError, EngineConfig
-from dsv4_serving.engine.model_loader import resolve_quantization
+from dsv4_serving.engine.worker.model_loader import resolve_quantization
 from dsv4_serving.layers.quant.scheme import (
     NONE,
     QuantScheme,

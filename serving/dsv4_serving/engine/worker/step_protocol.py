@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4_serving.engine.scheduler import SchedulerOutput
+from dsv4_serving.engine.core.sched.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

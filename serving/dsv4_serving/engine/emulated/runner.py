@@ -20,12 +20,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from dsv4_serving.engine.emulated.step_time import StepTime
 from dsv4_serving.engine.request import Logprob
-from dsv4_serving.engine.step_time import StepTime
 
 if TYPE_CHECKING:
-    from dsv4_serving.engine.model_runner import ModelRunner
-    from dsv4_serving.engine.scheduler import RunnerResult, SchedulerOutput
+    from dsv4_serving.engine.core.sched.scheduler import RunnerResult, SchedulerOutput
+    from dsv4_serving.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class EmulatedRunner:
     def execute(
         self, out: SchedulerOutput, mtp_chain: bool | None = None
     ) -> dict[str, RunnerResult]:
-        from dsv4_serving.engine.scheduler import RunnerResult
+        from dsv4_serving.engine.core.sched.scheduler import RunnerResult
 
         del mtp_chain  # no MoE calls to keep in step with other DP ranks
         if not out.scheduled:

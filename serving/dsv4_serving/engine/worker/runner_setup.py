@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from dsv4_serving.distributed.comm import all_gather_object
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import ConfigError, EngineConfig
-from dsv4_serving.engine.model_loader import LoadedModel, load_model, num_kv_blocks
-from dsv4_serving.engine.model_runner import ModelRunner
+from dsv4_serving.engine.worker.model_loader import LoadedModel, load_model, num_kv_blocks
+from dsv4_serving.engine.worker.model_runner import ModelRunner
 from dsv4_serving.kernels.build import available
 from dsv4_serving.layers.mla import MLAttention
 
@@ -84,8 +84,8 @@ def setup_runner(
         _eplb(config, parallel, lm),
     )
     if config.emulate_step_time is not None:
-        from dsv4_serving.engine.emulated_runner import EmulatedRunner
-        from dsv4_serving.engine.step_time import StepTime
+        from dsv4_serving.engine.emulated.runner import EmulatedRunner
+        from dsv4_serving.engine.emulated.step_time import StepTime
 
         runner = EmulatedRunner(runner, StepTime.parse(config.emulate_step_time))  # type: ignore[assignment]
     return RunnerSetup(lm, runner, k, n_blocks, has_state, snaps)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from dsv4_serving.engine.block_pool import BlockPool, KVBlock
-from dsv4_serving.engine.prefix_hash import BlockHash
+from dsv4_serving.engine.core.block_pool import BlockPool, KVBlock
+from dsv4_serving.engine.core.prefix_hash import BlockHash
 from dsv4_serving.engine.request import Request
 
 BoundaryKey = tuple[BlockHash, int]

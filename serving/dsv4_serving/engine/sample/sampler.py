@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_serving.engine.request import Logprob
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

@@ -28,8 +28,9 @@ from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParam
 from dsv4_serving.distributed.launcher import LocalRanks
 from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.engine_core import run_engine_core
-from dsv4_serving.engine.messages import (
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
+from dsv4_serving.engine.engine.engine_core import run_engine_core
+from dsv4_serving.engine.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -41,12 +42,11 @@ from dsv4_serving.engine.messages import (
     Shutdown,
     ToCore,
 )
-from dsv4_serving.engine.observer import EngineObserver, NullObserver
+from dsv4_serving.engine.engine.observer import EngineObserver, NullObserver
+from dsv4_serving.engine.engine.stop_strings import StopStrings
+from dsv4_serving.engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Logprob
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import SchedulerStats
-from dsv4_serving.engine.stop_strings import StopStrings
-from dsv4_serving.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class AsyncLLM:
             args = [(self.config, self._in, self._out)]
             self._ranks = LocalRanks(run_engine_core, args, "dsv4-engine-core")
         else:
-            from dsv4_serving.engine.worker import rank_main  # torch: imported by the ranks
+            from dsv4_serving.engine.worker.worker import rank_main  # torch: imported by the ranks
 
             if not placement.master_port:
                 # not free_port(): a port the caller picked for another process (and has not

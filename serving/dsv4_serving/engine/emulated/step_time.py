@@ -1,5 +1,5 @@
 """The EMULATED engine's step-time model (``--emulate-step-time``), pure: the engine config
-validates it without loading the emulated runner (``engine/emulated_runner.py``)."""
+validates it without loading the emulated runner (``engine/emulated/runner.py``)."""
 
 from __future__ import annotations
 

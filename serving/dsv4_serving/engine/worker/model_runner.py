@@ -18,10 +18,10 @@ import torch
 from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.distributed.comm import broadcast_object
 from dsv4_serving.distributed.groups import SOLO, Group
-from dsv4_serving.engine.model_loader import LoadedModel
-from dsv4_serving.engine.sampler import compute_logprobs, sample_and_verify
-from dsv4_serving.engine.sampling_params import SamplingParams
-from dsv4_serving.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+from dsv4_serving.engine.core.sched.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+from dsv4_serving.engine.sample.sampler import compute_logprobs, sample_and_verify
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.engine.worker.model_loader import LoadedModel
 
 if TYPE_CHECKING:
     from dsv4_serving.eplb.balancer import Balancer

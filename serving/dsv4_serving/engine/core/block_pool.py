@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from dsv4_serving.engine.prefix_hash import BlockHash
+from dsv4_serving.engine.core.prefix_hash import BlockHash
 
 
 class KVBlock:

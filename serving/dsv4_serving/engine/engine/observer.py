@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dsv4_serving.engine.scheduler import SchedulerStats
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
 
 
 class EngineObserver(Protocol):

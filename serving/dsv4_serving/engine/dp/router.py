@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import assert_never
 
-from dsv4_serving.engine.messages import (
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
+from dsv4_serving.engine.engine.messages import (
     AbortRequests,
     AddRequest,
     Outputs,
@@ -25,7 +26,6 @@ from dsv4_serving.engine.messages import (
     ToCore,
 )
 from dsv4_serving.engine.request import EngineCoreOutput
-from dsv4_serving.engine.scheduler import SchedulerStats
 
 
 class DPRouter:

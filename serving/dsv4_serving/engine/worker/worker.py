@@ -6,7 +6,7 @@ scheduler, KV cache manager and runner, talking to the front end over its queues
 single-process core does, and broadcasting each step to its TP followers. A follower runs
 exactly that step (``ModelRunner.execute``), so both make the same collectives in the same
 order; it stops when told, and fails (exit non-zero) when the core's group breaks. With DP,
-the TP rank 0 of every DP rank is a core, and the cores run in lockstep (``dp_lockstep``).
+the TP rank 0 of every DP rank is a core, and the cores run in lockstep (``dp/lockstep.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from dsv4_serving.distributed.parallel_state import (
 )
 from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.dp_lockstep import run_lockstep
-from dsv4_serving.engine.engine_core import EngineCore, run_engine_core, set_threads
+from dsv4_serving.engine.dp.lockstep import run_lockstep
+from dsv4_serving.engine.engine.engine_core import EngineCore, run_engine_core, set_threads
+from dsv4_serving.engine.engine.messages import CoreFailed
 from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
-from dsv4_serving.engine.messages import CoreFailed
-from dsv4_serving.engine.model_runner import ModelRunner
-from dsv4_serving.engine.runner_setup import setup_runner
-from dsv4_serving.engine.step_protocol import Heartbeat, ReplicateKV, RunStep, StopFollowing
+from dsv4_serving.engine.worker.model_runner import ModelRunner
+from dsv4_serving.engine.worker.runner_setup import setup_runner
+from dsv4_serving.engine.worker.step_protocol import Heartbeat, ReplicateKV, RunStep, StopFollowing
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _core(
     out_q: Any,
 ) -> ModelRunner | None:
     """TP rank 0 of a DP rank: the engine core. The DP-rank-0 core is the one the front end
-    talks to; with DP every core runs the lockstep (``dp_lockstep``)."""
+    talks to; with DP every core runs the lockstep (``dp/lockstep.py``)."""
     dp = parallel.dp
 
     def build() -> EngineCore:

@@ -22,9 +22,15 @@ from typing import Any
 
 from dsv4_serving.distributed.comm import broadcast_object, gather_object
 from dsv4_serving.distributed.groups import Group
-from dsv4_serving.engine.dp_router import Leader, RankReport, StepHeader
-from dsv4_serving.engine.engine_core import EngineCore, apply_request_message
-from dsv4_serving.engine.messages import AbortRequests, AddRequest, Rejected, Shutdown, ToCore
+from dsv4_serving.engine.dp.router import Leader, RankReport, StepHeader
+from dsv4_serving.engine.engine.engine_core import EngineCore, apply_request_message
+from dsv4_serving.engine.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Rejected,
+    Shutdown,
+    ToCore,
+)
 
 IDLE_WAIT_S = 0.5
 

@@ -20,16 +20,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
-from dsv4_serving.engine.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.sched.prefill_order import Prompt, StepCostModel, prefill_order
 from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorOutput,
     KVConnectorStats,
     KVTransferFailure,
 )
-from dsv4_serving.engine.prefill_order import Prompt, StepCostModel, prefill_order
 from dsv4_serving.engine.request import EngineCoreOutput, Logprob, Request, RequestStatus
-from dsv4_serving.engine.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.eplb.stats import EplbStats
 
 

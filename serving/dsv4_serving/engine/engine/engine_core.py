@@ -21,10 +21,14 @@ from dsv4_common import tracing
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import EngineConfig
-from dsv4_serving.engine.kv_cache_manager import KVCacheManager
-from dsv4_serving.engine.kv_connector.compat import KVCompat
-from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
-from dsv4_serving.engine.messages import (
+from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.sched.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from dsv4_serving.engine.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -35,15 +39,11 @@ from dsv4_serving.engine.messages import (
     Shutdown,
     ToCore,
 )
+from dsv4_serving.engine.engine.request_tracing import CoreTracing
+from dsv4_serving.engine.kv_connector.compat import KVCompat
+from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
-from dsv4_serving.engine.request_tracing import CoreTracing
-from dsv4_serving.engine.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-    SchedulerStats,
-)
-from dsv4_serving.engine.step_protocol import (
+from dsv4_serving.engine.worker.step_protocol import (
     Heartbeat,
     ReplicateKV,
     RunStep,
@@ -70,7 +70,7 @@ class EngineCore:
         device_index: int = 0,
     ) -> None:
         from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
-        from dsv4_serving.engine.runner_setup import setup_runner
+        from dsv4_serving.engine.worker.runner_setup import setup_runner
 
         self.config = config
         self.tp = parallel.tp

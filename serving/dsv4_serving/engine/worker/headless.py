@@ -60,7 +60,7 @@ def _handler(ranks: list[int], procs: LocalRanks, node: int) -> type[BaseHTTPReq
 
 
 def serve_headless(config: EngineConfig, placement: Placement, host: str, port: int) -> int:
-    from dsv4_serving.engine.worker import rank_main  # torch: imported by the ranks
+    from dsv4_serving.engine.worker.worker import rank_main  # torch: imported by the ranks
 
     topo = config.topology(placement.nnodes)
     ranks = placement.ranks(topo)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dsv4_common import tracing
+from dsv4_serving.engine.core.sched.scheduler import RunnerResult, Scheduler, SchedulerOutput
 from dsv4_serving.engine.kv_connector.metadata import KVConnectorOutput, SaveSpec
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
-from dsv4_serving.engine.scheduler import RunnerResult, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

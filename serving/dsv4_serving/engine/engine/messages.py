@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
-from dsv4_serving.engine.scheduler import SchedulerStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""The emulated engine (``--emulate-step-time``): a runner that sleeps a modelled step time."""

@@ -1,0 +1,1 @@
+"""Sampling: the per-request parameters and the sampler that draws and verifies tokens."""
