@@ -140,6 +140,8 @@ def build_app(
             RequestValidationError: _invalid,
             StarletteHTTPException: _http,
             BadRequest: _bad,
+            # the core's failures are expected answers; any other error is a server error
+            # (Starlette answers it, then re-raises it for the log)
             Exception: _failed,
             KVTransferError: _failed,
             EngineDeadError: _failed,
