@@ -102,7 +102,10 @@ async def _single(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[Indexed]:
         await gen.aclose()  # type: ignore[attr-defined]
 
 
-class OpenAIServing:
+class CompletionGenerator:
+    """One request's ``n`` samples on the engine, rendered as an OpenAI answer (text or chat):
+    a whole body, or the SSE chunks of a stream."""
+
     def __init__(self, engine: AsyncLLM, tokenizer: Tokenizer, model_name: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer

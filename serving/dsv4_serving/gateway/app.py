@@ -154,61 +154,85 @@ class GatewayApp(Starlette):
         await response(scope, receive, send)
 
 
-def create_app(cfg: GatewayConfig) -> Starlette:
-    """A plain Starlette app: the hot path needs no request validation layer."""
-    gw = Gateway(cfg)
+def _client(cfg: GatewayConfig) -> aiohttp.ClientSession:
+    """The one upstream HTTP client: the engines' answers pass through undecoded."""
+    connector = aiohttp.TCPConnector(
+        limit=4 * cfg.max_inflight, limit_per_host=0, keepalive_timeout=60
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(
+            total=cfg.prefill_timeout_s, sock_connect=cfg.connect_timeout_s
+        ),
+    )
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(
-            limit=4 * cfg.max_inflight, limit_per_host=0, keepalive_timeout=60
+
+def _discover(gw: Gateway) -> KubernetesDiscovery | None:
+    """Fill the pool: from the Kubernetes API (watched, returned), or from the static list."""
+    if gw.cfg.discovery != "kubernetes":
+        static_members(gw.cfg, gw.pool)
+        return None
+    discovery = KubernetesDiscovery(gw.cfg, gw.pool, asyncio.get_running_loop())
+    discovery.start()
+    return discovery
+
+
+def _tune_gc() -> None:
+    # the hot path allocates many short-lived objects and almost no cycles: freeze what startup
+    # made and collect young objects less often, so collector pauses stay out of the p99
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+
+
+@asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    """The app's gateway (``app.state.gateway``) at work: its upstream client, members, SIGTERM
+    drain and health checks, then all of them closed."""
+    gw: Gateway = app.state.gateway
+    cfg = gw.cfg
+    gw.proxy.client = _client(cfg)
+    discovery = _discover(gw)
+    drain_on_sigterm(gw.drain, cfg.shutdown_timeout, log)
+    _tune_gc()
+    checker = asyncio.create_task(
+        health_loop(
+            gw.proxy.client,
+            gw.pool,
+            gw.metrics,
+            cfg.health_interval_s,
+            cfg.eject_after_failures,
         )
-        gw.proxy.client = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(
-                total=cfg.prefill_timeout_s, sock_connect=cfg.connect_timeout_s
-            ),
-        )
-        discovery = None
-        if cfg.discovery == "kubernetes":
-            discovery = KubernetesDiscovery(cfg, gw.pool, asyncio.get_running_loop())
-            discovery.start()
-        else:
-            static_members(cfg, gw.pool)
-        drain_on_sigterm(gw.drain, cfg.shutdown_timeout, log)
-        # the hot path allocates many short-lived objects and almost no cycles: freeze what startup
-        # made and collect young objects less often, so collector pauses stay out of the p99
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(20_000, 50, 100)
-        checker = asyncio.create_task(
-            health_loop(
-                gw.proxy.client,
-                gw.pool,
-                gw.metrics,
-                cfg.health_interval_s,
-                cfg.eject_after_failures,
-            )
-        )
-        try:
-            yield
-        finally:
-            checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checker
-            if discovery:
-                discovery.stop()
-            await gw.proxy.client.close()
-            await gw.proxy.upstream.close()
+    )
+    try:
+        yield
+    finally:
+        checker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checker
+        if discovery:
+            discovery.stop()
+        await gw.proxy.client.close()
+        await gw.proxy.upstream.close()
 
-    async def completions(request: Request) -> Response:
-        return await gw.handle(request, "/v1/completions", chat=False)
 
-    async def chat_completions(request: Request) -> Response:
-        return await gw.handle(request, "/v1/chat/completions", chat=True)
+class Endpoints:
+    """The gateway's routes over one ``Gateway``: the two completion routes (its hot path),
+    the model list, liveness, readiness, its instances, metrics and its OpenAPI document."""
 
-    async def models(request: Request) -> Response:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.document = openapi_document()
+
+    async def completions(self, request: Request) -> Response:
+        return await self.gw.handle(request, "/v1/completions", chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.gw.handle(request, "/v1/chat/completions", chat=True)
+
+    async def models(self, request: Request) -> Response:
+        gw = self.gw
         assert gw.proxy.client is not None
         for role in ("decode", "both", "prefill"):
             for inst in gw.pool.of_role(role):
@@ -220,32 +244,33 @@ def create_app(cfg: GatewayConfig) -> Starlette:
                             return Response(await r.read(), media_type="application/json")
                 except (aiohttp.ClientError, TimeoutError):
                     continue
-        if cfg.served_model_name:
+        if gw.cfg.served_model_name:
             return JSONResponse(
                 {
                     "object": "list",
-                    "data": [{"id": cfg.served_model_name, "object": "model", "owned_by": "dsv4"}],
+                    "data": [
+                        {"id": gw.cfg.served_model_name, "object": "model", "owned_by": "dsv4"}
+                    ],
                 }
             )
         return error_response(503, "no engine is reachable", code="service_unavailable")
 
-    async def health(request: Request) -> Response:
-        ready = (gw.pool.of_role("prefill") and gw.pool.of_role("decode")) or gw.pool.of_role(
-            "both"
-        )
-        counts = {r: len(gw.pool.of_role(r)) for r in ("prefill", "decode", "both")}
+    async def health(self, request: Request) -> Response:
+        pool = self.gw.pool
+        ready = (pool.of_role("prefill") and pool.of_role("decode")) or pool.of_role("both")
+        counts = {r: len(pool.of_role(r)) for r in ("prefill", "decode", "both")}
         return JSONResponse(
             {"status": "ok" if ready else "unavailable", "healthy": counts},
             status_code=200 if ready else 503,
         )
 
-    async def ready(request: Request) -> Response:
+    async def ready(self, request: Request) -> Response:
         """Readiness: /health's answer, and 503 once SIGTERM started the drain."""
-        if gw.drain.draining:
+        if self.gw.drain.draining:
             return error_response(503, "the gateway is shutting down", code="draining")
-        return await health(request)
+        return await self.health(request)
 
-    async def instances(request: Request) -> Response:
+    async def instances(self, request: Request) -> Response:
         """What the gateway routes to: role, health and its own load figures per instance."""
         return JSONResponse(
             [
@@ -259,31 +284,37 @@ def create_app(cfg: GatewayConfig) -> Starlette:
                     "inflight_requests": i.inflight_requests,
                     "ranks": [vars(r) for r in i.ranks],
                 }
-                for i in sorted(gw.pool.all(), key=lambda i: (i.role, i.url))
+                for i in sorted(self.gw.pool.all(), key=lambda i: (i.role, i.url))
             ]
         )
 
-    document = openapi_document()
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(self.document)
 
-    async def openapi(request: Request) -> Response:
-        return JSONResponse(document)
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/instances", self.instances, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ]
 
-    app = GatewayApp(
-        lifespan=lifespan,
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/ready", ready, methods=["GET"]),
-            Route("/instances", instances, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/openapi.json", openapi, methods=["GET"]),
-        ],
-    )
-    app.hot = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+
+def create_app(cfg: GatewayConfig) -> Starlette:
+    """A plain Starlette app: the hot path needs no request validation layer."""
+    gw = Gateway(cfg)
+    endpoints = Endpoints(gw)
+    app = GatewayApp(lifespan=lifespan, routes=endpoints.routes())
+    app.hot = {
+        "/v1/completions": endpoints.completions,
+        "/v1/chat/completions": endpoints.chat_completions,
+    }
     app.state.gateway = gw
     return app
