@@ -178,9 +178,9 @@ class PhaseProfile:
     def __init__(self, core: Any) -> None:
         from torch import nn
 
-        from dsv4_serving.layers.mla import MLAttention
+        from dsv4_serving.attention.mla import MLAttention
+        from dsv4_serving.attention.v4 import V4Attention
         from dsv4_serving.layers.moe import Experts, SwiGLU, V3Gate, V3MoE, V4Gate, V4MoE
-        from dsv4_serving.layers.v4_attention import V4Attention
 
         self.core = core
         model = core.runner.model

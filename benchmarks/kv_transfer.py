@@ -234,7 +234,7 @@ def run_transport(
 def kv_sizes(config: dict[str, Any], itemsize: int) -> dict[str, float]:
     """Paged KV bytes per token, fixed per-sequence bytes, and a 4K prompt's total, from the
     model layer's own cache sizing."""
-    from dsv4_serving.cache.v4 import V4KVCache
+    from dsv4_serving.attention.kv_cache.v4 import V4KVCache
     from dsv4_serving.models.config import DeepseekV4Config
 
     cfg = DeepseekV4Config.from_dict(config)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.reference import transformers_reference
 from dsv4_serving.models.registry import REGISTRY

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.kernels.fp8 import Fp8Kernel
 from dsv4_serving.kernels.w8a8 import W8A8Kernel
 from dsv4_serving.layers.quant.methods import W8A8, Fp8Block, cast_model

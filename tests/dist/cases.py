@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.distributed.groups import ModelParallel
 from dsv4_serving.distributed.parallel_state import (
     FingerprintError,

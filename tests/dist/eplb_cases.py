@@ -93,7 +93,7 @@ def _build(preset: str, parallel: Any, quant: str) -> torch.nn.Module:
 
 
 def _prefill_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
-    from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+    from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 
     block = 16
     nb = -(-max(len(p) for p in prompts) // block)

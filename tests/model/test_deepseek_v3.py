@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.config import DeepseekV3Config
 from dsv4_serving.models.deepseek_v3 import DeepseekV3ForCausalLM

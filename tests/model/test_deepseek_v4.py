@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 
 from .v4_common import build_ours, build_reference, prefill_meta, tiny_v4_dict
 

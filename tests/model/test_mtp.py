@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.loader.names import to_transformers_state_dict
 from dsv4_serving.models.reference import transformers_config_kwargs
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.engine.engine_core import EngineCore
 from dsv4_serving.engine.worker.model_loader import LoadedModel, load_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 
 from .v4_common import build_ours, tiny_v4_dict
 

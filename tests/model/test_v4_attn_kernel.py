@@ -1,5 +1,5 @@
 """The V4 attention kernel (``kernels/v4_attn.cpp``) against the batched torch path it replaces
-(``layers/v4_attention.py``, the fallback and oracle): the same logits within float32 rounding
+(``attention/v4.py``, the fallback and oracle): the same logits within float32 rounding
 for prefill chunks (with and without context in the rings) beside decode tokens, across the
 window and many CSA / HCA blocks; and a query row's result does not depend on the rest of the
 batch. ``test_deepseek_v4.py`` checks the kernel path against transformers."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dsv4_serving.layers.v4_attention as v4a
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+import dsv4_serving.attention.v4 as v4a
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.kernels.build import available, build
 from dsv4_serving.kernels.v4_attn import V4AttnKernel
 from dsv4_serving.layers.rope import rotate_tail_interleaved

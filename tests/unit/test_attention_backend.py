@@ -9,15 +9,15 @@ import types
 import pytest
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
-from dsv4_serving.cache.mla_step import MLAStep, PrefillSeq
-from dsv4_serving.cache.v4_step import V4DecodeStep, V4Step
+from dsv4_serving.attention.backends.mla_cuda import MLAFlashInfer, MLAFlashMLA
+from dsv4_serving.attention.backends.mla_torch import MLAPagedKernel, MLATorch
+from dsv4_serving.attention.backends.v4_torch import V4Torch
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.mla_step import MLAStep, PrefillSeq
+from dsv4_serving.attention.selector import BackendUnavailable, attention_backend
+from dsv4_serving.attention.v4_step import V4DecodeStep, V4Step
 from dsv4_serving.models.config import DeepseekV3Config
-from dsv4_serving.platform.attention import BackendUnavailable, attention_backend
 from dsv4_serving.platform.backend import select_attention_backend
-from dsv4_serving.platform.mla_cuda import MLAFlashInfer, MLAFlashMLA
-from dsv4_serving.platform.mla_torch import MLAPagedKernel, MLATorch
-from dsv4_serving.platform.v4_torch import V4Torch
 from dsv4_serving.presets.configs import preset_config
 
 MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}

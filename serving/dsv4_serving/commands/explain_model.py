@@ -151,10 +151,10 @@ def _kv_bytes_per_block(cfg: Any, block_size: int) -> int | None:
     if hasattr(cfg, "compress_ratios"):
         if block_size % cfg.csa_ratio or block_size % cfg.hca_ratio:
             return None
-        from dsv4_serving.cache.v4 import V4KVCache
+        from dsv4_serving.attention.kv_cache.v4 import V4KVCache
 
         return int(V4KVCache.bytes_per_block(cfg, block_size, 2))
-    from dsv4_serving.cache.mla import MLAKVCache
+    from dsv4_serving.attention.kv_cache.mla import MLAKVCache
 
     return int(MLAKVCache.bytes_per_block(cfg, block_size, 2))
 
@@ -177,7 +177,7 @@ def _layers(cfg: Any, block_size: int) -> list[str]:
         if block_size % cfg.csa_ratio or block_size % cfg.hca_ratio:
             out.append(f"   block size {block_size} is not a multiple of the compression ratios")
         else:
-            from dsv4_serving.cache.v4 import V4KVCache
+            from dsv4_serving.attention.kv_cache.v4 import V4KVCache
 
             per_block = V4KVCache.bytes_per_block(cfg, block_size, 2)
             per_slot = V4KVCache.bytes_per_slot(cfg, 2)
@@ -193,7 +193,7 @@ def _layers(cfg: Any, block_size: int) -> list[str]:
             f"{cfg.num_experts_per_tok}, {cfg.n_group} groups keep {cfg.topk_group}); "
             f"MTP layers: {cfg.num_nextn_predict_layers}"
         )
-        from dsv4_serving.cache.mla import MLAKVCache
+        from dsv4_serving.attention.kv_cache.mla import MLAKVCache
 
         out.append(
             f"   kv bytes (bf16): {MLAKVCache.bytes_per_block(cfg, block_size, 2)} per "

@@ -3,7 +3,7 @@ scale)``, one call per layer for a step's decode rows and one for its prefill ro
 the torch path's gathers, score and mask tensors, softmax and products. Reads the key rows in
 place and skips the keys a query does not see (outside its window, entries it did not select),
 so a prefill chunk costs its window, not the whole chunk. The torch path
-(``layers/v4_attention.py``) stays the fallback (no compiler, other dtypes) and the oracle.
+(``attention/v4.py``) stays the fallback (no compiler, other dtypes) and the oracle.
 
 Contract: float32, contiguous, on the CPU; ``q`` [T, H, D], ``ksrc`` [Rk, D] and ``csrc``
 [Rc, D] the key (= value) rows, ``kidx`` [T, K] / ``cidx`` [T, E] int64 rows of each query's

@@ -264,7 +264,29 @@ class V4Gate(nn.Module):
         return idx, w * self.route_scale
 
 
-class V4MoE(nn.Module):
+class RoutedMoE(nn.Module):
+    """Routed experts plus shared experts: the router's choices go to the experts' ranks
+    (``comm``), come back weighted, and join the shared experts' output. The V3 and V4 MoEs
+    differ only in their router (``gate``)."""
+
+    def __init__(
+        self, gate: nn.Module, experts: Experts, shared: SwiGLU, parallel: ModelParallel
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared
+        self.comm = make_moe_comm(parallel)
+
+    def _routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x`` through the experts the router chose (``idx``, weights ``w``), plus the shared
+        experts."""
+        d = self.comm.dispatch(x, self.experts.route(idx), w)
+        routed = self.experts.per_choice(d.x, d.idx, d.weights)
+        return self.comm.combine(routed, self.shared_experts(x), d)
+
+
+class V4MoE(RoutedMoE):
     def __init__(
         self,
         dim: int,
@@ -280,20 +302,16 @@ class V4MoE(nn.Module):
         parallel: ModelParallel = SINGLE,
         quant: QuantMethods | None = None,
     ) -> None:
-        super().__init__()
         q = quant or QuantMethods()
-        self.gate = V4Gate(dim, num_experts, top_k, vocab, hashed, scoring, route_scale)
-        self.experts = Experts(num_experts, dim, inter, limit, parallel, q.experts)
-        self.shared_experts = SwiGLU(
-            dim, inter * n_shared, limit, parallel.tp, reduce=False, quant=q.linear
+        super().__init__(
+            V4Gate(dim, num_experts, top_k, vocab, hashed, scoring, route_scale),
+            Experts(num_experts, dim, inter, limit, parallel, q.experts),
+            SwiGLU(dim, inter * n_shared, limit, parallel.tp, reduce=False, quant=q.linear),
+            parallel,
         )
-        self.comm = make_moe_comm(parallel)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        idx, w = self.gate(x, input_ids)
-        d = self.comm.dispatch(x, self.experts.route(idx), w)
-        routed = self.experts.per_choice(d.x, d.idx, d.weights)
-        return self.comm.combine(routed, self.shared_experts(x), d)
+        return self._routed(x, *self.gate(x, input_ids))
 
 
 class V3Gate(nn.Module):
@@ -332,7 +350,7 @@ class V3Gate(nn.Module):
         return idx, (w * self.route_scale).to(x.dtype)
 
 
-class V3MoE(nn.Module):
+class V3MoE(RoutedMoE):
     def __init__(
         self,
         dim: int,
@@ -347,17 +365,13 @@ class V3MoE(nn.Module):
         parallel: ModelParallel = SINGLE,
         quant: QuantMethods | None = None,
     ) -> None:
-        super().__init__()
         q = quant or QuantMethods()
-        self.gate = V3Gate(dim, num_experts, top_k, n_group, topk_group, norm_topk, route_scale)
-        self.experts = Experts(num_experts, dim, inter, parallel=parallel, quant=q.experts)
-        self.shared_experts = SwiGLU(
-            dim, inter * n_shared, group=parallel.tp, reduce=False, quant=q.linear
+        super().__init__(
+            V3Gate(dim, num_experts, top_k, n_group, topk_group, norm_topk, route_scale),
+            Experts(num_experts, dim, inter, parallel=parallel, quant=q.experts),
+            SwiGLU(dim, inter * n_shared, group=parallel.tp, reduce=False, quant=q.linear),
+            parallel,
         )
-        self.comm = make_moe_comm(parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        idx, w = self.gate(x)
-        d = self.comm.dispatch(x, self.experts.route(idx), w)
-        routed = self.experts.per_choice(d.x, d.idx, d.weights)
-        return self.comm.combine(routed, self.shared_experts(x), d)
+        return self._routed(x, *self.gate(x))

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +28,7 @@ from torch import nn
 
 from dsv4_serving.layers.shard import ShardSpec, shard_specs
 from dsv4_serving.loader.dummy import init_dummy_weights
-from dsv4_serving.loader.names import convert, expert_of
+from dsv4_serving.loader.names import Piece, convert, expert_of
 from dsv4_serving.loader.quant import dequantize, e8m0_to_float, int8_channel_scale
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
@@ -146,146 +148,187 @@ def load_weights(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return
-    from safetensors import safe_open
+    WeightLoader(model, Path(path), architecture, num_hidden_layers).load(threads)
 
-    root = Path(path)
-    names = _shards(root)
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
-    sample = next(p for p in params.values() if p.dtype in _FLOAT_DTYPES)
-    device, dtype = sample.device, sample.dtype
-    block = _checkpoint_block(root)
-    quantized = {
-        f"{prefix}.{n}" if prefix else n
-        for prefix, module in model.named_modules()
-        for n in getattr(module, "quant_params", ())
-        if not n.endswith("_scale")
-    }
-    filled: dict[str, set[int] | None] = {}
-    lock = threading.Lock()
-    errors: list[str] = []
-    scales = {s for n in names if (s := _scale_name(n, names))}
-    offsets = {n for n in names if n.endswith(_OFFSET_SUFFIX)}
-    specs = shard_specs(model)
-    held = _held_experts(specs)
 
-    def place(name: str, param: str, tensor: torch.Tensor, expert: int | None) -> None:
-        p = params[param]
-        part, rows = _local(tensor, expert, specs.get(param))
-        if part is None:
-            return
-        for row in rows or [None]:
-            dst = p.data if row is None else p.data[row]
-            if tuple(dst.shape) != tuple(part.shape):
-                with lock:
-                    errors.append(
-                        f"tensor {name}: shape {tuple(part.shape)}, {param} expects "
-                        f"{tuple(dst.shape)}"
-                    )
-                return
-            with torch.no_grad():
-                dst.copy_(part.to(dst.dtype))
-            with lock:
-                if row is None:
-                    filled[param] = None
-                else:
-                    got = filled.setdefault(param, set())
-                    if got is not None:
-                        got.add(row)
+@dataclass(frozen=True, slots=True)
+class _Scale:
+    """A quantized checkpoint tensor's scale: its suffix, its pieces (split as the weight is)
+    and ModelSlim's offset."""
 
-    def read(shard: str, keys: list[str]) -> None:
+    suffix: str
+    pieces: list[Piece]
+    offset: torch.Tensor | None
+
+
+class WeightLoader:
+    """One checkpoint read into ``model`` by several threads, one shard file each: what they
+    share (the parameters each fills, the problems found) is updated under one lock."""
+
+    def __init__(
+        self, model: nn.Module, root: Path, architecture: str, num_hidden_layers: int
+    ) -> None:
+        self.root, self.architecture, self.num_hidden_layers = root, architecture, num_hidden_layers
+        self.names = _shards(root)
+        self.params = dict(model.named_parameters()) | dict(model.named_buffers())
+        sample = next(p for p in self.params.values() if p.dtype in _FLOAT_DTYPES)
+        self.device, self.dtype = sample.device, sample.dtype
+        self.block = _checkpoint_block(root)
+        self.quantized = {
+            f"{prefix}.{n}" if prefix else n
+            for prefix, module in model.named_modules()
+            for n in getattr(module, "quant_params", ())
+            if not n.endswith("_scale")
+        }
+        self.scales = {s for n in self.names if (s := _scale_name(n, self.names))}
+        self.offsets = {n for n in self.names if n.endswith(_OFFSET_SUFFIX)}
+        self.specs = shard_specs(model)
+        self.held = _held_experts(self.specs)
+        # param -> None (filled whole) or the rows of a stacked parameter filled so far
+        self.filled: dict[str, set[int] | None] = {}
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+
+    def load(self, threads: int) -> None:
+        """Read every shard, then check every parameter was filled; raise naming what is wrong."""
+        by_shard: dict[str, list[str]] = {}
+        for n, f in self.names.items():
+            by_shard.setdefault(f, []).append(n)
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for fut in [pool.submit(self.read, keys) for _, keys in sorted(by_shard.items())]:
+                fut.result()
+        self._check_filled()
+        if self.errors:
+            raise WeightLoadError(
+                f"{len(self.errors)} problem(s) loading {self.root}: "
+                + "; ".join(sorted(self.errors)[:20])
+            )
+
+    def _error(self, message: str) -> None:
+        with self.lock:
+            self.errors.append(message)
+
+    def read(self, keys: list[str]) -> None:
+        """One thread's share: the tensors ``keys`` (of one shard), through handles it owns."""
+        from safetensors import safe_open
+
         handles: dict[str, object] = {}
 
         def get(name: str) -> torch.Tensor:
-            f = names[name]
+            f = self.names[name]
             if f not in handles:
-                handles[f] = safe_open(str(root / f), framework="pt", device=str(device))
+                handles[f] = safe_open(str(self.root / f), framework="pt", device=str(self.device))
             return handles[f].get_tensor(name)  # type: ignore[attr-defined,no-any-return]
 
         for name in keys:
-            if name in scales or name in offsets:
-                continue
-            e = expert_of(name)
-            if e is not None and held is not None and not held.holds(e):
-                continue  # another EP rank's expert
-            t = get(name)
-            sname = _scale_name(name, names)
-            pieces = convert(name, t, architecture, num_hidden_layers)
-            if pieces is None:
-                with lock:
-                    errors.append(f"unexpected tensor {name}: no parameter of the model takes it")
-                continue
-            scale = offset = None
-            suffix = ""
-            if sname is not None:
-                suffix = sname[len(name) - len(".weight") :]
-                scale = get(sname)
-                oname = name[: -len(".weight")] + _OFFSET_SUFFIX
-                offset = get(oname) if oname in offsets else None
-                # the scale splits (transformers' stacked gate_up) as its weight does
-                scale_pieces = convert(name, scale, architecture, num_hidden_layers) or []
-            for i, piece in enumerate(pieces):
-                if _SHARED_COPIES.match(piece.param):
-                    continue
-                if piece.param not in params:
-                    with lock:
-                        errors.append(f"unexpected tensor {name} (-> {piece.param})")
-                    continue
-                if piece.param in quantized:
-                    try:
-                        if scale is None:
-                            raise ValueError(
-                                f"the model holds it quantized but the checkpoint stores "
-                                f"{t.dtype} without a scale"
-                            )
-                        w, sc = _stored(
-                            params[piece.param],
-                            piece.tensor,
-                            scale_pieces[i].tensor,
-                            suffix,
-                            offset,
-                        )
-                    except ValueError as exc:
-                        with lock:
-                            errors.append(f"tensor {name} (-> {piece.param}): {exc}")
-                        continue
-                    place(name, piece.param, w, piece.expert)
-                    place(name, piece.param + "_scale", sc, piece.expert)
-                    continue
-                value = piece.tensor
-                if scale is not None:
-                    try:
-                        value = dequantize(
-                            value,
-                            int8_channel_scale(scale_pieces[i].tensor, offset, name)
-                            if suffix == ".weight_scale"
-                            else scale_pieces[i].tensor,
-                            dtype,
-                            block,
-                            int8_channel=suffix == ".weight_scale",
-                        )
-                    except ValueError as exc:
-                        with lock:
-                            errors.append(f"tensor {name}: {exc}")
-                        continue
-                place(name, piece.param, value, piece.expert)
+            self._read_tensor(name, get)
 
-    by_shard: dict[str, list[str]] = {}
-    for n, f in names.items():
-        by_shard.setdefault(f, []).append(n)
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for fut in [pool.submit(read, f, keys) for f, keys in sorted(by_shard.items())]:
-            fut.result()
-    for pname, p in params.items():
-        got = filled.get(pname, set())
-        if got is None:
-            continue
-        stacked = ("experts.w1", "experts.w2", "experts.w3")
-        want = p.shape[0] if pname.removesuffix("_scale").endswith(stacked) else 0
-        if not got or (want and len(got) != want):
-            missing = sorted(set(range(want)) - got) if want and got else None
-            detail = f" (experts {missing[:8]} missing)" if missing else ""
-            errors.append(f"missing tensor for parameter {pname}{detail}")
-    if errors:
-        raise WeightLoadError(
-            f"{len(errors)} problem(s) loading {root}: " + "; ".join(sorted(errors)[:20])
-        )
+    def _read_tensor(self, name: str, get: Callable[[str], torch.Tensor]) -> None:
+        if name in self.scales or name in self.offsets:
+            return
+        e = expert_of(name)
+        if e is not None and self.held is not None and not self.held.holds(e):
+            return  # another EP rank's expert
+        t = get(name)
+        sname = _scale_name(name, self.names)
+        pieces = convert(name, t, self.architecture, self.num_hidden_layers)
+        if pieces is None:
+            self._error(f"unexpected tensor {name}: no parameter of the model takes it")
+            return
+        scale = None
+        if sname is not None:
+            oname = name[: -len(".weight")] + _OFFSET_SUFFIX
+            # the scale splits (transformers' stacked gate_up) as its weight does
+            scale = _Scale(
+                sname[len(name) - len(".weight") :],
+                convert(name, get(sname), self.architecture, self.num_hidden_layers) or [],
+                get(oname) if oname in self.offsets else None,
+            )
+        for i, piece in enumerate(pieces):
+            if _SHARED_COPIES.match(piece.param):
+                continue
+            if piece.param not in self.params:
+                self._error(f"unexpected tensor {name} (-> {piece.param})")
+            elif piece.param in self.quantized:
+                self._place_quantized(name, t, piece, i, scale)
+            else:
+                self._place_dequantized(name, piece, i, scale)
+
+    def _place_quantized(
+        self, name: str, t: torch.Tensor, piece: Piece, i: int, scale: _Scale | None
+    ) -> None:
+        """A weight the model holds quantized: stored as is, with its scale."""
+        try:
+            if scale is None:
+                raise ValueError(
+                    f"the model holds it quantized but the checkpoint stores "
+                    f"{t.dtype} without a scale"
+                )
+            w, sc = _stored(
+                self.params[piece.param],
+                piece.tensor,
+                scale.pieces[i].tensor,
+                scale.suffix,
+                scale.offset,
+            )
+        except ValueError as exc:
+            self._error(f"tensor {name} (-> {piece.param}): {exc}")
+            return
+        self.place(name, piece.param, w, piece.expert)
+        self.place(name, piece.param + "_scale", sc, piece.expert)
+
+    def _place_dequantized(self, name: str, piece: Piece, i: int, scale: _Scale | None) -> None:
+        """A weight the model holds in the compute dtype: dequantized first if it has a scale."""
+        value = piece.tensor
+        if scale is not None:
+            channel = scale.suffix == ".weight_scale"
+            try:
+                value = dequantize(
+                    value,
+                    int8_channel_scale(scale.pieces[i].tensor, scale.offset, name)
+                    if channel
+                    else scale.pieces[i].tensor,
+                    self.dtype,
+                    self.block,
+                    int8_channel=channel,
+                )
+            except ValueError as exc:
+                self._error(f"tensor {name}: {exc}")
+                return
+        self.place(name, piece.param, value, piece.expert)
+
+    def place(self, name: str, param: str, tensor: torch.Tensor, expert: int | None) -> None:
+        """Copy this rank's part of ``tensor`` into ``param`` (every slot holding ``expert``)."""
+        p = self.params[param]
+        part, rows = _local(tensor, expert, self.specs.get(param))
+        if part is None:
+            return
+        for row in rows if rows else [None]:
+            dst = p.data if row is None else p.data[row]
+            if tuple(dst.shape) != tuple(part.shape):
+                self._error(
+                    f"tensor {name}: shape {tuple(part.shape)}, {param} expects {tuple(dst.shape)}"
+                )
+                return
+            with torch.no_grad():
+                dst.copy_(part.to(dst.dtype))
+            with self.lock:
+                if row is None:
+                    self.filled[param] = None
+                else:
+                    got = self.filled.setdefault(param, set())
+                    if got is not None:
+                        got.add(row)
+
+    def _check_filled(self) -> None:
+        """Every parameter filled (a stacked expert parameter: every row)."""
+        for pname, p in self.params.items():
+            got = self.filled.get(pname, set())
+            if got is None:
+                continue
+            stacked = ("experts.w1", "experts.w2", "experts.w3")
+            want = p.shape[0] if pname.removesuffix("_scale").endswith(stacked) else 0
+            if not got or (want and len(got) != want):
+                missing = sorted(set(range(want)) - got) if want and got else None
+                detail = f" (experts {missing[:8]} missing)" if missing else ""
+                self.errors.append(f"missing tensor for parameter {pname}{detail}")

@@ -6,19 +6,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.mla import MLAKVCache
-from dsv4_serving.cache.mla_step import MLAStep
+from dsv4_serving.attention.backends.mla_torch import MLATorch
+from dsv4_serving.attention.kv_cache.mla import MLAKVCache
+from dsv4_serving.attention.metadata import AttentionMetadata
+from dsv4_serving.attention.mla import MLAttention
+from dsv4_serving.attention.mla_step import MLAStep
+from dsv4_serving.attention.selector import DeviceBackend
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
-from dsv4_serving.layers.mla import MLAttention
 from dsv4_serving.layers.moe import SwiGLU, V3MoE
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.quant.methods import QuantMethods, methods_for
 from dsv4_serving.layers.rope import Rotary
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV3Config
-from dsv4_serving.platform.attention import attention_backend
-from dsv4_serving.platform.mla_torch import MLATorch
 
 
 class V3Block(nn.Module):
@@ -104,18 +104,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             V3MTP(cfg, cfg.num_hidden_layers + i, rotary, parallel, self.quant)
             for i in range(cfg.num_nextn_predict_layers)
         )
-        self._attn: MLATorch | None = None
-        self._attn_device = ""
+        self._attn = DeviceBackend(cfg, MLATorch)
 
     def attention_backend(self, device: torch.device | None = None) -> MLATorch:
-        """The platform's MLA backend for the weights' device (chosen once: it owns the cache
-        layout and plans every step)."""
-        dev = device or self.embed.weight.device
-        if self._attn is None or self._attn_device != dev.type:
-            backend = attention_backend(self.config, dev.type)
-            assert isinstance(backend, MLATorch), f"{backend.name} is not an MLA backend"
-            self._attn, self._attn_device = backend, dev.type
-        return self._attn
+        """The platform's MLA backend for the weights' device."""
+        return self._attn.get(device or self.embed.weight.device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
@@ -131,9 +124,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         lookahead: int = 0,
     ) -> MLAKVCache:
         w = self.embed.weight
-        backend = self.attention_backend(w.device)
-        cache: MLAKVCache = backend.allocate_cache(
-            self.config, num_blocks, block_size, w.device, dtype or w.dtype
+        cache: MLAKVCache = self.attention_backend(w.device).allocate_cache(
+            self.config, num_blocks, block_size, num_slots, w.device, dtype or w.dtype, lookahead
         )
         return cache
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.v4 import V4KVCache
-from dsv4_serving.cache.v4_step import V4Step
+from dsv4_serving.attention.backends.v4_torch import V4Torch
+from dsv4_serving.attention.kv_cache.v4 import V4KVCache
+from dsv4_serving.attention.metadata import AttentionMetadata
+from dsv4_serving.attention.selector import DeviceBackend
+from dsv4_serving.attention.v4 import V4Attention
+from dsv4_serving.attention.v4_step import V4Step
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.kernels.v4_attn import V4_ATTN
 from dsv4_serving.layers.mhc import hc_head, hc_post, hc_pre
@@ -20,11 +23,8 @@ from dsv4_serving.layers.moe import V4MoE
 from dsv4_serving.layers.norm import RMSNorm
 from dsv4_serving.layers.quant.methods import QuantMethods, methods_for
 from dsv4_serving.layers.rope import Rotary
-from dsv4_serving.layers.v4_attention import V4Attention
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.models.config import DeepseekV4Config
-from dsv4_serving.platform.attention import attention_backend
-from dsv4_serving.platform.v4_torch import V4Torch
 
 
 class V4Block(nn.Module):
@@ -153,18 +153,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             V4MTP(cfg, cfg.num_hidden_layers + i, rotary_main, rotary_comp, parallel, self.quant)
             for i in range(cfg.num_nextn_predict_layers)
         )
-        self._attn: V4Torch | None = None
-        self._attn_device = ""
+        self._attn = DeviceBackend(cfg, V4Torch)
 
     def attention_backend(self, device: torch.device | None = None) -> V4Torch:
-        """The platform's V4 backend for the weights' device (chosen once: it owns the cache
-        layout and plans every step)."""
-        dev = device or self.embed.weight.device
-        if self._attn is None or self._attn_device != dev.type:
-            backend = attention_backend(self.config, dev.type)
-            assert isinstance(backend, V4Torch), f"{backend.name} is not a V4 backend"
-            self._attn, self._attn_device = backend, dev.type
-        return self._attn
+        """The platform's V4 backend for the weights' device."""
+        return self._attn.get(device or self.embed.weight.device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # keep the rope tables on the parameters' device

@@ -2,7 +2,7 @@
 
 One function decides, so the engine, ``dsv4 explain-model`` and the tests agree: the family
 (MLA, V4 sparse compressed, dense), the derived switches, and the implementations that can serve
-it on that platform, in order of preference (``platform/attention.py`` builds the first one that
+it on that platform, in order of preference (``attention/selector.py`` builds the first one that
 can run here and says why none can otherwise).
 """
 
@@ -23,7 +23,7 @@ class AttentionBackendChoice:
     switches: dict[str, bool] = field(default_factory=dict)
     kv_cache_kind: str = ""
     family: str = "dense"  # "mla", "v4" or "dense"
-    # implementation names (``platform/attention.py:IMPLEMENTATIONS``), most preferred first
+    # implementation names (``attention/selector.py:IMPLEMENTATIONS``), most preferred first
     implementations: tuple[str, ...] = ()
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.distributed.comm import broadcast_object
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.engine.core.sched.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dsv4_serving.attention.mla import MLAttention
 from dsv4_serving.distributed.comm import all_gather_object
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.engine.worker.model_loader import LoadedModel, load_model, num_kv_blocks
 from dsv4_serving.engine.worker.model_runner import ModelRunner
 from dsv4_serving.kernels.build import available
-from dsv4_serving.layers.mla import MLAttention
 
 if TYPE_CHECKING:
     from dsv4_serving.eplb.balancer import Balancer

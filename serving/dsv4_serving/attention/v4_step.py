@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata
+from dsv4_serving.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.v4_step import V4Step
+from dsv4_serving.attention.metadata import AttentionMetadata
+from dsv4_serving.attention.v4_step import V4Step
 
 
 @dataclass(frozen=True, slots=True)

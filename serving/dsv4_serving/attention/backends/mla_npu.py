@@ -1,7 +1,7 @@
 """MLA on Ascend NPUs through ``torch_npu``: decode with ``npu_fused_infer_attention_score``
-over the split latent layout (``cache/mla.py:MLASplitKVCache``, nope and rope apart, as the
-fused kernels read them), vllm-ascend's MLA decode call. Prefill chunks run the torch path
-(``platform/mla_torch.py``) over the same cache.
+over the split latent layout (``attention/kv_cache/mla.py:MLASplitKVCache``, nope and rope
+apart, as the fused kernels read them), vllm-ascend's MLA decode call. Prefill chunks run the
+torch path (``attention/backends/mla_torch.py``) over the same cache.
 
 Not written yet: the MLA prolog (``npu_mla_prolog_v2``: projections, norms, rope and cache
 write in one kernel, vllm-ascend's MLAPO switch) and the NZ weight format. Selected only where
@@ -15,33 +15,23 @@ from typing import Any
 
 import torch
 
-from dsv4_serving.cache.mla import MLASplitKVCache
-from dsv4_serving.cache.mla_step import MLAStep
-from dsv4_serving.cache.paged import gather_entries
-from dsv4_serving.platform.attention import library_missing
-from dsv4_serving.platform.mla_torch import MLATorch
+from dsv4_serving.attention.backends.base import library_missing
+from dsv4_serving.attention.backends.mla_torch import MLATorch
+from dsv4_serving.attention.kv_cache.mla import MLASplitKVCache
+from dsv4_serving.attention.kv_cache.paged import gather_entries
+from dsv4_serving.attention.mla_step import MLAStep
 
 
 class MLAAscend(MLATorch):
     name = "npu-mla-fia"
     max_decode_queries = 16  # FIA's TND layout serves MTP verification as well
+    cache_class = MLASplitKVCache
 
     @classmethod
     def unavailable(cls) -> str | None:
         return library_missing(
             "torch_npu", "install the torch_npu build matching this image's CANN (the npu extra)"
         )
-
-    def allocate_cache(
-        self,
-        config: Any,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> Any:
-        self.check_cache(block_size, dtype)
-        return MLASplitKVCache.allocate(config, num_blocks, block_size, device, dtype)
 
     def write(self, step: MLAStep, pool: Any, latent: torch.Tensor) -> None:
         nope, rope = pool

@@ -2,31 +2,31 @@
 is checked against (any torch device), and the CPU fast path (the C++ kernel for decode).
 
 Layout: one ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` tensor per layer
-(``cache/mla.py``). Decode (sequences with at most ``max_decode_queries`` new tokens: decode,
-MTP verification, short chunks) runs in the absorbed form over the latents
+(``attention/kv_cache/mla.py``). Decode (sequences with at most ``max_decode_queries`` new
+tokens: decode, MTP verification, short chunks) runs in the absorbed form over the latents
 (``kernels/paged_mla.py``'s contract); longer prefill chunks go through ``prefill`` (the MHA form with SDPA).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.mla import MLAKVCache
-from dsv4_serving.cache.mla_step import MLAStep, PrefillSeq
-from dsv4_serving.cache.paged import gather_entries
+from dsv4_serving.attention.backends.base import AttentionBackend
+from dsv4_serving.attention.kv_cache.mla import MLAKVCache
+from dsv4_serving.attention.kv_cache.paged import gather_entries
+from dsv4_serving.attention.metadata import AttentionMetadata
+from dsv4_serving.attention.mla_step import MLAStep, PrefillSeq
 from dsv4_serving.kernels.build import KernelUnavailable, build
 from dsv4_serving.kernels.paged_mla import paged_mla_attention
-from dsv4_serving.platform.attention import AttentionBackend
 
 if TYPE_CHECKING:
-    from dsv4_serving.layers.mla import MLAttention
+    from dsv4_serving.attention.mla import MLAttention
 
 
-class MLATorch(AttentionBackend):
+class MLATorch(AttentionBackend[MLAStep]):
     """Pure torch: decode through the chunked gather (``kernels/paged_mla.py:chunked``)."""
 
     name = "cpu-mla-torch"
@@ -34,30 +34,10 @@ class MLATorch(AttentionBackend):
     """Sequences with up to this many new tokens take ``decode`` (the paged, absorbed form:
     reads each cached latent once); longer chunks take ``prefill`` (MHA over expanded keys and values)."""
     use_kernel = False
+    cache_class: ClassVar[type[Any]] = MLAKVCache
 
-    # ---- cache layout ----------------------------------------------------------------------
-    def allocate_cache(
-        self,
-        config: Any,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> Any:
-        self.check_cache(block_size, dtype)
-        return MLAKVCache.allocate(config, num_blocks, block_size, 0, device, dtype)
-
-    def check_cache(self, block_size: int, dtype: torch.dtype) -> None:
-        """Raise ``ValueError`` naming the constraint when the layout cannot serve this cache."""
-
-    # ---- per-step metadata -----------------------------------------------------------------
-    def plan(self, meta: AttentionMetadata, block_size: int) -> MLAStep:
-        key = ("mla-plan", self.name, block_size)
-        got = meta.memo.get(key)
-        if got is None:
-            got = meta.memo[key] = MLAStep.build(self, meta, block_size, self.max_decode_queries)
-        assert isinstance(got, MLAStep)
-        return got
+    def build_step(self, meta: AttentionMetadata, block_size: int) -> MLAStep:
+        return MLAStep.build(self, meta, block_size, self.max_decode_queries)
 
     # ---- attention -------------------------------------------------------------------------
     def write(self, step: MLAStep, pool: Any, latent: torch.Tensor) -> None:

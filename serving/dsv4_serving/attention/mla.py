@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4_serving.cache.metadata import AttentionMetadata
-from dsv4_serving.cache.mla_step import MLAStep
+from dsv4_serving.attention.metadata import AttentionMetadata
+from dsv4_serving.attention.mla_step import MLAStep
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm
@@ -108,8 +108,9 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat((c, k_pe), dim=-1)
 
     def forward(self, x: torch.Tensor, step: MLAStep, latent_cache: torch.Tensor) -> torch.Tensor:
-        """``step``: this step's plan from the attention backend (``platform/mla_torch.py``),
-        built once per step; the backend stores the latents and runs the attention."""
+        """``step``: this step's plan from the attention backend
+        (``attention/backends/mla_torch.py``), built once per step; the backend stores the
+        latents and runs the attention."""
         backend = step.backend
         t, h = x.shape[0], self.n_heads
         q_nope, q_pe, latent = self.project(x, step.meta)

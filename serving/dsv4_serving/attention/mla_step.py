@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dsv4_serving.cache.metadata import AttentionMetadata
+from dsv4_serving.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

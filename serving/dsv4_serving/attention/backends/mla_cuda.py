@@ -1,8 +1,9 @@
 """MLA decode on CUDA through FlashMLA or FlashInfer, over the same one-tensor latent layout as
 the CPU (``[num_blocks, block_size, kv_lora_rank + rope]``). Prefill chunks and the cache
-write stay the torch ones (``platform/mla_torch.py``: SDPA dispatches to flash attention on
-CUDA). Selected only where the library imports (``platform/attention.py``); not run on this
-project's CPU machines, where the selection and its failure message are what is tested.
+write stay the torch ones (``attention/backends/mla_torch.py``: SDPA dispatches to flash
+attention on CUDA). Selected only where the library imports (``attention/selector.py``); not
+run on this project's CPU machines, where the selection and its failure message are what is
+tested.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import Any
 
 import torch
 
-from dsv4_serving.cache.mla_step import MLAStep
-from dsv4_serving.platform.attention import library_missing
-from dsv4_serving.platform.mla_torch import MLATorch
+from dsv4_serving.attention.backends.base import library_missing
+from dsv4_serving.attention.backends.mla_torch import MLATorch
+from dsv4_serving.attention.mla_step import MLAStep
 
 
 def _uniform_queries(step: MLAStep) -> int | None:

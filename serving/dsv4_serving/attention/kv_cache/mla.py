@@ -14,6 +14,14 @@ import torch
 from dsv4_serving.models.config import DeepseekV3Config
 
 
+def _per_layer(
+    config: DeepseekV3Config, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """One zeroed tensor of ``shape`` per layer: the model's layers, then its MTP layers."""
+    n = config.num_hidden_layers + config.num_nextn_predict_layers
+    return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
+
+
 @dataclass(slots=True)
 class MLAKVCache:
     block_size: int
@@ -28,16 +36,11 @@ class MLAKVCache:
         num_slots: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        lookahead: int = 0,
     ) -> MLAKVCache:
+        """``num_slots`` and ``lookahead`` size per-sequence state: this layout has none."""
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        n = config.num_hidden_layers + config.num_nextn_predict_layers
-        return cls(
-            block_size,
-            [
-                torch.zeros((num_blocks, block_size, width), device=device, dtype=dtype)
-                for _ in range(n)
-            ],
-        )
+        return cls(block_size, _per_layer(config, (num_blocks, block_size, width), device, dtype))
 
     @property
     def has_state(self) -> bool:
@@ -88,18 +91,16 @@ class MLASplitKVCache:
         config: DeepseekV3Config,
         num_blocks: int,
         block_size: int,
+        num_slots: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
+        lookahead: int = 0,
     ) -> MLASplitKVCache:
-        n = config.num_hidden_layers + config.num_nextn_predict_layers
-
-        def make(width: int) -> list[torch.Tensor]:
-            return [
-                torch.zeros((num_blocks, block_size, 1, width), device=device, dtype=dtype)
-                for _ in range(n)
-            ]
-
-        return cls(block_size, make(config.kv_lora_rank), make(config.qk_rope_head_dim))
+        return cls(
+            block_size,
+            _per_layer(config, (num_blocks, block_size, 1, config.kv_lora_rank), device, dtype),
+            _per_layer(config, (num_blocks, block_size, 1, config.qk_rope_head_dim), device, dtype),
+        )
 
     @property
     def has_state(self) -> bool:

@@ -21,8 +21,14 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from dsv4_serving.cache.v4 import V4LayerCache
-from dsv4_serving.cache.v4_step import RatioPlan, V4DecodeStep, V4Step
+from dsv4_serving.attention.kv_cache.v4 import V4LayerCache
+from dsv4_serving.attention.v4_prefill_plan import (
+    PoolPlan,
+    PrefillChunks,
+    WindowPlan,
+    prefill_chunks,
+)
+from dsv4_serving.attention.v4_step import RatioPlan, V4DecodeStep, V4Step
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.kernels.v4_attn import V4_ATTN
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -30,7 +36,6 @@ from dsv4_serving.layers.norm import RMSNorm, rms_norm
 from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
 from dsv4_serving.layers.rope import Rotary, rotate_tail_interleaved
 from dsv4_serving.layers.shard import ShardSpec
-from dsv4_serving.layers.v4_prefill_plan import PoolPlan, PrefillChunks, WindowPlan, prefill_chunks
 from dsv4_serving.models.config import DeepseekV4Config
 
 
@@ -164,10 +169,10 @@ class V4Attention(nn.Module):
         self.rotary_comp = rotary_comp
 
     def forward(self, x: torch.Tensor, step: V4Step, cache: V4LayerCache) -> torch.Tensor:
-        """``step``: this step's plan from the attention backend (``platform/v4_torch.py``),
-        built once per step: every decode sequence in one batched pass, the longer chunks in
-        another. With the kernel the queries' rope (and its inverse on the output) happens
-        inside it."""
+        """``step``: this step's plan from the attention backend
+        (``attention/backends/v4_torch.py``), built once per step: every decode sequence in one
+        batched pass, the longer chunks in another. With the kernel the queries' rope (and its
+        inverse on the output) happens inside it."""
         meta = step.meta
         t = x.shape[0]
         h, d = self.n_heads, self.head_dim
@@ -366,20 +371,10 @@ class V4Attention(nn.Module):
         Returns the chunks' rows ``[R, h, d]`` (``chunks.rows`` of the batch). With the kernel
         every query reads its window keys and selected entries in place instead."""
         win = cache.window
-        flat_win = win.view(-1, win.shape[-1])
         ext = self._kernel(q, cache)
         wp = chunks.window(win.shape[1], self.window, mask=ext is None)
-        keys = None
-        if ext is None or chunks.snapshots:
-            keys = kv[chunks.index]  # [S, N, d]
-            if wp.read.shape[1]:  # positions before the chunks, read before the ring is written
-                keys = torch.cat((flat_win[wp.read].to(kv.dtype), keys), dim=1)
-            if chunks.snapshots:
-                self._snapshot_window(chunks, wp, keys, win)
-        ksrc = None
-        if ext is not None:  # the chunks' keys, then the ring rows before them
-            wk = chunks.window_rows(win.shape[1], self.window)
-            ksrc = kv if not wk.older.numel() else torch.cat((kv, flat_win[wk.older].to(kv.dtype)))
+        # every read of the ring comes before this step's rows are written into it
+        keys, ksrc = self._prefill_window_keys(chunks, wp, kv, win, kernel=ext is not None)
         comp = idx_keys = None
         if self.compressor is not None:
             assert cache.comp is not None and comp_proj is not None
@@ -391,44 +386,101 @@ class V4Attention(nn.Module):
                 idx_keys = self._advance_prefill(
                     self.indexer.compressor, cache.index, cache.index_state, chunks, idx_proj
                 )
-        flat_win[wp.write] = kv[wp.write_src].to(win.dtype)
-
-        visible = None
-        if self.compressor is not None:
-            assert cache.comp is not None
-            rp = chunks.ratio(self.ratio, cache.comp.shape[1])
-            if rp.entries.shape[1]:
-                visible = rp.visible
-                if self.indexer is not None:
-                    assert idx_q is not None and idx_w is not None and idx_keys is not None
-                    s, n = chunks.index.shape
-                    scores = torch.einsum(
-                        "snhd,sed->snhe", idx_q[chunks.index].float(), idx_keys.float()
-                    )
-                    chosen = self._topk(
-                        scores.flatten(0, 1),
-                        idx_w[chunks.index].flatten(0, 1),
-                        visible.flatten(0, 1),
-                    )
-                    visible = visible & chosen.view(s, n, -1)
+        win.view(-1, win.shape[-1])[wp.write] = kv[wp.write_src].to(win.dtype)
+        visible = self._prefill_visible(chunks, cache, idx_q, idx_w, idx_keys)
         if ext is not None:
             assert ksrc is not None
-            sink = self.attn_sink.float()
-            if visible is None:
-                csrc, cidx = ksrc, wk.kidx[:, :0]
-            else:
-                assert cache.comp is not None
-                csrc = cache.comp.view(-1, cache.comp.shape[-1])
-                ent = rp.entries[chunks.seq_of_row]
-                cidx = torch.where(visible.flatten(0, 1)[chunks.sel], ent, -1)
-            q_rows = q[chunks.rows].contiguous()
-            scale = self.head_dim**-0.5
-            out: torch.Tensor = ext.v4_attn(
-                q_rows, ksrc, wk.kidx, csrc, cidx, sink, scale, *self._rope_args(rope)
-            )
-            return out
-
+            return self._prefill_kernel(ext, chunks, q, ksrc, visible, cache, rope)
         assert keys is not None
+        return self._prefill_torch(chunks, wp, q, keys, comp, visible)
+
+    def _prefill_window_keys(
+        self,
+        chunks: PrefillChunks,
+        wp: WindowPlan,
+        kv: torch.Tensor,
+        win: torch.Tensor,
+        kernel: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The window keys as the torch path reads them, ``[S, P + N, d]`` (also for
+        snapshots), and as the kernel does, ``cat(kv, ring rows before the chunks)``."""
+        flat_win = win.view(-1, win.shape[-1])
+        keys = ksrc = None
+        if not kernel or chunks.snapshots:
+            keys = kv[chunks.index]  # [S, N, d]
+            if wp.read.shape[1]:  # positions before the chunks, read before the ring is written
+                keys = torch.cat((flat_win[wp.read].to(kv.dtype), keys), dim=1)
+            if chunks.snapshots:
+                self._snapshot_window(chunks, wp, keys, win)
+        if kernel:  # the chunks' keys, then the ring rows before them
+            wk = chunks.window_rows(win.shape[1], self.window)
+            ksrc = kv if not wk.older.numel() else torch.cat((kv, flat_win[wk.older].to(kv.dtype)))
+        return keys, ksrc
+
+    def _prefill_visible(
+        self,
+        chunks: PrefillChunks,
+        cache: V4LayerCache,
+        idx_q: torch.Tensor | None,
+        idx_w: torch.Tensor | None,
+        idx_keys: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """``[S, N, E]`` bool: the compressed entries each query attends to (complete before
+        it and, on CSA layers, among the indexer's top-k); None where there are none."""
+        if self.compressor is None:
+            return None
+        assert cache.comp is not None
+        rp = chunks.ratio(self.ratio, cache.comp.shape[1])
+        if not rp.entries.shape[1]:
+            return None
+        visible = rp.visible
+        if self.indexer is not None:
+            assert idx_q is not None and idx_w is not None and idx_keys is not None
+            s, n = chunks.index.shape
+            scores = torch.einsum("snhd,sed->snhe", idx_q[chunks.index].float(), idx_keys.float())
+            chosen = self._topk(
+                scores.flatten(0, 1), idx_w[chunks.index].flatten(0, 1), visible.flatten(0, 1)
+            )
+            visible = visible & chosen.view(s, n, -1)
+        return visible
+
+    def _prefill_kernel(
+        self,
+        ext: ModuleType,
+        chunks: PrefillChunks,
+        q: torch.Tensor,
+        ksrc: torch.Tensor,
+        visible: torch.Tensor | None,
+        cache: V4LayerCache,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The kernel's pass: every query row reads its window keys and entries in place."""
+        wk = chunks.window_rows(cache.window.shape[1], self.window)
+        sink = self.attn_sink.float()
+        if visible is None:
+            csrc, cidx = ksrc, wk.kidx[:, :0]
+        else:
+            assert cache.comp is not None
+            csrc = cache.comp.view(-1, cache.comp.shape[-1])
+            ent = chunks.ratio(self.ratio, cache.comp.shape[1]).entries[chunks.seq_of_row]
+            cidx = torch.where(visible.flatten(0, 1)[chunks.sel], ent, -1)
+        q_rows = q[chunks.rows].contiguous()
+        scale = self.head_dim**-0.5
+        out: torch.Tensor = ext.v4_attn(
+            q_rows, ksrc, wk.kidx, csrc, cidx, sink, scale, *self._rope_args(rope)
+        )
+        return out
+
+    def _prefill_torch(
+        self,
+        chunks: PrefillChunks,
+        wp: WindowPlan,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        comp: torch.Tensor | None,
+        visible: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The torch pass over the padded batch: masked window and entry logits, sinks."""
         scale = self.head_dim**-0.5
         qf = q[chunks.index].float()  # [S, N, h, d]
         logits = torch.einsum("snhd,skd->shnk", qf, keys.float()) * scale
