@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,90 +75,113 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+class _BadArgs(Exception):
+    """A flag's value cannot run: the message names the flag."""
+
+
 def _fail(msg: str) -> int:
     print(f"dsv4 bench: error: {msg}", file=sys.stderr)
     return 2
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_ranges(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--num-requests", args.num_requests),
+        ("--input-len", args.input_len),
+        ("--output-len", args.output_len),
+    ):
+        if value < 1:
+            raise _BadArgs(f"{flag} must be >= 1, got {value}")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise _BadArgs(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise _BadArgs(f"--request-rate must be > 0, got {args.request_rate}")
+    if not 0 <= args.input_range < 1:
+        raise _BadArgs(f"--input-range must be in [0, 1), got {args.input_range}")
+
+
+def _schedule(args: argparse.Namespace) -> tuple[list[Any], list[Any]] | None:
+    """The --schedule phases and arrival times (None without it); sets --num-requests to fit."""
+    if args.schedule is None:
+        return None
+    from dsv4_serving.bench.schedule import ScheduleError, arrivals, parse_schedule
+
+    try:
+        phases = parse_schedule(args.schedule)
+        times = arrivals(phases, args.seed)
+    except ScheduleError as e:
+        raise _BadArgs(str(e)) from e
+    if not times:
+        raise _BadArgs("--schedule produces no request (every rate is 0)")
+    args.num_requests = len(times)
+    return phases, times
+
+
+def _model_name(args: argparse.Namespace, base: str, headers: dict[str, str]) -> str:
+    if args.model is not None:
+        return str(args.model)
     import httpx
 
-    from dsv4_serving.bench.client import jsonl_prompts, random_prompts, run_load
-    from dsv4_serving.bench.stats import (
-        format_table,
-        phase_summaries,
-        summarize,
-        write_records,
-    )
+    try:
+        r = httpx.get(f"{base}/v1/models", headers=headers, timeout=10)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise _BadArgs(f"--model not given and {base}/v1/models did not name one: {e}") from e
 
-    for flag, value, lo in (
-        ("--num-requests", args.num_requests, 1),
-        ("--input-len", args.input_len, 1),
-        ("--output-len", args.output_len, 1),
-    ):
-        if value < lo:
-            return _fail(f"{flag} must be >= {lo}, got {value}")
-    if args.concurrency is not None and args.concurrency < 1:
-        return _fail(f"--concurrency must be >= 1, got {args.concurrency}")
-    if args.request_rate is not None and args.request_rate <= 0:
-        return _fail(f"--request-rate must be > 0, got {args.request_rate}")
-    if not 0 <= args.input_range < 1:
-        return _fail(f"--input-range must be in [0, 1), got {args.input_range}")
-    schedule = None
-    if args.schedule is not None:
-        from dsv4_serving.bench.schedule import ScheduleError, arrivals, parse_schedule
 
-        try:
-            phases = parse_schedule(args.schedule)
-            schedule = arrivals(phases, args.seed)
-        except ScheduleError as e:
-            return _fail(str(e))
-        if not schedule:
-            return _fail("--schedule produces no request (every rate is 0)")
-        args.num_requests = len(schedule)
-    base = args.url.rstrip("/")
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model
-    if model is None:
-        try:
-            r = httpx.get(f"{base}/v1/models", headers=headers, timeout=10)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-            return _fail(f"--model not given and {base}/v1/models did not name one: {e}")
+def _prompts(args: argparse.Namespace, model: str) -> list[Any]:
+    from dsv4_serving.bench.client import jsonl_prompts, random_prompts
+
     chat = args.endpoint == "chat"
     try:
         if args.dataset:
-            prompts = jsonl_prompts(args.dataset, args.num_requests, args.output_len, chat, model)
-        else:
-            prompts = random_prompts(
-                args.num_requests,
-                args.input_len,
-                args.input_range,
-                args.output_len,
-                args.seed,
-                chat,
-                model,
-            )
+            return jsonl_prompts(args.dataset, args.num_requests, args.output_len, chat, model)
+        return random_prompts(
+            args.num_requests,
+            args.input_len,
+            args.input_range,
+            args.output_len,
+            args.seed,
+            chat,
+            model,
+        )
     except (OSError, ValueError) as e:
-        return _fail(f"--dataset: {e}")
-    url = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
+        raise _BadArgs(f"--dataset: {e}") from e
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsv4_serving.bench.client import run_load
+    from dsv4_serving.bench.stats import format_table, phase_summaries, summarize, write_records
+
+    base = args.url.rstrip("/")
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        _check_ranges(args)
+        planned = _schedule(args)
+        model = _model_name(args, base, headers)
+        prompts = _prompts(args, model)
+    except _BadArgs as e:
+        return _fail(str(e))
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    show_progress = not args.no_progress and not args.json
+    schedule = planned[1] if planned else None
     records, wall = asyncio.run(
         run_load(
-            url,
+            base + path,
             prompts,
             headers,
             args.concurrency,
             args.request_rate,
             args.seed,
             args.timeout,
-            not args.no_progress and not args.json,
+            show_progress,
             schedule,
         )
     )
     summary = summarize(records, wall, args.ttft_slo, args.tpot_slo)
-    if schedule is not None:
-        summary["phases"] = phase_summaries(records, phases, args.ttft_slo, args.tpot_slo)
+    if planned is not None:
+        summary["phases"] = phase_summaries(records, planned[0], args.ttft_slo, args.tpot_slo)
     if args.records is not None:
         write_records(args.records, records)
     summary["config"] = {
