@@ -44,3 +44,25 @@ def test_the_makefile_installs_from_the_lock_without_resolving_the_project() -> 
     makefile = (ROOT / "Makefile").read_text()
     assert "pip install -r $(LOCK)" in makefile
     assert "pip install --no-deps -e ." in makefile
+
+
+def _via(package: str) -> str:
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        name, _, rest = line.partition("==")
+        if _norm(name) == package:
+            return rest.partition("#")[2].strip()
+    raise AssertionError(f"{package} is not in requirements.lock")
+
+
+def test_the_production_images_extras_do_not_bring_the_dev_clusters_cryptography() -> None:
+    """The operator/gateway image installs `operator` and `gateway`: cryptography (the dev
+    cluster's certificates) must come from neither, directly or through a dependency."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for extra in ("operator", "gateway"):
+        names = {_norm(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in extras[extra]}
+        assert "cryptography" not in names, f"the {extra} extra lists cryptography"
+    assert "cryptography" in {_norm(re.split(r"[<>=!~\[; ]", r)[0]) for r in extras["devcluster"]}
+    # the lock names who pulls a package in: only the project itself may, through its extras
+    assert _via("cryptography") == "via dsv4 (pyproject.toml)"
