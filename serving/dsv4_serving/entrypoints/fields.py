@@ -19,6 +19,7 @@ NO_OPS: frozenset[str] = frozenset(
         "safety_identifier",
         "prompt_cache_key",
         "prompt_cache_retention",
+        "prompt_cache_options",
         "stream_options.include_obfuscation",
         "messages[].name",
         "messages[].tool_call_id",
@@ -70,6 +71,7 @@ REFUSED_CHAT: dict[str, Refused] = {
     "reasoning_effort": Refused(_unset, f"reasoning_effort {_NOT_YET}"),
     "thinking": Refused(_unset, f"thinking {_NOT_YET}"),
     "chat_template_kwargs": Refused(_unset, f"chat_template_kwargs {_NOT_YET}"),
+    "moderation": Refused(_unset, "moderation is not supported"),
 }
 """Chat request fields and the values refused (a 400 naming the field)."""
 

@@ -180,6 +180,8 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | None = None  # DeepSeek's
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's
+    moderation: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # no-op: prefix caching is automatic
 
     def unsupported(self) -> Refusal | None:
         bad = refused(self, REFUSED_CHAT)
