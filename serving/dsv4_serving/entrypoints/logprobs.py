@@ -25,6 +25,14 @@ def _value(v: float) -> float:
     return max(v, FLOOR)
 
 
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class ChoiceLogprobs:
     """Renders one choice's logprobs, increment by increment (a stream's chunks or a whole
     answer); ``text_offset`` counts characters of the choice's text from its start."""
@@ -42,10 +50,31 @@ class ChoiceLogprobs:
         text = None if self.as_token_ids else self._text(i)
         return f"token_id:{i}" if text is None else text
 
-    def _text_len(self) -> int:
-        """Characters of the text of ``ids``, as the answer's text has them (a trailing partial
-        character is not text yet)."""
-        return len(self.tok.decode(self.ids).rstrip(_PARTIAL))
+    def _offsets(self, new: list[int], final: bool) -> list[int]:
+        """Where each of ``new`` (tokens after ``ids``) starts in the choice's text: the index
+        of the character holding its first byte. Text decoded before a token ends in U+FFFD
+        both where a character is unfinished and where the text has a real U+FFFD (or bytes
+        that are no UTF-8), so the offset is what that text shares with the text decoded past
+        the token, less the last U+FFFD when the token itself continues it (it adds no
+        character and has no text of its own). Until the choice is final, the text's own
+        trailing U+FFFD are held back, as the answer's are (``IncrementalDetokenizer``)."""
+        ids = self.ids + new
+        text = self.tok.decode(ids)
+        if not final:
+            text = text.rstrip(_PARTIAL)
+        out = []
+        before = self.tok.decode(self.ids)
+        for k in range(len(self.ids), len(ids)):
+            after = self.tok.decode(ids[: k + 1])
+            offset = _common_prefix(before, text)
+            continues = (
+                before.endswith(_PARTIAL)
+                and len(after) == len(before)
+                and self.tok.decode([ids[k]]).startswith(_PARTIAL)
+            )
+            out.append(min(offset, len(before) - 1) if continues else offset)
+            before = after
+        return out
 
     def _top(self, lp: Logprob) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -66,7 +95,8 @@ class ChoiceLogprobs:
             "bytes": list(text.encode()) if text is not None else None,
         }
 
-    def render(self, lps: list[Logprob] | None) -> dict[str, Any] | None:
+    def render(self, lps: list[Logprob] | None, final: bool = True) -> dict[str, Any] | None:
+        """``final``: the choice ends with these (a stream's last chunk, or a whole answer)."""
         if lps is None:
             return None
         if self.chat:
@@ -79,10 +109,9 @@ class ChoiceLogprobs:
                     for lp in lps
                 ]
             }
-        offsets = []
-        for lp in lps:
-            offsets.append(self._text_len())
-            self.ids.append(lp.token_id)
+        new = [lp.token_id for lp in lps]
+        offsets = self._offsets(new, final)
+        self.ids.extend(new)
         return {
             "tokens": [self.spell(lp.token_id) for lp in lps],
             "token_logprobs": [_value(lp.logprob) for lp in lps],

@@ -1,25 +1,51 @@
-"""OpenAI request bodies (the fields this engine honours; unknown fields are ignored, as
-OpenAI-compatible servers do). Errors are ``dsv4_serving.http.errors``'s common body."""
+"""OpenAI request bodies: every field of OpenAI's chat and completions requests, honoured, a
+no-op, or refused (``fields``), plus vLLM's extensions this engine honours. A field nobody
+defines is ignored with a log line, as vLLM does. Errors are ``dsv4_serving.http.errors``'s
+common body."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.entrypoints.fields import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    REFUSED_MESSAGE,
+    Refusal,
+    refused,
+)
+
+log = logging.getLogger(__name__)
 
 MAX_N = 64
 """Most samples one request may ask for (each is an engine request)."""
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Unknown fields are dropped, with a log line (vLLM's behaviour)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                log.warning("%s: ignored unknown fields %s", cls.__name__, unknown)
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no-op: nothing is obfuscated here
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class _Common(_Body):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -38,6 +64,32 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     # vLLM's extension: logprobs name tokens ``token_id:<id>``, never by their text
     return_tokens_as_token_ids: bool = False
+    # logits processors (``engine.sample.logits_processors``; vLLM's semantics)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None  # vLLM's extension
+    # no-ops (``fields.NO_OPS``)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+
+    def unsupported(self) -> Refusal | None:
+        """The first field set to a value this server does not honour (``fields``)."""
+        return None
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        return out
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if not 1 <= self.n <= MAX_N:
@@ -54,6 +106,11 @@ class _Common(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_p=self.min_p or 0.0,
         )
 
 
@@ -61,20 +118,34 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text before each choice's (not its logprobs)
+    suffix: str | None = None  # refused
+    best_of: int | None = None  # refused above 1
+
+    def unsupported(self) -> Refusal | None:
+        return refused(self, REFUSED_COMPLETION)
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         """``default_max`` is unused: OpenAI's completions default is 16 (``max_tokens``)."""
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs yet)")
         return self._params(self.max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    # no-ops (``fields.NO_OPS``)
+    name: str | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # refused (``fields.REFUSED_MESSAGE``)
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prefix: bool | None = None  # DeepSeek's assistant prefill
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -93,6 +164,30 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # refused for now (``fields.REFUSED_CHAT``): a 400 names them
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    reasoning_effort: str | None = None
+    thinking: dict[str, Any] | None = None  # DeepSeek's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's
+    moderation: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # no-op: prefix caching is automatic
+
+    def unsupported(self) -> Refusal | None:
+        bad = refused(self, REFUSED_CHAT)
+        for i, m in enumerate(self.messages):
+            bad = bad or refused(m, REFUSED_MESSAGE, f"messages[{i}].")
+        return bad
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         """``default_max``: what is left of the context after the prompt (vLLM's default)."""

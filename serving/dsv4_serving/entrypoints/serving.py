@@ -123,8 +123,10 @@ class CompletionGenerator:
         data_parallel_rank: int | None = None,
         n: int = 1,
         tokens_as_ids: bool = False,
+        echo: str | None = None,
         traceparent: str | None = None,
     ) -> AsyncIterator[str] | dict[str, Any]:
+        """``echo`` (completions): text put before each choice's (the prompt's)."""
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
         gens = [
@@ -150,9 +152,9 @@ class CompletionGenerator:
                 await outputs.aclose()  # type: ignore[attr-defined]
                 raise
             return self._stream(
-                outputs, first, rid, created, lps, include_usage, chat, n, return_token_ids
+                outputs, first, rid, created, lps, include_usage, chat, n, return_token_ids, echo
             )
-        text: list[list[str]] = [[] for _ in range(n)]
+        text: list[list[str]] = [[echo] if echo else [] for _ in range(n)]
         logprobs: list[list[Any]] = [[] for _ in range(n)]
         token_ids: list[list[int]] = [[] for _ in range(n)]
         last: dict[int, RequestOutput] = {}
@@ -200,6 +202,7 @@ class CompletionGenerator:
         chat: bool,
         n: int,
         return_token_ids: bool = False,
+        echo: str | None = None,
     ) -> AsyncIterator[str]:
         base = {
             "id": rid,
@@ -208,6 +211,7 @@ class CompletionGenerator:
             "model": self.model_name,
         }
         last: dict[int, RequestOutput] = {}
+        echoes = set(range(n)) if echo else set()  # the choices whose prompt is not sent yet
         try:
             if chat:
                 for i in range(n):
@@ -224,7 +228,7 @@ class CompletionGenerator:
                 last[i] = o
                 choice: dict[str, Any] = {
                     "index": i,
-                    "logprobs": lps[i].render(o.delta_logprobs),
+                    "logprobs": lps[i].render(o.delta_logprobs, o.finished),
                     "finish_reason": o.finish_reason,
                 }
                 if o.finished:
@@ -232,7 +236,8 @@ class CompletionGenerator:
                 if chat:
                     choice["delta"] = {"content": o.delta_text}
                 else:
-                    choice["text"] = o.delta_text
+                    choice["text"] = (echo if echo and i in echoes else "") + o.delta_text
+                    echoes.discard(i)
                 if return_token_ids:
                     choice["token_ids"] = o.delta_token_ids
                 yield _sse({**base, "choices": [choice]})

@@ -17,7 +17,7 @@ class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Any:
-        self.check_model(body.model)
+        self.check_body(body)
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(msgs))

@@ -75,7 +75,12 @@ class OpenAIServing:
         self.tracer = tracer
         self.generator = CompletionGenerator(engine, tokenizer, model_name)
 
-    def check_model(self, name: str | None) -> None:
+    def check_body(self, body: Body) -> None:
+        """The model is this one, and no field asks for what this server does not do."""
+        name = body.model
+        bad = body.unsupported()
+        if bad is not None:
+            raise BadRequest(bad[1], param=bad[0], code="unsupported_parameter")
         if name is not None and name != self.model_name:
             raise BadRequest(
                 f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
@@ -83,9 +88,11 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def respond(self, request: Request, body: Body, ids: list[int]) -> Any:
+    async def respond(
+        self, request: Request, body: Body, ids: list[int], echo: str | None = None
+    ) -> Any:
         """Every check, once, then the work (cancelled if the client leaves, or stopped when a
-        shutdown's grace period runs out)."""
+        shutdown's grace period runs out). ``echo``: text put before each choice's."""
         if self.drain.draining:
             return draining_response()
         arrived_ns = time.time_ns()
@@ -108,6 +115,7 @@ class OpenAIServing:
             dp_rank,
             n=body.n,
             tokens_as_ids=body.return_tokens_as_token_ids,
+            echo=echo,
             traceparent=tracing.traceparent(span) if span is not None else None,
         )
         return await self._serve(request, work, span)
@@ -131,9 +139,18 @@ class OpenAIServing:
         try:
             params = body.sampling_params(default_max=max(1, self.info.max_model_len - len(ids)))
         except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
+            # SamplingParams' messages open with the field they blame
+            first = str(exc).split(" ", 1)[0]
+            param = first if first in type(body).model_fields else None
+            raise BadRequest(str(exc), param=param) from exc
         info = self.info
         check_prompt(ids, params.max_tokens, info.max_model_len, info.vocab_size, self.prompt_param)
+        bad = sorted(t for t in params.logit_bias if t >= info.vocab_size)
+        if bad:
+            raise BadRequest(
+                f"logit_bias: token ids out of the vocabulary [0, {info.vocab_size}): {bad[:10]}",
+                param="logit_bias",
+            )
         return params
 
     def _check_remote_kv(self, kv: RemotePrefillParams, ids: list[int]) -> None:

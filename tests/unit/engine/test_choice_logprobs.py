@@ -75,3 +75,38 @@ def test_sample_i_uses_seed_plus_i_and_unseeded_samples_stay_unseeded() -> None:
     q = SamplingParams(temperature=1.0)
     assert sample_params(q, 2).seed is None
     assert sample_params(SamplingParams(seed=2**63 - 1), 1).seed == 0
+
+
+def _offsets_point_at_their_tokens(ids: list[int], chunks: list[int]) -> list[int]:
+    """Render ``ids`` in chunks of the given sizes; check each offset against the text."""
+    lp = ChoiceLogprobs(TOK, chat=False)
+    offsets: list[int] = []
+    start = 0
+    for size in chunks:
+        end = start + size
+        out = lp.render([Logprob(i, -1.0, []) for i in ids[start:end]], final=end == len(ids))
+        assert out is not None
+        offsets += out["text_offset"]
+        start = end
+    return offsets
+
+
+def test_text_offset_points_at_each_token_past_split_characters_and_a_real_fffd() -> None:
+    # "a" "中"(3 byte tokens) "�"(a real U+FFFD: 3 byte tokens) "b" "é"(2) "c"
+    ids = [ord("a"), *"中".encode(), *"\ufffd".encode(), ord("b"), *E_ACUTE, ord("c")]
+    text = TOK.decode(ids)
+    assert text == "a中\ufffdbéc"
+    # each token's offset: the character holding its first byte
+    want = [0, 1, 1, 1, 2, 2, 2, 3, 4, 4, 5]
+    assert _offsets_point_at_their_tokens(ids, [len(ids)]) == want
+    for k in (1, 2, 3):  # streamed, k tokens a chunk: the same offsets
+        sizes = [k] * (len(ids) // k) + ([len(ids) % k] if len(ids) % k else [])
+        assert _offsets_point_at_their_tokens(ids, sizes) == want
+    # the old rule dropped every trailing U+FFFD: "b" came out at 2, on the U+FFFD
+    assert text[want[7]] == "b"
+
+
+def test_text_offset_after_bytes_that_never_become_a_character() -> None:
+    ids = [0xE4, ord("x"), ord("y")]  # a lone lead byte: U+FFFD in the text, then "xy"
+    assert TOK.decode(ids) == "\ufffdxy"
+    assert _offsets_point_at_their_tokens(ids, [3]) == [0, 1, 2]

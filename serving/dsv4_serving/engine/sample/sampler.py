@@ -1,6 +1,7 @@
 """Sampling and speculative verification over logits rows.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw with
+Bias and penalties come first (``logits_processors``, per row, drafts included). Greedy rows
+then take the argmax. Random rows apply temperature, min_p, top-k and top-p, then draw with
 the request's own generator (seeded requests draw from their seed alone, whatever else is in
 the batch). Drafts (greedy from the MTP layer, so the draft distribution q is one-hot) are
 verified by rejection sampling: draft d is kept with probability min(1, p(d) / q(d)) = p(d);
@@ -14,12 +15,14 @@ from __future__ import annotations
 import torch
 
 from dsv4_serving.engine.request import Logprob
+from dsv4_serving.engine.sample.logits_processors import TokenHistory, apply_min_p, process_logits
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Sampling distribution of rows ``[n, V]`` (float32) after temperature, top-k, top-p."""
-    x = logits.float() / max(sp.temperature, 1e-5)
+    """Sampling distribution of rows ``[n, V]`` (float32) after temperature, min_p, top-k,
+    top-p (``logits`` already carry the bias and penalties)."""
+    x = apply_min_p(logits.float() / max(sp.temperature, 1e-5), sp.min_p)
     if sp.top_k > 0 and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -torch.inf)
@@ -45,9 +48,13 @@ def sample_and_verify(
     drafts: list[int],
     sp: SamplingParams,
     gen: torch.Generator | None,
+    hist: TokenHistory | None = None,
 ) -> list[int]:
     """``logits`` has ``len(drafts) + 1`` rows (row i predicts the token after input i).
-    Returns the kept drafts followed by one token of the model's own: 1..len(drafts)+1 ids."""
+    Returns the kept drafts followed by one token of the model's own: 1..len(drafts)+1 ids.
+    ``hist``: the request's token counts, when its penalties need them."""
+    if sp.moves_argmax:
+        logits = process_logits(logits, sp, hist, drafts)
     if sp.greedy:
         target = logits.argmax(dim=-1).tolist()
         out: list[int] = []

@@ -3,6 +3,7 @@ which the API turns into HTTP 400)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -31,6 +32,17 @@ class SamplingParams:
     """Keep generating past the model's EOS token."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many most likely alternatives (0-20)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output ([-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is in the output ([-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Tokens in the prompt or the output: a positive logit is divided by it, a negative one
+    multiplied (> 0; 1 = off; vLLM's and the CTRL paper's rule)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids ([-100, 100]; the API checks the ids)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's ([0, 1])."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
@@ -51,7 +63,37 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.top_k == -1:
             self.top_k = 0
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        bad = {t: b for t, b in self.logit_bias.items() if not -100.0 <= b <= 100.0}
+        if bad:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bad}")
+        negative = [t for t in self.logit_bias if t < 0]
+        if negative:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {negative}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_history(self) -> bool:
+        """The penalties read the request's prompt and output token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def moves_argmax(self) -> bool:
+        """Bias or penalties change the logits before any draw: greedy rows cannot take the
+        model's plain argmax (temperature, min_p, top-k and top-p keep it)."""
+        return self.uses_history or bool(self.logit_bias)

@@ -1,8 +1,10 @@
 """Runs one scheduled step on the device: state copies, the forward over a flat batch,
 sampling / draft verification, and the MTP drafter.
 
-The runner keeps no request state besides per-request random generators; everything it needs
-(tokens, block ids, state slot) comes in the ``SchedulerOutput``.
+The runner keeps no request state besides per-request random generators and, for requests
+with penalties, token counts (``TokenHistory``, from the prompt sent at the first sample, then
+each accepted token); everything else it needs (tokens, block ids, state slot) comes in the
+``SchedulerOutput``.
 
 Under tensor parallelism every TP rank runs ``execute`` on the same output (the core broadcasts
 it); the head gathers the logits, so TP rank 0 alone samples (the generators live there) and
@@ -19,6 +21,7 @@ from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.distributed.comm import broadcast_object
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.engine.core.sched.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+from dsv4_serving.engine.sample.logits_processors import TokenHistory
 from dsv4_serving.engine.sample.sampler import compute_logprobs, sample_and_verify
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.engine.worker.model_loader import LoadedModel
@@ -58,6 +61,7 @@ class ModelRunner:
         self.eplb = eplb
         self.forwards = 0  # steps that ran the model (the benchmark's per-step figures)
         self._gens: dict[str, torch.Generator] = {}
+        self._hists: dict[str, TokenHistory] = {}
         self._default_gen = torch.Generator().manual_seed(seed)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator:
@@ -68,6 +72,17 @@ class ModelRunner:
         if g is None:
             g = self._gens[s.request_id] = torch.Generator().manual_seed(seed)
         return g
+
+    def _history(self, s: ScheduledRequest, vocab: int) -> TokenHistory | None:
+        """The request's token counts (penalties only), started at its first sample."""
+        if not s.sampling_params.uses_history:
+            return None
+        h = self._hists.get(s.request_id)
+        if h is None:
+            assert s.prompt_token_ids is not None, f"no prompt for {s.request_id}'s penalties"
+            h = TokenHistory(s.prompt_token_ids, vocab, self.device, s.sampling_params)
+            self._hists[s.request_id] = h
+        return h
 
     def dummy_step(self) -> SchedulerOutput:
         """One token at position 0 of the reserved block and slot, sampling nothing: an idle DP
@@ -85,6 +100,7 @@ class ModelRunner:
         rank drafts); None = when this batch drafts."""
         for rid in out.finished_ids:
             self._gens.pop(rid, None)
+            self._hists.pop(rid, None)
         for src, dst in out.state_copies:
             self.cache.copy_slot(src, dst)
         if not out.scheduled:
@@ -135,10 +151,14 @@ class ModelRunner:
                 j += 1
                 lg = logits[a : a + n]
                 drafts = s.token_ids[len(s.token_ids) - s.num_spec :] if s.num_spec else []
-                if greedy is not None and s.sampling_params.greedy and not drafts:
+                sp = s.sampling_params
+                hist = self._history(s, lg.shape[-1])
+                if greedy is not None and sp.greedy and not drafts and not sp.moves_argmax:
                     toks = [greedy[a]]
                 else:
-                    toks = sample_and_verify(lg, drafts, s.sampling_params, self._generator(s))
+                    toks = sample_and_verify(lg, drafts, sp, self._generator(s), hist)
+                if hist is not None:
+                    hist.add(toks)
                 lp = None
                 if s.sampling_params.logprobs is not None:
                     lp = compute_logprobs(lg, toks, s.sampling_params.logprobs)

@@ -58,6 +58,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int  # before this step (for seeded sampling positions)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (boundary, slot) in-chunk
+    # the prompt, sent once, at the first sample of a request whose penalties count tokens
+    # (the runner keeps the counts from then on: ``logits_processors.TokenHistory``)
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -488,7 +491,15 @@ class Scheduler:
             sampling_params=req.sampling_params,
             num_output_tokens=req.num_output_tokens,
             snapshots=self.kv.plan_snapshots(req, ctx, end) if not num_spec else [],
+            prompt_token_ids=self._history_start(req, known),
         )
+
+    @staticmethod
+    def _history_start(req: Request, known: int) -> list[int] | None:
+        first_sample = known >= req.num_tokens and not req.num_output_tokens
+        if first_sample and req.sampling_params.uses_history:
+            return req.all_token_ids[: req.num_prompt_tokens]
+        return None
 
     def update_from_output(
         self, out: SchedulerOutput, results: dict[str, RunnerResult]

@@ -1,0 +1,102 @@
+"""Every field of OpenAI's chat and completions requests is honoured, a documented no-op, or
+refused with a 400 naming it: nothing a client sends vanishes without a word. Fields nobody
+in OpenAI's API defines are ignored with a log line (``protocol``), as vLLM does.
+
+``REFUSED`` holds, per field, the values that are fine (the harmless defaults) and why any
+other is refused; ``NO_OPS`` the fields accepted and documented as doing nothing here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+NO_OPS: frozenset[str] = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "stream_options.include_obfuscation",
+        "messages[].name",
+        "messages[].tool_call_id",
+        "messages[].refusal",
+        "messages[].reasoning_content",
+        "messages[].reasoning",
+    }
+)
+"""Accepted, and doing nothing on this server (reasoning of earlier turns is dropped by
+the chat format anyway)."""
+
+_NOT_YET = "is not supported by this server yet"
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    fine: Callable[[Any], bool]
+    """The values that are harmless here (the field's default meaning)."""
+    why: str
+
+
+def _unset(v: Any) -> bool:
+    return v is None
+
+
+REFUSED_CHAT: dict[str, Refused] = {
+    "tools": Refused(lambda v: not v, f"tools (function calling) {_NOT_YET}"),
+    "tool_choice": Refused(lambda v: v in (None, "none", "auto"), f"tool_choice {_NOT_YET}"),
+    "parallel_tool_calls": Refused(_unset, f"parallel_tool_calls {_NOT_YET}"),
+    "functions": Refused(_unset, "functions is deprecated and not supported; use tools"),
+    "function_call": Refused(_unset, "function_call is deprecated and not supported; use tools"),
+    "response_format": Refused(
+        lambda v: v is None or v == {"type": "text"},
+        f"response_format other than {{'type': 'text'}} {_NOT_YET}",
+    ),
+    "audio": Refused(_unset, "audio output is not supported (this model writes text)"),
+    "modalities": Refused(
+        lambda v: v is None or v == ["text"], "modalities other than ['text'] are not supported"
+    ),
+    "prediction": Refused(_unset, "prediction (predicted outputs) is not supported"),
+    "web_search_options": Refused(_unset, "web_search_options is not supported"),
+    "service_tier": Refused(
+        lambda v: v in (None, "auto", "default"),
+        "service_tier other than 'auto' or 'default' is not supported",
+    ),
+    "verbosity": Refused(
+        lambda v: v in (None, "medium"), "verbosity other than 'medium' is not supported"
+    ),
+    "reasoning_effort": Refused(_unset, f"reasoning_effort {_NOT_YET}"),
+    "thinking": Refused(_unset, f"thinking {_NOT_YET}"),
+    "chat_template_kwargs": Refused(_unset, f"chat_template_kwargs {_NOT_YET}"),
+    "moderation": Refused(_unset, "moderation is not supported"),
+}
+"""Chat request fields and the values refused (a 400 naming the field)."""
+
+REFUSED_COMPLETION: dict[str, Refused] = {
+    "suffix": Refused(lambda v: not v, "suffix (insertion) is not supported"),
+    "best_of": Refused(lambda v: v in (None, 1), "best_of > 1 is not supported; use n"),
+}
+"""Completions request fields and the values refused."""
+
+REFUSED_MESSAGE: dict[str, Refused] = {
+    "tool_calls": Refused(lambda v: not v, f"assistant tool_calls {_NOT_YET}"),
+    "function_call": Refused(_unset, "function_call is deprecated and not supported"),
+    "audio": Refused(_unset, "audio is not supported (this model reads text)"),
+    "prefix": Refused(lambda v: not v, f"prefix (assistant prefill) {_NOT_YET}"),
+}
+"""Fields of one chat message and the values refused."""
+
+
+Refusal = tuple[str, str]
+"""(the field, why it is refused): the API answers a 400 naming it."""
+
+
+def refused(body: object, table: dict[str, Refused], prefix: str = "") -> Refusal | None:
+    """The first field of ``body`` set to a value this server does not honour."""
+    for name, rule in table.items():
+        if not rule.fine(getattr(body, name, None)):
+            return prefix + name, rule.why
+    return None
