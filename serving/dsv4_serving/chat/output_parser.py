@@ -171,6 +171,7 @@ class OutputParser:
     ``thinking``: the prompt opened the think block, so the text starts as reasoning. ``block``:
     the call block's name (``tool_calls`` for V4, ``function_calls`` for V3.2). ``tool_names``:
     when given, a call to another name is malformed. ``new_id(index)`` names each call once.
+    ``calls``: False parses reasoning only, a call block stays content (``tool_choice: none``).
     """
 
     def __init__(
@@ -180,9 +181,13 @@ class OutputParser:
         block: str = dsml.V4_BLOCK,
         tool_names: Collection[str] | None = None,
         new_id: Callable[[int], str] = random_tool_call_id,
+        calls: bool = True,
     ) -> None:
         self._state = _State.REASONING if thinking else _State.CONTENT
         self._open = dsml.block_open(block)
+        opens = (self._open,) if calls else ()
+        self._reasoning_ends = (dsml.THINK_CLOSE, *opens, dsml.EOS)
+        self._content_ends = (*opens, dsml.EOS)
         self._close = dsml.block_close(block)
         self._names = None if tool_names is None else frozenset(tool_names)
         self._new_id = new_id
@@ -219,9 +224,9 @@ class OutputParser:
 
     def _step(self, events: list[Event]) -> bool:
         if self._state is _State.REASONING:
-            return self._text_step(events, Reasoning, (dsml.THINK_CLOSE, self._open, dsml.EOS))
+            return self._text_step(events, Reasoning, self._reasoning_ends)
         if self._state is _State.CONTENT:
-            return self._text_step(events, Content, (self._open, dsml.EOS))
+            return self._text_step(events, Content, self._content_ends)
         if self._state is _State.RAW:
             return self._text_step(events, Content, (dsml.EOS,))
         if self._state is _State.BLOCK:

@@ -51,11 +51,16 @@ class ChatFormat:
         thinking: bool,
         tool_names: Collection[str] | None = None,
         new_id: Callable[[int], str] = random_tool_call_id,
+        calls: bool = True,
     ) -> OutputParser | None:
         if self.call_block is None:
             return None
         return OutputParser(
-            thinking=thinking, block=self.call_block, tool_names=tool_names, new_id=new_id
+            thinking=thinking,
+            block=self.call_block,
+            tool_names=tool_names,
+            new_id=new_id,
+            calls=calls,
         )
 
 

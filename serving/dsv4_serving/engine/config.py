@@ -14,6 +14,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Quantization = Literal["auto", "none", "fp8", "fp4", "w8a8"]
 KVFailurePolicy = Literal["fail", "recompute"]
+ChatFormatName = Literal["auto", "jinja", "deepseek_v4", "deepseek_v32"]
+OnOff = Literal["on", "off"]
 
 
 class ConfigError(ValueError):
@@ -123,6 +125,14 @@ class EngineConfig:
     """Seconds the ranks wait for each other at start before naming the missing ones; 0 =
     distributed_timeout. The nodes of a multi-node instance may start minutes apart (an image
     pulled on one node only): the operator sets the role's startupTimeoutSeconds."""
+    chat_format: ChatFormatName = "auto"
+    """How /v1/chat/completions renders messages: ``auto`` by the checkpoint's config.json
+    (DeepSeek's own encoder for ``deepseek_v4`` / ``deepseek_v32``, the tokenizer's Jinja
+    ``chat_template`` otherwise), or that format by name."""
+    default_thinking: OnOff = "on"
+    """Thinking mode of a chat request that sets none of ``thinking``,
+    ``chat_template_kwargs.thinking`` / ``enable_thinking`` or ``reasoning_effort: "none"``
+    (DeepSeek's API defaults to thinking)."""
     otlp_traces_endpoint: str | None = None
     """OpenTelemetry traces of each request to this OTLP/HTTP endpoint (e.g.
     http://127.0.0.1:4318; /v1/traces is added when no path is given); unset: tracing off."""
@@ -147,6 +157,10 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization must be auto, none, fp8, fp4 or w8a8, got {self.quantization!r}"
             )
+        if self.chat_format not in ("auto", "jinja", "deepseek_v4", "deepseek_v32"):
+            raise ConfigError(f"unknown chat_format {self.chat_format!r}")
+        if self.default_thinking not in ("on", "off"):
+            raise ConfigError(f"default_thinking must be on or off, got {self.default_thinking!r}")
         if self.block_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
             raise ConfigError("block_size, num_kv_blocks and max_model_len must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

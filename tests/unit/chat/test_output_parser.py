@@ -288,3 +288,14 @@ def test_v32_block_name() -> None:
     got = parse(text, thinking=True, block=dsml.V32_BLOCK)
     assert got.tool_calls == [ToolCall(got.tool_calls[0].id, "f", '{"a": "1"}')]
     assert got.content == ""
+
+
+def test_calls_off_parses_reasoning_and_leaves_a_block_as_content() -> None:
+    text = "r</think>c\n\n" + block(inv("f", par("a", "1"))) + EOS
+    parser = OutputParser(thinking=True, calls=False)
+    for ch in text:  # cut per character: nothing held back forever
+        parser.feed(ch)
+    parser.finish("stop")
+    got = parser.result
+    assert (got.reasoning, got.tool_calls) == ("r", [])
+    assert got.content == "c\n\n" + block(inv("f", par("a", "1")))

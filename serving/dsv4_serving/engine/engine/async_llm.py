@@ -234,7 +234,7 @@ class AsyncLLM:
         ``data_parallel_rank``: the DP rank to run on (None: the least loaded)."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         st = _State(len(prompt_token_ids), detok, StopStrings(params.stop))
         self._states[request_id] = st
         req = EngineCoreRequest(

@@ -25,6 +25,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one token of the vocabulary (an added token)."""
+        found = self._tok.token_to_id(text)
+        return None if found is None else int(found)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
@@ -77,16 +82,18 @@ def load_tokenizer(model: str) -> Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of ids; a trailing partial UTF-8 sequence is held back."""
+    """Text of a growing list of ids; a trailing partial UTF-8 sequence is held back.
+    ``skip_special_tokens`` False keeps added tokens' text (what the chat output parser reads)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
 
     def add(self, ids: list[int], final: bool) -> str:
         self.token_ids.extend(ids)
-        text = self.tokenizer.decode(self.token_ids)
+        text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
         if not final:
             while text.endswith("\ufffd"):
                 text = text[:-1]

@@ -43,6 +43,9 @@ class SamplingParams:
     """Added to the logits of these token ids ([-100, 100]; the API checks the ids)."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely one's ([0, 1])."""
+    skip_special_tokens: bool = True
+    """Decode the output without special tokens (vLLM's field); the chat output parser needs
+    them (``</think>``, EOS) and sets it False."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
