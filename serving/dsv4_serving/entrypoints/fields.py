@@ -22,16 +22,21 @@ NO_OPS: frozenset[str] = frozenset(
         "prompt_cache_options",
         "stream_options.include_obfuscation",
         "messages[].name",
-        "messages[].tool_call_id",
         "messages[].refusal",
-        "messages[].reasoning_content",
-        "messages[].reasoning",
     }
 )
-"""Accepted, and doing nothing on this server (reasoning of earlier turns is dropped by
-the chat format anyway)."""
+"""Accepted, and doing nothing on this server. (``messages[].tool_call_id``,
+``reasoning_content`` and ``reasoning`` are read by DeepSeek's chat format and ignored by a
+Jinja template.)"""
 
 _NOT_YET = "is not supported by this server yet"
+_GRAMMAR = (
+    "needs grammar-constrained decoding, which this server does not do yet; use 'auto' or 'none'"
+)
+
+
+def _function_tools(v: Any) -> bool:
+    return not v or all(isinstance(t, dict) and t.get("type") == "function" for t in v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +51,10 @@ def _unset(v: Any) -> bool:
 
 
 REFUSED_CHAT: dict[str, Refused] = {
-    "tools": Refused(lambda v: not v, f"tools (function calling) {_NOT_YET}"),
-    "tool_choice": Refused(lambda v: v in (None, "none", "auto"), f"tool_choice {_NOT_YET}"),
-    "parallel_tool_calls": Refused(_unset, f"parallel_tool_calls {_NOT_YET}"),
+    "tools": Refused(_function_tools, "tools of a type other than 'function' are not supported"),
+    "tool_choice": Refused(
+        lambda v: v in (None, "none", "auto"), f"tool_choice 'required' or a named tool {_GRAMMAR}"
+    ),
     "functions": Refused(_unset, "functions is deprecated and not supported; use tools"),
     "function_call": Refused(_unset, "function_call is deprecated and not supported; use tools"),
     "response_format": Refused(
@@ -68,9 +74,6 @@ REFUSED_CHAT: dict[str, Refused] = {
     "verbosity": Refused(
         lambda v: v in (None, "medium"), "verbosity other than 'medium' is not supported"
     ),
-    "reasoning_effort": Refused(_unset, f"reasoning_effort {_NOT_YET}"),
-    "thinking": Refused(_unset, f"thinking {_NOT_YET}"),
-    "chat_template_kwargs": Refused(_unset, f"chat_template_kwargs {_NOT_YET}"),
     "moderation": Refused(_unset, "moderation is not supported"),
 }
 """Chat request fields and the values refused (a 400 naming the field)."""
@@ -82,7 +85,6 @@ REFUSED_COMPLETION: dict[str, Refused] = {
 """Completions request fields and the values refused."""
 
 REFUSED_MESSAGE: dict[str, Refused] = {
-    "tool_calls": Refused(lambda v: not v, f"assistant tool_calls {_NOT_YET}"),
     "function_call": Refused(_unset, "function_call is deprecated and not supported"),
     "audio": Refused(_unset, "audio is not supported (this model reads text)"),
     "prefix": Refused(lambda v: not v, f"prefix (assistant prefill) {_NOT_YET}"),

@@ -135,14 +135,15 @@ class CompletionRequest(_Common):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    # no-ops (``fields.NO_OPS``)
-    name: str | None = None
+    # read by DeepSeek's chat format (``chat/``); a Jinja template ignores the last three
+    tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-    refusal: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # no-ops (``fields.NO_OPS``)
+    name: str | None = None
+    refusal: str | None = None
     # refused (``fields.REFUSED_MESSAGE``)
-    tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     prefix: bool | None = None  # DeepSeek's assistant prefill
@@ -164,10 +165,15 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # refused for now (``fields.REFUSED_CHAT``): a 400 names them
+    # DeepSeek's chat format (``chat_prompt``, ``chat_output``); values refused in
+    # ``fields.REFUSED_CHAT`` are a 400 naming the field
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    thinking: dict[str, Any] | None = None  # DeepSeek's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's
+    # refused, but for harmless values (``fields.REFUSED_CHAT``)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -177,9 +183,6 @@ class ChatCompletionRequest(_Common):
     web_search_options: dict[str, Any] | None = None
     service_tier: str | None = None
     verbosity: str | None = None
-    reasoning_effort: str | None = None
-    thinking: dict[str, Any] | None = None  # DeepSeek's
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's
     moderation: dict[str, Any] | None = None
     prompt_cache_options: dict[str, Any] | None = None  # no-op: prefix caching is automatic
 

@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_serving.chat.dsml import THINK_CLOSE
 from dsv4_serving.engine.engine.async_llm import AsyncLLM, RequestOutput
 from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.entrypoints.chat_output import ChoiceOutput, OutputSpec
 from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
 
 Indexed = tuple[int, RequestOutput]
@@ -30,17 +32,21 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(last: dict[int, RequestOutput]) -> dict[str, Any]:
-    """One prompt, ``n`` completions; cached tokens: the most any sample found cached."""
+def _usage(last: dict[int, RequestOutput], reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """One prompt, ``n`` completions; cached tokens: the most any sample found cached.
+    ``reasoning_tokens``: all samples' (chat answers in DeepSeek's format)."""
     outs = list(last.values())
     prompt = outs[0].num_prompt_tokens
     completion = sum(o.num_output_tokens for o in outs)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": max(o.num_cached_tokens for o in outs)},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -110,6 +116,18 @@ class CompletionGenerator:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.think_end_id = tokenizer.token_id(THINK_CLOSE)
+
+    def _reasoning_tokens(
+        self, outs: list[ChoiceOutput], token_ids: list[list[int]], spec: OutputSpec | None
+    ) -> int | None:
+        if spec is None:
+            return None
+        encode = self.tokenizer.encode
+        return sum(
+            o.reasoning_tokens(ids, self.think_end_id, encode)
+            for o, ids in zip(outs, token_ids, strict=True)
+        )
 
     async def completion(
         self,
@@ -125,8 +143,10 @@ class CompletionGenerator:
         tokens_as_ids: bool = False,
         echo: str | None = None,
         traceparent: str | None = None,
+        output: OutputSpec | None = None,
     ) -> AsyncIterator[str] | dict[str, Any]:
-        """``echo`` (completions): text put before each choice's (the prompt's)."""
+        """``echo`` (completions): text put before each choice's (the prompt's). ``output``
+        (chat): how each choice's text is parsed into reasoning, content and tool calls."""
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
         gens = [
@@ -143,6 +163,7 @@ class CompletionGenerator:
         outputs = _single(gens[0]) if n == 1 else _merged(gens)
         created = int(time.time())
         lps = [ChoiceLogprobs(self.tokenizer, chat, tokens_as_ids) for _ in range(n)]
+        outs = [ChoiceOutput(output, rid, i) for i in range(n)]
         if stream:
             # pull the first increment now so a rejected request becomes an HTTP error, not a
             # broken stream
@@ -151,8 +172,9 @@ class CompletionGenerator:
             except BaseException:
                 await outputs.aclose()  # type: ignore[attr-defined]
                 raise
+            chats = outs if chat else None
             return self._stream(
-                outputs, first, rid, created, lps, include_usage, chat, n, return_token_ids, echo
+                outputs, first, rid, created, lps, include_usage, chats, n, return_token_ids, echo
             )
         text: list[list[str]] = [[echo] if echo else [] for _ in range(n)]
         logprobs: list[list[Any]] = [[] for _ in range(n)]
@@ -172,7 +194,10 @@ class CompletionGenerator:
                 "stop_reason": last[i].stop_reason,
             }
             if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+                outs[i].feed("".join(text[i]))
+                outs[i].finish(last[i].finish_reason)
+                choice["message"] = outs[i].message()
+                choice["finish_reason"] = outs[i].finish_reason(last[i].finish_reason)
             else:
                 choice["text"] = "".join(text[i])
             if return_token_ids:  # vLLM's extension
@@ -184,7 +209,7 @@ class CompletionGenerator:
             "created": created,
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(last),
+            "usage": _usage(last, self._reasoning_tokens(outs, token_ids, output)),
         }
         if kv_transfer_params is not None:  # PD (vLLM's protocol): what the decode side needs
             kv = last[0].kv_transfer_params
@@ -199,21 +224,23 @@ class CompletionGenerator:
         created: int,
         lps: list[ChoiceLogprobs],
         include_usage: bool,
-        chat: bool,
+        chats: list[ChoiceOutput] | None,
         n: int,
         return_token_ids: bool = False,
         echo: str | None = None,
     ) -> AsyncIterator[str]:
+        """``chats``: each chat choice's parts (None: a completions stream)."""
         base = {
             "id": rid,
-            "object": "chat.completion.chunk" if chat else "text_completion",
+            "object": "chat.completion.chunk" if chats else "text_completion",
             "created": created,
             "model": self.model_name,
         }
         last: dict[int, RequestOutput] = {}
+        token_ids: list[list[int]] = [[] for _ in range(n)]
         echoes = set(range(n)) if echo else set()  # the choices whose prompt is not sent yet
         try:
-            if chat:
+            if chats:
                 for i in range(n):
                     role = {
                         "index": i,
@@ -226,25 +253,59 @@ class CompletionGenerator:
             while item is not None:
                 i, o = item
                 last[i] = o
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "logprobs": lps[i].render(o.delta_logprobs, o.finished),
-                    "finish_reason": o.finish_reason,
-                }
-                if o.finished:
-                    choice["stop_reason"] = o.stop_reason
-                if chat:
-                    choice["delta"] = {"content": o.delta_text}
+                token_ids[i].extend(o.delta_token_ids)
+                logprobs = lps[i].render(o.delta_logprobs, o.finished)
+                if chats:
+                    choices = _chat_chunks(chats[i], i, o, logprobs, return_token_ids)
                 else:
-                    choice["text"] = (echo if echo and i in echoes else "") + o.delta_text
+                    choice: dict[str, Any] = {
+                        "index": i,
+                        "logprobs": logprobs,
+                        "finish_reason": o.finish_reason,
+                        "text": (echo if echo and i in echoes else "") + o.delta_text,
+                    }
+                    if o.finished:
+                        choice["stop_reason"] = o.stop_reason
+                    if return_token_ids:
+                        choice["token_ids"] = o.delta_token_ids
                     echoes.discard(i)
-                if return_token_ids:
-                    choice["token_ids"] = o.delta_token_ids
-                yield _sse({**base, "choices": [choice]})
+                    choices = [choice]
+                for c in choices:
+                    yield _sse({**base, "choices": [c]})
                 item = await anext(outputs, None)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(last)})
+                spec = chats[0].spec if chats else None
+                reasoning = self._reasoning_tokens(chats or [], token_ids, spec)
+                yield _sse({**base, "choices": [], "usage": _usage(last, reasoning)})
             yield "data: [DONE]\n\n"
         finally:
             # the client went away (or we are done): closing the outputs aborts the requests
             await outputs.aclose()  # type: ignore[attr-defined]
+
+
+def _chat_chunks(
+    out: ChoiceOutput, i: int, o: RequestOutput, logprobs: Any, return_token_ids: bool
+) -> list[dict[str, Any]]:
+    """The chunks of one increment of chat choice ``i``: one per delta (reasoning, content, a
+    call's start, its arguments), the logprobs and token ids on the first, the finish reason on
+    the last; one empty delta when the parser holds the text back but something must go out."""
+    found = out.feed(o.delta_text)
+    if o.finished:
+        found += out.finish(o.finish_reason)
+    carries = logprobs is not None or (return_token_ids and o.delta_token_ids)
+    if not found and (o.finished or carries):
+        found = [{}]
+    chunks: list[dict[str, Any]] = [
+        {"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in found
+    ]
+    if not chunks:
+        return chunks
+    chunks[0]["logprobs"] = logprobs
+    if return_token_ids:
+        chunks[0]["token_ids"] = o.delta_token_ids
+        for c in chunks[1:]:
+            c["token_ids"] = []
+    if o.finished:
+        chunks[-1]["finish_reason"] = out.finish_reason(o.finish_reason)
+        chunks[-1]["stop_reason"] = o.stop_reason
+    return chunks

@@ -4,6 +4,7 @@ when a shutdown's grace period runs out (``disconnect.Drain``), and its span (tr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -22,6 +23,7 @@ from dsv4_serving.engine.engine.async_llm import AsyncLLM, KVTransferError
 from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.entrypoints.chat_output import OutputSpec
 from dsv4_serving.entrypoints.checks import (
     DP_RANK_HEADER,
     BadRequest,
@@ -89,16 +91,24 @@ class OpenAIServing:
             )
 
     async def respond(
-        self, request: Request, body: Body, ids: list[int], echo: str | None = None
+        self,
+        request: Request,
+        body: Body,
+        ids: list[int],
+        echo: str | None = None,
+        output: OutputSpec | None = None,
     ) -> Any:
         """Every check, once, then the work (cancelled if the client leaves, or stopped when a
-        shutdown's grace period runs out). ``echo``: text put before each choice's."""
+        shutdown's grace period runs out). ``echo``: text put before each choice's. ``output``:
+        how chat choices are parsed (their text is then decoded with special tokens)."""
         if self.drain.draining:
             return draining_response()
         arrived_ns = time.time_ns()
         kv = parse_kv_params(body.kv_transfer_params, self.role, self.has_connector)
         body = self._for_kv(body, kv)
         params = self._sampling_params(body, ids)
+        if output is not None:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if isinstance(kv, RemotePrefillParams):
             self._check_remote_kv(kv, ids)
         dp_rank = check_dp_rank(request.headers.get(DP_RANK_HEADER), self.info.data_parallel_size)
@@ -116,6 +126,7 @@ class OpenAIServing:
             n=body.n,
             tokens_as_ids=body.return_tokens_as_token_ids,
             echo=echo,
+            output=output,
             traceparent=tracing.traceparent(span) if span is not None else None,
         )
         return await self._serve(request, work, span)

@@ -30,7 +30,7 @@ class FakeEngine:
     """Answers every request with the token "o"; keeps the last sampling parameters."""
 
     info: EngineInfo = field(
-        default_factory=lambda: EngineInfo(512, VOCAB, None, 16, 100, 0, "fake")
+        default_factory=lambda: EngineInfo(4096, VOCAB, None, 16, 100, 0, "fake")
     )
     config: Any = field(
         default_factory=lambda: SimpleNamespace(
@@ -39,6 +39,8 @@ class FakeEngine:
             kv_sidecar=None,
             shutdown_timeout=1.0,
             otlp_traces_endpoint=None,
+            chat_format="deepseek_v4",  # the fields of DeepSeek's format are honoured
+            default_thinking="on",
         )
     )
     last: SamplingParams | None = None
@@ -77,6 +79,12 @@ CHAT_HONOURED: dict[str, Any] = {
     "presence_penalty": -0.5,
     "logit_bias": {"5": 10},
     "response_format": {"type": "text"},  # the default: text
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto",  # auto/none only
+    "parallel_tool_calls": False,
+    "reasoning_effort": "high",
+    "thinking": {"type": "enabled"},  # DeepSeek's
+    "chat_template_kwargs": {"thinking": True},  # vLLM's
 }
 CHAT_NO_OPS: dict[str, Any] = {
     "user": "u",
@@ -91,9 +99,8 @@ CHAT_NO_OPS: dict[str, Any] = {
     "verbosity": "medium",  # medium only
 }
 CHAT_REFUSED: dict[str, Any] = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tools": [{"type": "custom", "custom": {"name": "f"}}],
     "tool_choice": "required",
-    "parallel_tool_calls": True,
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "response_format": {"type": "json_object"},
@@ -103,10 +110,7 @@ CHAT_REFUSED: dict[str, Any] = {
     "web_search_options": {},
     "service_tier": "priority",
     "verbosity": "high",
-    "reasoning_effort": "high",
     "moderation": {"input": {"mode": "block"}},
-    "thinking": {"type": "enabled"},  # DeepSeek's
-    "chat_template_kwargs": {"thinking": True},  # vLLM's
 }
 COMPLETION_HONOURED: dict[str, Any] = {
     "prompt": "hi",
@@ -197,7 +201,6 @@ def test_refused_fields_are_a_400_naming_them(
 @pytest.mark.parametrize(
     ("msg", "param"),
     [
-        ({"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}, "tool_calls"),
         ({"role": "assistant", "content": "x", "prefix": True}, "prefix"),
         ({"role": "user", "content": "x", "audio": {"id": "a"}}, "audio"),
     ],
