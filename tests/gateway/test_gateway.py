@@ -56,26 +56,32 @@ def test_same_tokens_through_the_gateway(gw: Service, two_engines) -> None:  # t
 def test_chat_streaming_through_the_gateway(gw: Service, two_engines) -> None:  # type: ignore[no-untyped-def]
     msgs: list[Any] = [{"role": "user", "content": "Say something."}]
 
-    def chat(url: str, stream: bool) -> str:
+    def chat(url: str, stream: bool) -> tuple[str, str]:
+        """(reasoning, content): dsv4-tiny speaks V4's format and thinks by default."""
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
         if stream:
-            return "".join(
-                ch.choices[0].delta.content or ""
+            deltas = [
+                ch.choices[0].delta
                 for ch in c.chat.completions.create(
                     model="dsv4-tiny", messages=msgs, max_tokens=10, temperature=0, stream=True
                 )
                 if ch.choices
+            ]
+            return (
+                "".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                "".join(d.content or "" for d in deltas),
             )
-        return (
+        msg = (
             c.chat.completions.create(
                 model="dsv4-tiny", messages=msgs, max_tokens=10, temperature=0
             )
             .choices[0]
-            .message.content
-            or ""
+            .message
         )
+        return getattr(msg, "reasoning_content", None) or "", msg.content or ""
 
     want = chat(two_engines[0].url, False)
+    assert "".join(want), "the engine answered nothing to compare"
     assert chat(gw.url, False) == want
     assert chat(gw.url, True) == want
 
