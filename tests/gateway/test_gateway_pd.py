@@ -114,6 +114,62 @@ def test_up_serves_pd_with_the_same_tokens(up: Up, reference: Service) -> None:
     assert len(counts) == 2 and all(v > 0 for v in counts.values())
 
 
+def _n_choices(url: str, stream: bool, **kw: Any) -> tuple[list[str], tuple[int, int]]:
+    """``n=2`` completions: each choice's text by index, and (prompt, completion) tokens."""
+    c = _client(url)
+    args: dict[str, Any] = {"model": "dsv4-tiny", "prompt": PROMPTS[0], "max_tokens": 10, "n": 2}
+    texts = ["", ""]
+    if not stream:
+        r = c.completions.create(**args, **kw)
+        for choice in r.choices:
+            texts[choice.index] += choice.text
+        assert r.usage is not None
+        return texts, (r.usage.prompt_tokens, r.usage.completion_tokens)
+    usage = None
+    chunks = c.completions.create(**args, **kw, stream=True, stream_options={"include_usage": True})
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+        if ch.usage is not None:
+            assert usage is None, "one usage chunk"
+            usage = (ch.usage.prompt_tokens, ch.usage.completion_tokens)
+    assert usage is not None
+    return texts, usage
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_n_2_through_pd_gives_one_engines_choices(
+    up: Up, reference: Service, sampling: str
+) -> None:
+    kw: dict[str, Any] = (
+        {"temperature": 0} if sampling == "greedy" else {"temperature": 1.0, "seed": 1234}
+    )
+    want, want_usage = _n_choices(reference.url, False, **kw)
+    # greedy: both choices are the one greedy answer; seeded: choice 1 has its own seed
+    assert (want[0] == want[1]) == (sampling == "greedy")
+    for stream in (False, True):
+        assert _n_choices(up.url, stream, **kw) == (want, want_usage), f"stream={stream}"
+
+
+def test_n_2_chat_streamed_through_pd_gives_one_engines_choices(up: Up, reference: Service) -> None:
+    args: dict[str, Any] = {
+        "model": "dsv4-tiny",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 8,
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 99,
+    }
+    want = [
+        c.message.content for c in _client(reference.url).chat.completions.create(**args).choices
+    ]
+    got = ["", ""]
+    for ch in _client(up.url).chat.completions.create(**args, stream=True):
+        for c in ch.choices:
+            got[c.index] += c.delta.content or ""
+    assert got == want
+
+
 def test_vllm_router_drives_our_engines(up: Up, reference: Service) -> None:
     router = ensure_vllm_router()
     if router is None:

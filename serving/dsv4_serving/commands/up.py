@@ -1,7 +1,7 @@
 """``dsv4 up``: the whole stack on this machine, on the built-in tiny model.
 
-A gateway on 127.0.0.1:8000, one prefill and one decode engine, each with its KV sidecar,
-started in dependency order, checked healthy, and stopped together on Ctrl-C (or when any of
+A gateway on 127.0.0.1:8000, one prefill and one decode engine, each with its KV sidecar
+(``--no-pd``: ``--decode N`` engines doing both, no sidecars), started in dependency order, checked healthy, and stopped together on Ctrl-C (or when any of
 them dies: its log tail is printed). Process supervision only; every piece is the real command.
 """
 
@@ -29,9 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
-    p.add_argument("--no-pd", action="store_true", help="one engine doing both, no sidecars")
+    # default None: ``--no-pd`` refuses an explicit --prefill rather than ignore it
+    p.add_argument("--prefill", type=int, default=None, help="prefill engines (default 1)")
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        help="decode engines (default 1); with --no-pd, engines doing both",
+    )
+    p.add_argument(
+        "--no-pd",
+        action="store_true",
+        help="engines doing both (--decode N of them, default 1), no sidecars",
+    )
     p.add_argument(
         "--kv-transport",
         choices=["tcp", "shm"],
@@ -82,14 +92,31 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """Engine counts a user can mean, or a CLI error naming the flag: ``--no-pd`` has no
+    prefill engines (``--decode N`` counts its engines doing both)."""
+    if args.no_pd and args.prefill is not None:
+        raise SystemExit(
+            "dsv4 up: error: --prefill has no meaning with --no-pd (no prefill engines); "
+            "use --decode N for N engines doing both"
+        )
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if value is not None and value < 1:
+            raise SystemExit(f"dsv4 up: error: {flag} must be >= 1, got {value}")
+
+
+def _count(value: int | None) -> int:
+    return 1 if value is None else value
+
+
 def _roles(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(process name, engine role) of every engine: ``engine-0`` (both) with ``--no-pd``, else
-    ``prefill-<i>`` and ``decode-<i>``."""
+    """(process name, engine role) of every engine: ``engine-<i>`` (both) with ``--no-pd``,
+    else ``prefill-<i>`` and ``decode-<i>``."""
     if args.no_pd:
-        return [("engine-0", "both")]
+        return [(f"engine-{i}", "both") for i in range(_count(args.decode))]
     return [
-        *((f"prefill-{i}", "prefill") for i in range(args.prefill)),
-        *((f"decode-{i}", "decode") for i in range(args.decode)),
+        *((f"prefill-{i}", "prefill") for i in range(_count(args.prefill))),
+        *((f"decode-{i}", "decode") for i in range(_count(args.decode))),
     ]
 
 
@@ -147,6 +174,16 @@ def _gateway(args: argparse.Namespace, run_dir: Path, upstreams: list[str]) -> S
     )
 
 
+def _shape(args: argparse.Namespace) -> str:
+    if args.no_pd:
+        n = _count(args.decode)
+        return "one engine" if n == 1 else f"{n} engines, no PD"
+    return (
+        f"{_count(args.prefill)} prefill + {_count(args.decode)} decode, "
+        f"KV over {args.kv_transport}"
+    )
+
+
 class StartFailed(RuntimeError):
     """A process exited or did not become healthy in time; the message has its log tail."""
 
@@ -197,9 +234,7 @@ def restart(child: Service, timeout_s: float = 120.0) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
-        if value < 1:
-            raise SystemExit(f"dsv4 up: error: {flag} must be >= 1, got {value}")
+    check_counts(args)
     if not 0 < args.port < 65536:
         raise SystemExit(f"dsv4 up: error: --port must be in 1..65535, got {args.port}")
     if not _port_free(args.host, args.port):
@@ -237,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}"
         model = Path(args.model).name if os.sep in args.model else args.model
         print(
-            f"\ndsv4 is up: {url}  (model {model}; {'one engine' if args.no_pd else f'{args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport}'})\n\n"
+            f"\ndsv4 is up: {url}  (model {model}; {_shape(args)})\n\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
             f'       -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'\n\n'
             "Ctrl-C stops everything.",

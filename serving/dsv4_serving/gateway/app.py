@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hmac
 import json
@@ -24,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from dsv4_kvtransfer.pd_protocol import KVParamsError
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
+from dsv4_serving.gateway.fanout import fan_out, fan_out_n
 from dsv4_serving.gateway.health import health_loop
 from dsv4_serving.gateway.instances import InstancePool
 from dsv4_serving.gateway.lifecycle import Admission, Ticket
@@ -115,17 +117,42 @@ class Gateway:
             if self.cfg.selective_pd_tokens and self._uncached(req) < self.cfg.selective_pd_tokens:
                 self.metrics.selective.inc()
                 return await self.proxy.forward("decode", path, body, req, rid, stream, ticket)
-            answer, _ = await self.proxy.prefill(path, body, req, rid)
-            try:
-                decode = decode_body(body, answer)
-            except KVParamsError as e:
-                return error_response(
-                    502,
-                    f"prefill answer unusable for decode: {e}",
-                    code="upstream_error",
-                    headers={"x-request-id": rid},
+            n = fan_out_n(body)
+            if n > 1:  # an engine does n > 1 only without kv_transfer_params: fanout.py
+                run = functools.partial(
+                    self._pd, path, req=req, rid=rid, stream=stream, ticket=ticket
                 )
-            decode_req = RouteRequest(prompt_tokens=n_tokens, stage="decode")
+                return await fan_out(n, body, run, ticket, rid)
+            return await self._pd(path, body, lambda: None, req, rid, stream, ticket)
+        except UpstreamFailed as e:
+            return e.response
+
+    async def _pd(
+        self,
+        path: str,
+        body: dict[str, Any],
+        prefilled: Callable[[], None],
+        req: RouteRequest,
+        rid: str,
+        stream: bool,
+        ticket: Ticket,
+    ) -> Response:
+        """Prefill, then decode with its KV (``prefilled`` is called between)."""
+        try:
+            answer, _ = await self.proxy.prefill(path, body, req, rid)
+            prefilled()
+            decode = decode_body(body, answer)
+        except UpstreamFailed as e:
+            return e.response
+        except KVParamsError as e:
+            return error_response(
+                502,
+                f"prefill answer unusable for decode: {e}",
+                code="upstream_error",
+                headers={"x-request-id": rid},
+            )
+        decode_req = RouteRequest(prompt_tokens=req.prompt_tokens, stage="decode")
+        try:
             return await self.proxy.forward("decode", path, decode, decode_req, rid, stream, ticket)
         except UpstreamFailed as e:
             return e.response
