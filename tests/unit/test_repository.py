@@ -48,3 +48,22 @@ def test_no_tracked_file_points_outside_the_repository() -> None:
         data = path.read_bytes().lower()
         hits += [f"{path.relative_to(ROOT)}: {m.decode()!r}" for m in OUTSIDE if m in data]
     assert not hits, "\n".join(hits)
+
+
+# files the docs name that are not ours: a DeepSeek checkpoint's own encoder
+NOT_OURS = {"encoding/encoding_dsv4.py"}
+
+
+def test_every_file_a_doc_names_exists() -> None:
+    """A path in backticks (`engine/core/prefix_hash.py`, `api/spec.py:48`) must end some
+    tracked file's path: moves that forget the docs fail here."""
+    tracked = [p.relative_to(ROOT).as_posix() for p in _tracked()]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = re.compile(r"`([\w./-]+\.(?:py|yaml|sh|cpp))(?::\d+)?[`:]")
+    stale = [
+        f"{doc.relative_to(ROOT)}: {name}"
+        for doc in docs
+        for name in sorted(set(named.findall(doc.read_text())) - NOT_OURS)
+        if not any(t == name or t.endswith("/" + name) for t in tracked)
+    ]
+    assert not stale, "docs name files that do not exist:\n" + "\n".join(stale)
