@@ -8,6 +8,11 @@ KV blocks (each engine's free blocks against its total) and staging bytes (each 
 bytes), which must be 0 once the stack is idle. Exit status 1 when anything hung or leaked.
 
     .venv/bin/python benchmarks/chaos.py --duration 60 --seed 1
+
+The stack is ``dsv4 up``'s own plan, its namespace parsed by ``dsv4 up``'s parser, so a new
+``dsv4 up`` flag cannot break this script. A smoke run (``tests/gateway/test_chaos_smoke.py``):
+
+    .venv/bin/python benchmarks/chaos.py --prefill 1 --decode 1 --requests 8 --max-kills 1
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -30,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from dsv4_common.cli import build_parser
 from dsv4_common.process import Service, free_port
 from dsv4_kvtransfer.launch import SidecarService
 from dsv4_serving.bench.client import one_request, random_prompts
@@ -89,9 +96,14 @@ def chaos_loop(
     stop: threading.Event,
     t0: float,
     out: Chaos,
+    max_kills: int = 0,
 ) -> None:
-    """Kill a random victim every ~``every_s`` s (exponential gaps), restart it ``down_s`` later."""
+    """Kill a random victim every ~``every_s`` s (exponential gaps), restart it ``down_s`` later;
+    at most ``max_kills`` kills (0: no limit), then wait for the end."""
     while not stop.wait(rng.expovariate(1.0 / every_s)):
+        if max_kills and len(out.kills) >= max_kills:
+            stop.wait()
+            return
         victim = rng.choice(victims)
         killed = time.monotonic()
         out.kills.append((killed - t0, victim.name))
@@ -119,20 +131,22 @@ async def load(
         4096, args.input_len, 0.5, args.output_len, args.seed, False, args.model
     )
     sent: list[Sent] = []
+    numbers = itertools.count()  # shared: --requests bounds all workers together
     limits = httpx.Limits(max_connections=args.concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.hung_s)) as client:
 
-        async def worker(w: int) -> None:
-            i = w
+        async def worker() -> None:
             while not stop.is_set():
+                i = next(numbers)
+                if args.requests and i >= args.requests:
+                    return
                 start = time.monotonic() - t0
                 rec = await one_request(
                     client, f"{url}/v1/completions", prompts[i % len(prompts)], {}, args.hung_s
                 )
                 sent.append(Sent(start, time.monotonic() - t0, rec))
-                i += args.concurrency
 
-        await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     return sent
 
 
@@ -187,37 +201,77 @@ def report(sent: list[Sent], chaos: Chaos, leaked: dict[str, float]) -> int:
     return 1 if bad else 0
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load and chaos")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load and chaos (most)")
+    p.add_argument("--requests", type=int, default=0, help="stop after this many (0: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seeds the victims, the gaps, the prompts")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--input-len", type=int, default=48, help="prompt tokens (about)")
     p.add_argument("--output-len", type=int, default=16, help="tokens per answer")
+    p.add_argument("--prefill", type=int, default=2, help="prefill engines (each with a sidecar)")
+    p.add_argument("--decode", type=int, default=2, help="decode engines (each with a sidecar)")
     p.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills")
+    p.add_argument("--max-kills", type=int, default=0, help="at most this many (0: no limit)")
     p.add_argument("--down", type=float, default=1.0, help="seconds a killed process stays down")
     p.add_argument("--signal", choices=["kill", "term"], default="kill", help="how to kill")
     p.add_argument("--hung-s", type=float, default=90.0, help="a request longer than this hung")
     p.add_argument("--settle", type=float, default=60.0, help="seconds to wait for idle")
     p.add_argument("--model", default="dsv4-tiny")
     p.add_argument("--log-dir", type=Path, default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
 
+
+def stack_args(args: argparse.Namespace, run_dir: Path) -> argparse.Namespace:
+    """``dsv4 up``'s namespace for this stack, parsed by ``dsv4 up``'s own parser: every flag it
+    has gets its default, so a new one cannot break the plan."""
+    engine = ["--shutdown-timeout", "10", "--kv-pull-timeout", "10"]
+    return build_parser("up").parse_args(
+        [
+            "up",
+            *("--model", args.model, "--port", str(free_port()), "--log-dir", str(run_dir)),
+            *("--prefill", str(args.prefill), "--decode", str(args.decode)),
+            *(f"--engine-arg={a}" for a in engine),  # "=": the values start with "--"
+        ]
+    )
+
+
+def soak(
+    args: argparse.Namespace, gateway: Service, victims: list[Service]
+) -> tuple[list[Sent], Chaos]:
+    """The load on a thread of its own and the chaos on this one, until --duration passes or
+    --requests are answered."""
+    stop = threading.Event()
+    chaos = Chaos()
+    t0 = time.monotonic()
+    # the chaos runs on this thread: processes die with the thread that started them
+    # (PR_SET_PDEATHSIG), so restarts must come from one that lives to the end
+    sent: list[Sent] = []
+
+    def load_then_stop() -> None:
+        try:
+            sent.extend(asyncio.run(load(gateway.url, args, t0, stop)))
+        finally:
+            stop.set()
+
+    loader = threading.Thread(target=load_then_stop, daemon=True)
+    loader.start()
+    timer = threading.Timer(args.duration, stop.set)
+    timer.start()
+    sig = signal.SIGKILL if args.signal == "kill" else signal.SIGTERM
+    rng = random.Random(args.seed)
+    chaos_loop(victims, rng, args.kill_every, args.down, sig, stop, t0, chaos, args.max_kills)
+    timer.cancel()
+    loader.join(args.hung_s + 60)
+    return sent, chaos
+
+
+def main() -> int:
+    args = parse_args()
     run_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-chaos-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    stack = argparse.Namespace(
-        model=args.model,
-        host="127.0.0.1",
-        port=free_port(),
-        prefill=2,
-        decode=2,
-        no_pd=False,
-        kv_transport="tcp",
-        load_format="dummy",
-        engine_arg=["--shutdown-timeout", "10", "--kv-pull-timeout", "10"],
-        log_dir=run_dir,
-        startup_timeout=300.0,
-    )
+    stack = stack_args(args, run_dir)
+    up.check_counts(stack)
     children = up.plan(stack, run_dir)
     gateway = children[-1]
     gateway.argv += ["--health-interval", "0.5", "--retries", "2", "--prefill-timeout", "30"]
@@ -225,31 +279,8 @@ def main() -> int:
     print(f"chaos: {len(children)} processes, logs in {run_dir}", flush=True)
     try:
         up.start_in_order(children, stack.startup_timeout)
-        print(f"up: {gateway.url}; {args.duration:.0f}s of load and chaos", flush=True)
-        stop = threading.Event()
-        chaos = Chaos()
-        t0 = time.monotonic()
-        # the chaos runs on this thread: processes die with the thread that started them
-        # (PR_SET_PDEATHSIG), so restarts must come from one that lives to the end
-        sent: list[Sent] = []
-        loader = threading.Thread(
-            target=lambda: sent.extend(asyncio.run(load(gateway.url, args, t0, stop))),
-            daemon=True,
-        )
-        loader.start()
-        timer = threading.Timer(args.duration, stop.set)
-        timer.start()
-        chaos_loop(
-            victims,
-            random.Random(args.seed),
-            args.kill_every,
-            args.down,
-            signal.SIGKILL if args.signal == "kill" else signal.SIGTERM,
-            stop,
-            t0,
-            chaos,
-        )
-        loader.join(args.hung_s + 60)
+        print(f"up: {gateway.url}; at most {args.duration:.0f}s of load and chaos", flush=True)
+        sent, chaos = soak(args, gateway, victims)
         for c in victims:  # whatever was down when the chaos stopped
             if not c.running():
                 up.restart(c, 180)
