@@ -67,7 +67,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy common/dsv4_common operator/dsv4_operator kvtransfer/dsv4_kvtransfer \
 		serving/dsv4_serving/distributed serving/dsv4_serving/eplb serving/dsv4_serving/kernels \
-		serving/dsv4_serving/chat \
+		serving/dsv4_serving/chat serving/dsv4_serving/structured \
 		devcluster/dsv4_devcluster
 	$(BIN)/lint-imports
 
