@@ -405,9 +405,16 @@ class LocalPuller:
                 new.close()
             self._absent[key] = time.monotonic() + ABSENT_S
             return None
+        drop: StagingRegion | None
         with self._lock:
             old = self._sources.get(src.name)
-            self._sources[src.name] = new
-        if old is not None:  # that sidecar restarted: its old region is no export's now
-            old.close()
-        return new
+            if old is not None and old.tag_hex == new.tag_hex:
+                # another pull attached the same region meanwhile: it may be reading it now,
+                # so keep that mapping and drop this one (closing it would fail its reads)
+                keep, drop = old, new
+            else:
+                self._sources[src.name] = keep = new
+                drop = old  # None, or the region of a sidecar that restarted: no export's now
+        if drop is not None:
+            drop.close()
+        return keep

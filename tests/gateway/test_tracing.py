@@ -197,9 +197,12 @@ def test_one_trace_spans_gateway_prefill_kv_and_decode_in_order(stack: Stack) ->
         f"prefill call {gw_prefill.duration_us / 1e3:.1f} + decode call "
         f"{gw_decode.duration_us / 1e3:.1f} ms, KV transfer {transfer.duration_us / 1e3:.2f} ms"
     )
-    assert abs(root.duration_us - client_us) <= 0.1 * client_us, (root.duration_us, client_us)
+    # (bounds, not a ratio to the wall clock: on a loaded runner the client's own share of
+    # its latency, scheduling and HTTP, grows; the spans never exceed what it saw)
     stages = gw_prefill.duration_us + gw_decode.duration_us
-    assert abs(stages - client_us) <= 0.1 * client_us, (stages, client_us)
+    assert stages <= root.duration_us + SLACK_US, (stages, root.duration_us)
+    assert root.duration_us <= client_us + SLACK_US, (root.duration_us, client_us)
+    assert stages >= 0.5 * client_us, (stages, client_us)
 
 
 def test_a_clients_traceparent_is_the_parent(stack: Stack) -> None:

@@ -362,3 +362,36 @@ def test_the_store_accounts_grants_apart_and_adopts_only_a_grant(tmp_path: Path)
             store.grant("g3", 2 << 20)
     finally:
         region.close()
+
+
+def test_a_region_attached_by_two_pulls_at_once_stays_mapped_for_both(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two first pulls from one sidecar both attach its region; the second to finish must not
+    unmap the first's mapping while the first reads it (it did: 'operation forbidden on
+    released memoryview object' under load)."""
+    import dsv4_kvtransfer.local_pull as lp
+    from dsv4_kvtransfer.pd_protocol import shm_source
+
+    src, dst = pair.start("src", "tcp"), pair.start("dst")
+    pull(dst, export(src, payload(5000, 0), "warm-up"))  # the client's local puller exists
+    local = dst.client._local_pull
+    assert local is not None
+    where = shm_source(export(src, payload(5000, 1), "r1").extra)
+    assert where is not None
+    local._sources.clear()
+    attach = StagingRegion.attach
+    inner: list[StagingRegion | None] = []
+    calls = []
+
+    def attach_while_another_pull_attaches(*a: object, **kw: object) -> StagingRegion:
+        region = attach(*a, **kw)  # type: ignore[arg-type]
+        calls.append(1)
+        if len(calls) == 1:
+            inner.append(local._source(where))  # the other pull, in between
+        return region
+
+    monkeypatch.setattr(lp.StagingRegion, "attach", attach_while_another_pull_attaches)
+    outer = local._source(where)
+    assert outer is not None and outer is inner[0] is local._sources[where.name]
+    assert len(bytes(outer.view(HEADER_BYTES, 16))) == 16  # still mapped
