@@ -194,3 +194,8 @@ def from_crd(cls: type[T], raw: dict[str, Any], ctx: str = "", **given: Any) -> 
             kind = _of(d.schema, ctx).get("type", "")
             values[f.name] = (d.parse or _BY_TYPE.get(kind, copy.deepcopy))(value)
     return cls(**values)
+
+
+def not_yet(field: str, why: str, fix: str) -> str:
+    """The message of a rule that keeps a field at its default until something acts on it."""
+    return f"{field} is not supported yet ({why}); {fix}"

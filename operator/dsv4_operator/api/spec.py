@@ -23,14 +23,22 @@ from dsv4_common.ports import (
     sidecar_control_port,
     sidecar_metrics_port,
 )
-from dsv4_operator.api import DEFAULT_NPU_RESOURCE
 from dsv4_operator.api.autoscaling_spec import AutoscalingSpec
-from dsv4_operator.api.fields import crd_object, from_crd, object_schema, place, prop, section
+from dsv4_operator.api.features_spec import FeaturesSpec
+from dsv4_operator.api.fields import (
+    crd_object,
+    from_crd,
+    not_yet,
+    object_schema,
+    place,
+    prop,
+    section,
+)
+from dsv4_operator.api.observability_spec import ObservabilitySpec
+from dsv4_operator.api.scheduling_spec import SchedulingSpec
 from dsv4_operator.api.schema import (
     Schema,
-    boolean,
     integer,
-    opaque,
     resources,
     string,
     string_list,
@@ -39,7 +47,6 @@ from dsv4_operator.api.schema import (
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
-Workload = Literal["StatefulSet", "LeaderWorkerSet"]
 
 DEFAULT_ENGINE_IMAGE = "dsv4/engine:0.1.0"
 DEFAULT_GATEWAY_IMAGE = "dsv4/operator:0.1.0"  # the light control-plane image (no torch)
@@ -84,11 +91,6 @@ OWNED_ENGINE_FLAGS = (
 )
 # Models built into the engine image (dsv4_serving.presets; a unit test keeps them in step).
 PRESETS = ("dsv3-small", "dsv4-tiny")
-
-
-def _not_yet(field: str, why: str, fix: str) -> str:
-    """The message of a rule that keeps a field at its default until something acts on it."""
-    return f"{field} is not supported yet ({why}); {fix}"
 
 
 @crd_object(
@@ -456,167 +458,6 @@ class GatewaySpec:
     resources: dict[str, Any] = prop(resources("CPU/memory for the gateway container."))
 
 
-@crd_object(defaulted=True)
-@dataclass(frozen=True, kw_only=True)
-class SchedulingSpec:
-    npu_resource: str = prop(
-        string(
-            "Extended resource of the NPU device plugin.",
-            default=DEFAULT_NPU_RESOURCE,
-            pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-            max_length=253,
-        ),
-        key="npuResourceName",
-    )
-    workload: Workload = prop(
-        string(
-            "Workload kind for multi-node instances.",
-            default="StatefulSet",
-            enum=["StatefulSet", "LeaderWorkerSet"],
-        )
-    )
-    node_selector: dict[str, str] = prop(string_map("Node labels engine pods require."))
-    tolerations: list[dict[str, Any]] = prop(opaque("Tolerations for engine pods.", array=True))
-    affinity: dict[str, Any] = prop(opaque("Affinity for engine pods."))
-    topology_spread_constraints: list[dict[str, Any]] = prop(
-        opaque("Topology spread for engine pods.", array=True)
-    )
-    priority_class_name: str | None = prop(string("Priority class of engine pods.", max_length=253))
-
-    @property
-    def use_lws(self) -> bool:
-        return self.workload == "LeaderWorkerSet"
-
-
-@crd_object(
-    rules=[
-        (
-            "self.enabled || self.redundantExperts == 0",
-            "features.eplb.redundantExperts needs features.eplb.enabled",
-        )
-    ],
-    defaulted=True,
-    description="Expert-parallel load balancing (EPLB, docs/eplb.md).",
-)
-@dataclass(frozen=True, kw_only=True)
-class EplbSpec:
-    enabled: bool = prop(
-        boolean(
-            "Expert-parallel load balancing: engines count each MoE layer's expert "
-            "load and every intervalSteps re-place experts over their EP ranks, "
-            "live (needs expert parallelism > 1 on both roles).",
-            default=False,
-        )
-    )
-    redundant_experts: int = prop(
-        integer(
-            "Extra physical expert slots per MoE layer (in total over an "
-            "instance's EP ranks) for replicas of hot experts; routed experts + "
-            "redundant must split evenly over the EP ranks.",
-            default=0,
-            minimum=0,
-            maximum=64,
-        )
-    )
-    interval_steps: int = prop(
-        integer("Forward steps between expert re-placements.", default=600, minimum=1)
-    )
-    window_steps: int = prop(
-        integer(
-            "The last this many forward steps' expert load decide a re-placement.",
-            default=600,
-            minimum=1,
-        )
-    )
-
-
-@crd_object(
-    rules=[
-        (
-            "self.hostPath.matches('^(/[-_.a-zA-Z0-9]+)*/hccn[.]conf$') && "
-            "!self.hostPath.contains('/../')",
-            "features.hccnConf.hostPath must be an absolute path to a file named "
-            "hccn.conf (no '..')",
-        )
-    ],
-    defaulted=True,
-)
-@dataclass(frozen=True, kw_only=True)
-class HccnConfSpec:
-    enabled: bool = prop(boolean("Mount the host's hccn.conf (NPU network config).", default=True))
-    host_path: str = prop(
-        string(
-            "Where hccn.conf is on the node (a file of that name: anyone who may "
-            "create the CR chooses it, so it cannot name any other file).",
-            default="/etc/hccn.conf",
-            max_length=256,
-        )
-    )
-
-
-@crd_object(
-    rules=[
-        (
-            "self.mlapo",
-            _not_yet("features.mlapo", "the engine has no switch for it", "remove it or set true"),
-        ),
-        (
-            "self.c8 == 'auto'",
-            _not_yet("features.c8", "the engine has no switch for it", "remove it or set auto"),
-        ),
-    ],
-    defaulted=True,
-)
-@dataclass(frozen=True, kw_only=True)
-class FeaturesSpec:
-    """``eplb`` becomes the engines' EPLB settings (engine.json); ``mlapo`` and ``c8`` are
-    accepted by the CRD only at their defaults (no engine acts on them yet); ``hccn_conf`` and
-    ``privileged`` shape the engine pods."""
-
-    eplb: EplbSpec = section(EplbSpec)
-    mlapo: bool = prop(
-        boolean(
-            "Fused MLA preprocessing kernels (on Ascend). Not supported yet: must be true "
-            "(the default).",
-            default=True,
-        )
-    )
-    c8: str = prop(
-        string(
-            "8-bit KV block mode for sparse attention. Not supported yet: must be auto.",
-            default="auto",
-            enum=["auto", "on", "off"],
-        )
-    )
-    hccn_conf: HccnConfSpec = section(HccnConfSpec)
-    privileged: bool = prop(boolean("Run engine containers privileged (opt-in).", default=False))
-
-
-OTLP_URL_PATTERN = r"^https?://[^\s/?#]+(/[^\s]*)?$"
-
-
-@crd_object(defaulted=True, description="OpenTelemetry request traces (docs/tracing.md).")
-@dataclass(frozen=True, kw_only=True)
-class TracingSpec:
-    otlp_endpoint: str | None = prop(
-        string(
-            "OTLP/HTTP endpoint (an OpenTelemetry collector, Jaeger, ...) that every "
-            "engine, KV sidecar and gateway of this deployment sends request traces "
-            "to, e.g. http://otel-collector.observability:4318 (/v1/traces is added "
-            "when no path is given). Unset: tracing off.",
-            pattern=OTLP_URL_PATTERN,
-            max_length=512,
-        )
-    )
-    """Request traces (--otlp-traces-endpoint); None: off."""
-
-
-@crd_object(defaulted=True)
-@dataclass(frozen=True, kw_only=True)
-class ObservabilitySpec:
-    tracing: TracingSpec = section(TracingSpec)
-
-
 def _eplb_needs_ep_rule() -> tuple[str, str]:
     ep = (
         f"(has(self.{r}.parallelism.ep) ? self.{r}.parallelism.ep : "
@@ -645,7 +486,7 @@ def _eplb_needs_ep_rule() -> tuple[str, str]:
         _eplb_needs_ep_rule(),
         (
             "!self.autoscaling.enabled || self.scheduling.workload != 'LeaderWorkerSet'",
-            _not_yet(
+            not_yet(
                 "autoscaling with scheduling.workload LeaderWorkerSet",
                 "the autoscaler counts and drains StatefulSet instances only",
                 "use workload StatefulSet or size instances by hand",

@@ -7,15 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4_operator.api.autoscaling_spec import AutoscalingSpec
+from dsv4_operator.api.features_spec import FeaturesSpec
 from dsv4_operator.api.fields import crd_object, from_crd, object_schema, prop
+from dsv4_operator.api.observability_spec import ObservabilitySpec
+from dsv4_operator.api.scheduling_spec import SchedulingSpec
 from dsv4_operator.api.schema import string
 from dsv4_operator.api.spec import (
     EngineSpec,
-    FeaturesSpec,
     GatewaySpec,
     KVTransferSpec,
-    ObservabilitySpec,
-    SchedulingSpec,
     parse,
     spec_schema,
 )
