@@ -1,5 +1,5 @@
-"""The autoscaling benchmark's arithmetic (``benchmarks/autoscaling.py``, a script, loaded by
-path): cold starts per scale-up, whole-run and per-phase attainment, instance-seconds."""
+"""The autoscaling benchmark's arithmetic (``benchmarks/autoscaling_analysis.py``, beside the
+script, loaded by path): cold starts per scale-up, whole-run and per-phase attainment, instance-seconds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "autoscaling.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "autoscaling_analysis.py"
 
 
 @pytest.fixture(scope="module")
