@@ -19,6 +19,7 @@ OUTSIDE = [
     b"design" + b" study",
     b"the" + b" brief",
     b"architecture" + b" notes",
+    b"/wo" + b"rk/",  # this workplace's checkout, not a user's clone
 ]
 
 
