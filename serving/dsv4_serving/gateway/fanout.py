@@ -188,7 +188,7 @@ class StreamMerger:
             c["index"] = i
         if obj.get("usage") is not None:  # per-chunk usage: only the merged one, at the end
             obj["usage"] = None
-        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+        return _sse(obj)
 
     def finish(self) -> bytes:
         """The usage chunk (asked for, and every choice gave one) and ``[DONE]``."""
@@ -197,7 +197,7 @@ class StreamMerger:
         if self.include_usage and every:
             usage = merge_usage([self._usage[i] for i in sorted(self._usage)])
             chunk = {**(self._usage_chunk or {}), "usage": usage}
-            out = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+            out = _sse(chunk)
         return out + b"data: [DONE]\n\n"
 
 
@@ -237,3 +237,8 @@ async def merge_streams(
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj``."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

@@ -82,7 +82,7 @@ def process_logits(
 ) -> torch.Tensor:
     """Rows ``[len(drafts) + 1, V]`` after logit_bias and the penalties (float32, a new
     tensor; ``logits`` is left as it is, for the raw logprobs)."""
-    x = logits.float().clone()
+    x = logits.to(torch.float32, copy=True)  # one copy, whatever the dtype
     if sp.logit_bias:
         _apply_bias(x, sp.logit_bias)
     if sp.uses_history:
