@@ -31,6 +31,13 @@ def test_no_pd_decode_n_starts_n_engines_behind_the_gateway(tmp_path: Path) -> N
     assert _plan(tmp_path, "--no-pd") == ["engine-0", "gateway"]
 
 
+def test_the_gateway_renders_chats_as_the_engines_do(tmp_path: Path) -> None:
+    argv = ["up", "--engine-arg=--default-thinking", "--engine-arg=off"]
+    gateway = up.plan(build_parser().parse_args(argv), tmp_path)[-1].argv
+    i = gateway.index("--tokenizer")
+    assert gateway[i : i + 4] == ["--tokenizer", "dsv4-tiny", "--default-thinking", "off"]
+
+
 def test_no_pd_refuses_prefill_by_name() -> None:
     with pytest.raises(SystemExit, match="--prefill has no meaning with --no-pd"):
         main(["up", "--no-pd", "--prefill", "1"])

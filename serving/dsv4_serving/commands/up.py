@@ -167,11 +167,25 @@ def _gateway(args: argparse.Namespace, run_dir: Path, upstreams: list[str]) -> S
             "gateway",
             *("--host", args.host, "--port", str(args.port), "--log-level", "warning"),
             *(traced if args.otlp_traces_endpoint else []),
+            # chat prefix hashes over the engines' own prompt ids (docs/gateway.md)
+            *("--tokenizer", args.model, *_rendering_flags(args.engine_arg)),
             *upstreams,
         ),
         run_dir / "gateway.log",
         f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}",
     )
+
+
+def _rendering_flags(engine_args: list[str]) -> list[str]:
+    """The engines' chat-rendering flags, which the gateway must render with too."""
+    out: list[str] = []
+    for i, a in enumerate(engine_args):
+        for flag in ("--chat-format", "--default-thinking"):
+            if a.startswith(flag + "="):
+                out.append(a)
+            elif a == flag and i + 1 < len(engine_args):
+                out += [a, engine_args[i + 1]]
+    return out
 
 
 def _shape(args: argparse.Namespace) -> str:

@@ -6,30 +6,17 @@ Rendering is a pure function of the body: a PD decode renders the same ids as it
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from dsv4_serving.chat.effort import read_effort_table
-from dsv4_serving.chat.messages import EncodeOptions
-from dsv4_serving.chat.registry import (
-    JINJA,
-    ChatFormat,
-    chat_format_for,
-    chat_format_named,
-)
-from dsv4_serving.chat.switches import ChatSwitchError, resolve_switches
+from dsv4_serving.chat.registry import ChatFormat
+from dsv4_serving.chat.request import RENDERED_FIELDS, render_chat
+from dsv4_serving.chat.request import chat_format_of as chat_format_of  # the engine's import
+from dsv4_serving.chat.switches import ChatSwitchError
 from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.entrypoints.chat_output import OutputSpec
 from dsv4_serving.entrypoints.checks import BadRequest
 from dsv4_serving.entrypoints.protocol import ChatCompletionRequest
-
-log = logging.getLogger(__name__)
-
-TEMPLATE_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
-"""The ``chat_template_kwargs`` DeepSeek's format reads; any other key is a 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,36 +26,6 @@ class ChatPrompt:
 
     text: str
     output: OutputSpec | None = None
-
-
-def _model_config(model: str) -> dict[str, Any] | None:
-    from dsv4_serving.presets.configs import PRESETS, preset_config
-
-    if model in PRESETS:
-        return preset_config(model)
-    path = Path(model)
-    path = path / "config.json" if path.is_dir() else path.parent / "config.json"
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else None
-
-
-def chat_format_of(model: str, name: str = "auto") -> ChatFormat:
-    """The format a model's chat requests get: ``name`` (``--chat-format``), or by the model's
-    config.json; a checkpoint's own reasoning-effort table when it ships one."""
-    if name != "auto":
-        fmt = chat_format_named(name)
-    else:
-        config = _model_config(model)
-        fmt = chat_format_for(config) if config is not None else JINJA
-    encoder = Path(model) / "encoding" / "encoding_dsv4.py"
-    if encoder.is_file():
-        table = read_effort_table(encoder.read_text())
-        if table is not None:
-            fmt = fmt.with_effort_table(table)
-    log.info("chat format: %s", fmt.name)
-    return fmt
 
 
 class ChatRenderer:
@@ -112,32 +69,11 @@ class ChatRenderer:
         return ChatPrompt(self.tokenizer.apply_chat_template(msgs))
 
     def _deepseek(self, body: ChatCompletionRequest) -> ChatPrompt:
-        kwargs = body.chat_template_kwargs or {}
-        unknown = sorted(set(kwargs) - set(TEMPLATE_KWARGS))
-        if unknown:
-            raise ChatSwitchError(
-                "chat_template_kwargs",
-                f"unknown keys {unknown} (DeepSeek's format reads {', '.join(TEMPLATE_KWARGS)})",
-            )
-        drop = kwargs.get("drop_thinking", True)
-        if not isinstance(drop, bool):
-            raise ChatSwitchError(
-                "chat_template_kwargs.drop_thinking", f"must be a boolean, not {drop!r}"
-            )
-        switches = resolve_switches(
-            thinking=body.thinking,
-            chat_template_kwargs=kwargs or None,
-            reasoning_effort=body.reasoning_effort,
-            default_thinking=self.default_thinking,
-        )
-        tools = list(body.tools or [])
-        names = _tool_names(tools)
-        opts = EncodeOptions(
-            thinking=switches.thinking, effort=switches.effort, tools=tools, drop_thinking=drop
-        )
+        names = _tool_names(list(body.tools or []))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        assert self.format.encode is not None
-        text = self.format.encode(messages, opts)
+        fields = {k: getattr(body, k) for k in RENDERED_FIELDS}
+        rendered = render_chat(self.format, messages, fields, self.default_thinking)
+        switches, text, tools = rendered.switches, rendered.text, rendered.tools
         spec = OutputSpec(
             self.format,
             thinking=switches.thinking,

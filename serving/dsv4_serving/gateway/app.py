@@ -49,7 +49,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.admission = Admission(cfg.max_inflight, self.metrics)
         self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
-        self.encode = load_encoder(cfg.tokenizer)
+        self.encode = load_encoder(cfg.tokenizer, cfg.chat_format, cfg.default_thinking == "on")
         self.drain = Drain(lambda: self.admission.inflight)
         self.proxy.tracer = setup_tracing(cfg.otlp_traces_endpoint)
 

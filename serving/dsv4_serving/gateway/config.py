@@ -46,7 +46,13 @@ class GatewayConfig:
     block_size: int = 16
     """Tokens per prefix-cache block, as the engines use (for prefix affinity)."""
     tokenizer: str | None = None
-    """tokenizer.json for exact prefix hashes (default: UTF-8 bytes stand in for tokens)."""
+    """The model's tokenizer for exact prefix hashes: a preset, a checkpoint directory or its
+    tokenizer.json; chats of a model in DeepSeek's format are then rendered as the engine renders
+    them (default: UTF-8 bytes stand in for tokens)."""
+    chat_format: Literal["auto", "jinja", "deepseek_v4", "deepseek_v32"] = "auto"
+    """With --tokenizer: the engines' --chat-format (auto: by the checkpoint's config.json)."""
+    default_thinking: Literal["on", "off"] = "on"
+    """With --tokenizer: the engines' --default-thinking (the mode of a chat that sets none)."""
     api_key: str | None = None
     """If set, clients must send ``Authorization: Bearer <key>``."""
     max_inflight: int = 1024
@@ -96,8 +102,8 @@ class GatewayConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if self.tokenizer and not Path(self.tokenizer).is_file():
-            raise ValueError(f"--tokenizer {self.tokenizer}: no such file")
+        if self.tokenizer:
+            check_tokenizer(self.tokenizer)
         if self.discovery == "static" and not (
             self.both_urls or (self.prefill_urls and self.decode_urls)
         ):
@@ -108,3 +114,15 @@ class GatewayConfig:
         for url in (*self.prefill_urls, *self.decode_urls, *self.both_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
+
+
+def check_tokenizer(spec: str) -> None:
+    from dsv4_serving.presets.configs import PRESETS
+
+    path = Path(spec)
+    if spec in PRESETS or path.is_file() or (path / "tokenizer.json").is_file():
+        return
+    raise ValueError(
+        f"--tokenizer {spec}: not a preset ({', '.join(sorted(PRESETS))}), a tokenizer.json or "
+        "a directory holding one"
+    )

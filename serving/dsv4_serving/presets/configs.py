@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-# ids 256.. after the 256 byte tokens; begin/end of sentence first (bos 256, eos 257)
+# ids 256.. after the 256 byte tokens, in the real V4 tokenizer's order (bos 256, eos 257);
+# which of them decoding skips: presets/tokenizer.py
 SPECIAL_TOKENS = (
     "<｜begin▁of▁sentence｜>",
     "<｜end▁of▁sentence｜>",
@@ -16,8 +17,8 @@ SPECIAL_TOKENS = (
     "<｜Assistant｜>",
     "<think>",
     "</think>",
-    "<｜tool▁calls▁begin｜>",
-    "<｜tool▁calls▁end｜>",
+    "｜DSML｜",
+    "<｜latest_reminder｜>",
 )
 VOCAB = 256 + len(SPECIAL_TOKENS)
 

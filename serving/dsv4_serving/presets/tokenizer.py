@@ -1,7 +1,15 @@
-"""A byte-level tokenizer (256 byte tokens + DeepSeek's special tokens), no merges."""
+"""A byte-level tokenizer (256 byte tokens + DeepSeek V4's added tokens), no merges.
+
+The added tokens are those of DeepSeek V4's tokenizer that its chat format writes (ids 0, 1,
+128803, 128804, 128821, 128822, 128825 and 128828 there), each one id here too, so the tiny
+presets run the real encoding and parsing path. As in DeepSeek's released tokenizers, only BOS
+and EOS are special (``skip_special_tokens`` drops them); the chat markers, the think tags and
+the DSML marker ``｜DSML｜`` survive decoding. V4 has no token for ``<｜DSML｜`` as a whole: the
+``<`` (or ``</``) before the marker is a byte.
+"""
 
 # DeepSeek's special tokens are spelled with fullwidth bars and U+2581 on purpose.
-# ruff: noqa: RUF001
+# ruff: noqa: RUF001, RUF002
 
 from __future__ import annotations
 
@@ -10,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_serving.presets.configs import SPECIAL_TOKENS, preset_config
+
+SKIPPED = frozenset(SPECIAL_TOKENS[:2])
+"""The added tokens ``skip_special_tokens`` drops: BOS and EOS."""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -24,7 +35,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer() -> Any:
     """A ``tokenizers.Tokenizer``: ids 0-255 are bytes, specials follow."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes
@@ -34,7 +45,7 @@ def build_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens([AddedToken(t, special=t in SKIPPED, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 

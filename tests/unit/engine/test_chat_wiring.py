@@ -311,7 +311,9 @@ def test_a_jinja_model_refuses_deepseek_fields_and_answers_plain_content() -> No
     client, engine = _client("jinja")
     engine.script = TOK.encode("a</think>b")
     r = client.post("/v1/chat/completions", json={"messages": MSG})
-    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    # content as the model wrote it: </think> is text there (not a special token), as in V4's
+    msg = r.json()["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": "a</think>b"}
     for name, value in (("tools", TOOLS), ("thinking", {"type": "enabled"})):
         r = client.post("/v1/chat/completions", json={"messages": MSG, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name
