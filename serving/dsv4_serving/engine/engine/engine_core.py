@@ -53,6 +53,7 @@ from dsv4_serving.engine.worker.step_protocol import (
 
 if TYPE_CHECKING:
     from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
+    from dsv4_serving.structured.manager import GrammarManager
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class EngineCore:
         self.idle_waiting_for_kv = False
         eos = lm.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.eos_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
+        self.eos_ids = [e for e in self.eos_ids if e is not None]
+        self.grammars: GrammarManager | None = None  # at the first structured request
         self.info = EngineInfo(
             max_model_len=lm.max_model_len,
             vocab_size=int(lm.model_config.vocab_size),
@@ -151,8 +155,33 @@ class EngineCore:
         elif isinstance(p, RemotePrefillParams):
             assert self.config.role != "prefill"
         self.scheduler.add_request(Request(req, self.eos_token_id))
+        if req.sampling_params.structured is not None:
+            self._add_grammar(req)
         if self.tracing is not None:
             self.tracing.add(req)
+
+    def _add_grammar(self, req: EngineCoreRequest) -> None:
+        """Compile the request's grammar on the manager's thread (cached by spec), off the
+        loop: a decode's compile overlaps its KV pull, a local one the steps before its first
+        sample. The runner holds the matcher; its ``finished_ids`` drop it (abort included)."""
+        spec = req.sampling_params.structured
+        assert spec is not None
+        runner = self.runner
+        if not hasattr(runner, "grammars"):
+            raise ValueError("structured outputs need the model runner (not the emulated one)")
+        if not self.eos_ids:
+            raise ValueError("structured outputs need the model's EOS token id (none configured)")
+        if self.grammars is None:
+            from dsv4_serving.engine.engine.tokenizer import load_tokenizer
+            from dsv4_serving.structured.llguidance_backend import LLGuidanceBackend
+            from dsv4_serving.structured.manager import GrammarManager
+            from dsv4_serving.structured.request_grammars import RequestGrammars
+
+            vocab = self.info.vocab_size
+            backend = LLGuidanceBackend(load_tokenizer(self.config.model).hf, self.eos_ids, vocab)
+            self.grammars = GrammarManager(backend)
+            runner.grammars = RequestGrammars(vocab, self.eos_ids)
+        runner.grammars.add(req.request_id, self.grammars.compile_async(spec))
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         aborted = self.scheduler.abort_requests(request_ids)
@@ -291,6 +320,8 @@ class EngineCore:
             self._tell_followers(StopFollowing())
         if self.kv_worker is not None:
             self.kv_worker.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     def stats(self) -> SchedulerStats:
         out = self.scheduler.snapshot_stats()
