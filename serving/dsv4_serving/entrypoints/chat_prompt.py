@@ -132,8 +132,14 @@ class ChatRenderer:
         )
         tools = list(body.tools or [])
         names = _tool_names(tools)
+        rf = body.response_format
         opts = EncodeOptions(
-            thinking=switches.thinking, effort=switches.effort, tools=tools, drop_thinking=drop
+            thinking=switches.thinking,
+            effort=switches.effort,
+            tools=tools,
+            # DeepSeek's format shows the model the schema it must follow (the grammar holds it)
+            response_format=rf if rf and rf.get("type") == "json_schema" else None,
+            drop_thinking=drop,
         )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         assert self.format.encode is not None
