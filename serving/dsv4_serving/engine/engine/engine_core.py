@@ -52,8 +52,12 @@ from dsv4_serving.engine.worker.step_protocol import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
+    from dsv4_serving.structured.backend import CompiledGrammar
     from dsv4_serving.structured.manager import GrammarManager
+    from dsv4_serving.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -154,20 +158,24 @@ class EngineCore:
             assert self.config.role != "decode" and req.sampling_params.max_tokens == 1
         elif isinstance(p, RemotePrefillParams):
             assert self.config.role != "prefill"
+        spec = req.sampling_params.structured
+        grammar = self._compile_grammar(spec) if spec is not None else None
         self.scheduler.add_request(Request(req, self.eos_token_id))
-        if req.sampling_params.structured is not None:
-            self._add_grammar(req)
+        if grammar is not None:
+            assert self.runner.grammars is not None
+            self.runner.grammars.add(req.request_id, grammar)
         if self.tracing is not None:
             self.tracing.add(req)
 
-    def _add_grammar(self, req: EngineCoreRequest) -> None:
-        """Compile the request's grammar on the manager's thread (cached by spec), off the
-        loop: a decode's compile overlaps its KV pull, a local one the steps before its first
-        sample. The runner holds the matcher; its ``finished_ids`` drop it (abort included)."""
-        spec = req.sampling_params.structured
-        assert spec is not None
+    def _compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """Compile on the manager's thread (cached by spec), off the loop: a decode's compile
+        overlaps its KV pull, a local one the steps before its first sample. The runner holds
+        the matcher; its ``finished_ids`` drop it (abort included). A ValueError refuses the
+        request before it is queued."""
+        from dsv4_serving.engine.worker.model_runner import ModelRunner  # torch: core only
+
         runner = self.runner
-        if not hasattr(runner, "grammars"):
+        if not isinstance(runner, ModelRunner):
             raise ValueError("structured outputs need the model runner (not the emulated one)")
         if not self.eos_ids:
             raise ValueError("structured outputs need the model's EOS token id (none configured)")
@@ -181,7 +189,7 @@ class EngineCore:
             backend = LLGuidanceBackend(load_tokenizer(self.config.model).hf, self.eos_ids, vocab)
             self.grammars = GrammarManager(backend)
             runner.grammars = RequestGrammars(vocab, self.eos_ids)
-        runner.grammars.add(req.request_id, self.grammars.compile_async(spec))
+        return self.grammars.compile_async(spec)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         aborted = self.scheduler.abort_requests(request_ids)
