@@ -100,9 +100,14 @@ def test_a_tool_turn_is_accepted_and_encoded_as_the_encoder_renders_it(
     assert r.usage is not None and r.usage.prompt_tokens == len(TOK.encode(prompt))
 
 
-def test_unsupported_tool_choices_name_the_field(client: openai.OpenAI) -> None:
+def test_a_tool_choice_naming_no_tool_names_the_field(client: openai.OpenAI) -> None:
+    """(``required`` and named tools are grammar-constrained: tests/engine/test_structured_outputs)"""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=2
+            model=MODEL,
+            messages=MSGS,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+            max_tokens=2,
         )
-    assert "grammar" in str(e.value) and "tool_choice" in str(e.value)
+    assert "'nope'" in str(e.value) and "tool_choice" in str(e.value)

@@ -23,7 +23,13 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
 """The ``chat_template_kwargs`` DeepSeek's format reads; any other key is a 400."""
-RENDERED_FIELDS = ("thinking", "chat_template_kwargs", "reasoning_effort", "tools")
+RENDERED_FIELDS = (
+    "thinking",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "tools",
+    "response_format",
+)
 """The body's fields, besides ``messages``, that a DeepSeek-format prompt depends on."""
 MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
 """The message fields the encoders read (others, e.g. DeepSeek's per-message ``tools``, are not
@@ -68,8 +74,14 @@ def render_chat(
         default_thinking=default_thinking,
     )
     tools = list(body.get("tools") or [])
+    rf = body.get("response_format")
     opts = EncodeOptions(
-        thinking=switches.thinking, effort=switches.effort, tools=tools, drop_thinking=drop
+        thinking=switches.thinking,
+        effort=switches.effort,
+        tools=tools,
+        # DeepSeek's format shows the model the schema it must follow (the grammar holds it)
+        response_format=rf if rf and rf.get("type") == "json_schema" else None,
+        drop_thinking=drop,
     )
     msgs = [{k: m[k] for k in MESSAGE_FIELDS if m.get(k) is not None} for m in messages]
     return RenderedChat(fmt.encode(msgs, opts), switches, tools)

@@ -30,9 +30,6 @@ NO_OPS: frozenset[str] = frozenset(
 Jinja template.)"""
 
 _NOT_YET = "is not supported by this server yet"
-_GRAMMAR = (
-    "needs grammar-constrained decoding, which this server does not do yet; use 'auto' or 'none'"
-)
 
 
 def _function_tools(v: Any) -> bool:
@@ -52,15 +49,8 @@ def _unset(v: Any) -> bool:
 
 REFUSED_CHAT: dict[str, Refused] = {
     "tools": Refused(_function_tools, "tools of a type other than 'function' are not supported"),
-    "tool_choice": Refused(
-        lambda v: v in (None, "none", "auto"), f"tool_choice 'required' or a named tool {_GRAMMAR}"
-    ),
     "functions": Refused(_unset, "functions is deprecated and not supported; use tools"),
     "function_call": Refused(_unset, "function_call is deprecated and not supported; use tools"),
-    "response_format": Refused(
-        lambda v: v is None or v == {"type": "text"},
-        f"response_format other than {{'type': 'text'}} {_NOT_YET}",
-    ),
     "audio": Refused(_unset, "audio output is not supported (this model writes text)"),
     "modalities": Refused(
         lambda v: v is None or v == ["text"], "modalities other than ['text'] are not supported"

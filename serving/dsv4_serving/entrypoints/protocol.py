@@ -18,6 +18,7 @@ from dsv4_serving.entrypoints.fields import (
     Refusal,
     refused,
 )
+from dsv4_serving.structured.spec import GrammarSpec, spec_from_request
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class _Common(_Body):
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None  # vLLM's extension
+    # structured outputs (``structured/``): OpenAI's, and vLLM's extension
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # no-ops (``fields.NO_OPS``)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -81,6 +85,10 @@ class _Common(_Body):
     def unsupported(self) -> Refusal | None:
         """The first field set to a value this server does not honour (``fields``)."""
         return None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar the output must match, or None; raises ``GrammarSpecError`` (a 400)."""
+        return spec_from_request(self.response_format, structured_outputs=self.structured_outputs)
 
     def _logit_bias(self) -> dict[int, float]:
         out = {}
@@ -176,7 +184,6 @@ class ChatCompletionRequest(_Common):
     # refused, but for harmless values (``fields.REFUSED_CHAT``)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -185,6 +192,15 @@ class ChatCompletionRequest(_Common):
     verbosity: str | None = None
     moderation: dict[str, Any] | None = None
     prompt_cache_options: dict[str, Any] | None = None  # no-op: prefix caching is automatic
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return spec_from_request(
+            self.response_format,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            self.structured_outputs,
+        )
 
     def unsupported(self) -> Refusal | None:
         bad = refused(self, REFUSED_CHAT)

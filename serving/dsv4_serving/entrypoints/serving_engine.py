@@ -39,6 +39,7 @@ from dsv4_serving.entrypoints.streaming import HeldStream, drained
 from dsv4_serving.entrypoints.tracing import answered, start_request_span
 from dsv4_serving.http.disconnect import Drain, cancel_on_disconnect
 from dsv4_serving.http.errors import draining_response
+from dsv4_serving.structured.spec import GrammarSpec, GrammarSpecError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -76,6 +77,7 @@ class OpenAIServing:
         self.grace = engine.config.shutdown_timeout
         self.tracer = tracer
         self.generator = CompletionGenerator(engine, tokenizer, model_name)
+        self._grammar_backend: Any = None  # llguidance on this tokenizer, at the first grammar
 
     def check_body(self, body: Body) -> None:
         """The model is this one, and no field asks for what this server does not do."""
@@ -109,6 +111,11 @@ class OpenAIServing:
         params = self._sampling_params(body, ids)
         if output is not None:
             params = dataclasses.replace(params, skip_special_tokens=False)
+        spec = self._grammar(body, output)
+        # a prefill for a remote decode checks the grammar (the 400 before any KV moves) but
+        # does not apply it: the decode samples the first token the client sees
+        if spec is not None and not isinstance(kv, PrefillRequestParams):
+            params = dataclasses.replace(params, structured=spec)
         if isinstance(kv, RemotePrefillParams):
             self._check_remote_kv(kv, ids)
         dp_rank = check_dp_rank(request.headers.get(DP_RANK_HEADER), self.info.data_parallel_size)
@@ -163,6 +170,28 @@ class OpenAIServing:
                 param="logit_bias",
             )
         return params
+
+    def _grammar(self, body: Body, output: OutputSpec | None) -> GrammarSpec | None:
+        """The request's grammar, checked with the library the engine compiles it with."""
+        try:
+            spec = body.grammar_spec()
+            if spec is None:
+                return None
+            if output is not None:
+                block = output.format.call_block or spec.block
+                spec = dataclasses.replace(spec, reasoning=output.thinking, block=block)
+            if self._grammar_backend is None:
+                from dsv4_serving.structured.llguidance_backend import LLGuidanceBackend
+
+                info = self.info
+                eos = [] if info.eos_token_id is None else [info.eos_token_id]
+                if not eos:
+                    raise GrammarSpecError(spec.field, "this model has no EOS token to end on")
+                self._grammar_backend = LLGuidanceBackend(self.tokenizer.hf, eos, info.vocab_size)
+            self._grammar_backend.check(spec)
+        except GrammarSpecError as exc:
+            raise BadRequest(str(exc), param=exc.field, code="invalid_grammar") from exc
+        return spec
 
     def _check_remote_kv(self, kv: RemotePrefillParams, ids: list[int]) -> None:
         try:

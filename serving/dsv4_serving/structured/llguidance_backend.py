@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import llguidance as llg
 
+from dsv4_serving.chat import dsml
+from dsv4_serving.chat.tool_grammar import ToolGrammarError, lit, render_lark, tool_calls_lark
 from dsv4_serving.structured.backend import Bitmask
 from dsv4_serving.structured.spec import GrammarKind, GrammarSpec, GrammarSpecError
 
@@ -20,6 +23,12 @@ class SerializedTokenizer(Protocol):
     """A HuggingFace ``tokenizers.Tokenizer`` (what llguidance reads is its JSON)."""
 
     def to_str(self) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+# reasoning text: anything without a spelled-out close tag (the close is the special token)
+_REASONING = r"/(?s:.*)/ & ~/(?s:.*<\/think>.*)/"
 
 
 class LLGuidanceBackend:
@@ -35,6 +44,9 @@ class LLGuidanceBackend:
         self._tokenizer = llg.LLTokenizer(
             tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
+        close = tokenizer.token_to_id(dsml.THINK_CLOSE)
+        # the think block's close: its special token when the tokenizer has one
+        self._think_close = lit(dsml.THINK_CLOSE) if close is None else f"<[{close}]>"
 
     def check(self, spec: GrammarSpec) -> None:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
@@ -50,21 +62,49 @@ class LLGuidanceBackend:
         return LLGuidanceGrammar(matcher, tuple(matcher.get_grammar_warnings()))
 
     def _grammar(self, spec: GrammarSpec) -> str:
-        if spec.kind is GrammarKind.TOOL_CALLS:
-            raise GrammarSpecError(
-                spec.field,
-                "required or a named tool needs the tool-call grammar, which is not built yet",
-            )
         options: Any = {
             "whitespace_flexible": True,
             "whitespace_pattern": WHITESPACE,
             # strict: a keyword llguidance cannot enforce is an error; else it is dropped (a warning)
             "lenient": not spec.strict,
         }
-        try:
-            return llg.LLMatcher.grammar_from_json_schema(spec.schema, overrides=options)
-        except ValueError as exc:
-            raise GrammarSpecError(spec.field, _one_line(str(exc))) from exc
+        kind = spec.kind
+        if kind in (GrammarKind.REGEX, GrammarKind.LARK) and spec.reasoning:
+            raise GrammarSpecError(
+                spec.field,
+                "a regex or Lark grammar needs thinking off (it would constrain reasoning)",
+            )
+        if kind is GrammarKind.REGEX:
+            return llg.LLMatcher.grammar_from_regex(spec.grammar)
+        if kind is GrammarKind.LARK:
+            return llg.LLMatcher.grammar_from_lark(spec.grammar)
+        if kind in (GrammarKind.JSON_OBJECT, GrammarKind.JSON_SCHEMA) and not spec.reasoning:
+            try:
+                return llg.LLMatcher.grammar_from_json_schema(spec.schema, overrides=options)
+            except ValueError as exc:
+                raise GrammarSpecError(spec.field, _one_line(str(exc))) from exc
+        rules, start = self._rules(spec, options)
+        if spec.reasoning:
+            rules["REASONING"] = _REASONING
+            start = f"REASONING {self._think_close} {start}"
+        return llg.LLMatcher.grammar_from_lark(render_lark(rules, start))
+
+    def _rules(self, spec: GrammarSpec, options: Any) -> tuple[dict[str, str], str]:
+        """Lark rules and the start expression of a grammar that may follow reasoning."""
+        if spec.kind is GrammarKind.TOOL_CALLS:
+            tools = [(t.name, json.loads(t.parameters)) for t in spec.tools]
+            try:
+                return tool_calls_lark(tools, spec.parallel, spec.block, options), "calls"
+            except ToolGrammarError as exc:
+                raise GrammarSpecError(exc.field, exc.problem) from exc
+        if spec.kind is GrammarKind.CHOICE:
+            return {"body": " | ".join(lit(c) for c in json.loads(spec.grammar))}, "body"
+        schema = json.loads(spec.schema)
+        if schema is False:
+            raise GrammarSpecError(spec.field, "the schema false matches nothing")
+        schema = {} if schema is True else dict(schema)
+        schema["x-guidance"] = options
+        return {"body": "%json " + json.dumps(schema, ensure_ascii=False)}, "body"
 
 
 @dataclass(frozen=True)

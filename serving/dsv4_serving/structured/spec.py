@@ -26,7 +26,10 @@ class GrammarSpecError(ValueError):
 class GrammarKind(enum.Enum):
     JSON_OBJECT = "json_object"  # any JSON object
     JSON_SCHEMA = "json_schema"  # a JSON value matching ``schema``
-    TOOL_CALLS = "tool_calls"  # tool_choice required / named: a DSML call block (not built yet)
+    TOOL_CALLS = "tool_calls"  # tool_choice required / named: a DSML call block
+    REGEX = "regex"  # vLLM's structured_outputs.regex: text matching ``grammar``
+    CHOICE = "choice"  # vLLM's structured_outputs.choice: one of ``grammar`` (a JSON list)
+    LARK = "lark"  # vLLM's structured_outputs.grammar: llguidance's Lark in ``grammar``
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class GrammarSpec:
     strict: bool = False
     tools: tuple[ToolSpec, ...] = ()  # TOOL_CALLS: the tools a call may name
     parallel: bool = True  # TOOL_CALLS: more than one call allowed
+    grammar: str = ""  # REGEX, LARK: the source; CHOICE: the choices, canonical JSON
+    block: str = "tool_calls"  # TOOL_CALLS: the DSML block's name (the chat format's)
+    reasoning: bool = False  # the prompt opened a think block: free reasoning, </think>, then this
 
     @property
     def key(self) -> str:
@@ -56,6 +62,9 @@ class GrammarSpec:
             "strict": self.strict,
             "tools": [[t.name, t.parameters] for t in self.tools],
             "parallel": self.parallel,
+            "grammar": self.grammar,
+            "block": self.block,
+            "reasoning": self.reasoning,
         }
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
@@ -70,17 +79,65 @@ def spec_from_request(
     tools: Sequence[Mapping[str, Any]] | None = None,
     tool_choice: str | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    structured_outputs: Mapping[str, Any] | None = None,
 ) -> GrammarSpec | None:
     """The grammar a request needs, or None (free text). Raises ``GrammarSpecError``."""
-    if tool_choice is not None and _forces_tools(tool_choice):
-        if response_format is not None and response_format.get("type", "text") != "text":
-            raise GrammarSpecError(
-                "response_format", "cannot be combined with tool_choice required or a named tool"
-            )
+    forced = tool_choice is not None and _forces_tools(tool_choice)
+    asked = [
+        name
+        for name, on in (
+            ("tool_choice", forced),
+            ("response_format", bool(response_format and response_format.get("type") != "text")),
+            ("structured_outputs", structured_outputs is not None),
+        )
+        if on
+    ]
+    if len(asked) > 1:
+        raise GrammarSpecError(asked[1], f"cannot be combined with {asked[0]}")
+    if forced:
+        assert tool_choice is not None
         return _tool_spec(tools or (), tool_choice, parallel_tool_calls is not False)
+    if structured_outputs is not None:
+        return _structured_outputs_spec(structured_outputs)
     if response_format is None:
         return None
     return _response_format_spec(response_format)
+
+
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs_spec(so: Mapping[str, Any]) -> GrammarSpec:
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+    if not isinstance(so, Mapping):
+        raise GrammarSpecError("structured_outputs", "must be an object")
+    unknown = sorted(k for k in so if k not in _SO_KINDS and so[k] not in (None, False))
+    if unknown:
+        raise GrammarSpecError(f"structured_outputs.{unknown[0]}", "is not supported")
+    given = [k for k in _SO_KINDS if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise GrammarSpecError("structured_outputs", f"needs exactly one of {', '.join(_SO_KINDS)}")
+    kind, value = given[0], so[given[0]]
+    field = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return GrammarSpec(GrammarKind.JSON_OBJECT, field, canonical_json({"type": "object"}))
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise GrammarSpecError(field, f"not JSON: {exc}") from exc
+        _check_schema(field, value)
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, field, canonical_json(value))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise GrammarSpecError(field, "must be a non-empty list of strings")
+        return GrammarSpec(GrammarKind.CHOICE, field, grammar=canonical_json(value))
+    if not isinstance(value, str) or not value:
+        raise GrammarSpecError(field, "must be a non-empty string")
+    return GrammarSpec(
+        GrammarKind.REGEX if kind == "regex" else GrammarKind.LARK, field, grammar=value
+    )
 
 
 def _response_format_spec(rf: Mapping[str, Any]) -> GrammarSpec | None:

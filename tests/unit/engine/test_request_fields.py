@@ -22,6 +22,7 @@ from dsv4_serving.entrypoints.fields import NO_OPS
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 
 VOCAB = 512  # the tiny tokenizer: 256 bytes, then special tokens
+EOS = 257  # its end of sentence
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -30,7 +31,7 @@ class FakeEngine:
     """Answers every request with the token "o"; keeps the last sampling parameters."""
 
     info: EngineInfo = field(
-        default_factory=lambda: EngineInfo(4096, VOCAB, None, 16, 100, 0, "fake")
+        default_factory=lambda: EngineInfo(4096, VOCAB, EOS, 16, 100, 0, "fake")
     )
     config: Any = field(
         default_factory=lambda: SimpleNamespace(
@@ -78,9 +79,9 @@ CHAT_HONOURED: dict[str, Any] = {
     "frequency_penalty": 0.5,
     "presence_penalty": -0.5,
     "logit_bias": {"5": 10},
-    "response_format": {"type": "text"},  # the default: text
+    "response_format": {"type": "text"},  # and JSON (test_grammar_fields_reach_the_engine)
     "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto",  # auto/none only
+    "tool_choice": "auto",  # and required, named (test_grammar_fields_reach_the_engine)
     "parallel_tool_calls": False,
     "reasoning_effort": "high",
     "thinking": {"type": "enabled"},  # DeepSeek's
@@ -100,10 +101,8 @@ CHAT_NO_OPS: dict[str, Any] = {
 }
 CHAT_REFUSED: dict[str, Any] = {
     "tools": [{"type": "custom", "custom": {"name": "f"}}],
-    "tool_choice": "required",
     "functions": [{"name": "f"}],
     "function_call": "auto",
-    "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "mp3"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
@@ -282,3 +281,101 @@ def test_echo_puts_the_prompt_before_each_choice_and_refuses_logprobs(
     assert '"text": "hio"' in next(line for line in lines if line.startswith("data: {"))
     r = _post(app, False, {"echo": True, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+GRAMMARS: list[tuple[bool, dict[str, Any], str]] = [
+    (True, {"response_format": {"type": "json_object"}}, "json_object"),
+    (
+        True,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
+            }
+        },
+        "json_schema",
+    ),
+    (True, {"tools": [TOOL], "tool_choice": "required"}, "tool_calls"),
+    (
+        True,
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "tool_calls",
+    ),
+    (True, {"structured_outputs": {"choice": ["x", "y"]}}, "choice"),
+    (False, {"response_format": {"type": "json_object"}}, "json_object"),
+    (False, {"structured_outputs": {"regex": "[a-z]+"}}, "regex"),
+    (False, {"structured_outputs": {"grammar": 'start: "x"'}}, "lark"),
+]
+
+
+@pytest.mark.parametrize(("chat", "body", "kind"), GRAMMARS)
+def test_grammar_fields_reach_the_engine(
+    app: tuple[TestClient, FakeEngine], chat: bool, body: dict[str, Any], kind: str
+) -> None:
+    r = _post(app, chat, {**body, "thinking": {"type": "disabled"}} if chat else body)
+    assert r.status_code == 200, r.text
+    spec = app[1].last.structured if app[1].last is not None else None
+    assert spec is not None and spec.kind.value == kind and not spec.reasoning
+
+
+def test_thinking_puts_reasoning_before_the_grammar(app: tuple[TestClient, FakeEngine]) -> None:
+    r = _post(app, True, {"response_format": {"type": "json_object"}})  # thinking: the default
+    assert r.status_code == 200, r.text
+    assert app[1].last is not None and app[1].last.structured is not None
+    assert app[1].last.structured.reasoning
+
+
+@pytest.mark.parametrize(
+    ("chat", "body", "param", "words"),
+    [
+        (
+            True,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "frob"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "frob",
+        ),
+        (True, {"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+        (
+            True,
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "'g'",
+        ),
+        (
+            True,
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            "tool_choice",
+        ),
+        (
+            False,
+            {"structured_outputs": {"grammar": "start: nope"}},
+            "structured_outputs.grammar",
+            "nope",
+        ),
+        (
+            True,
+            {"thinking": {"type": "enabled"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs.regex",
+            "thinking",
+        ),
+    ],
+)
+def test_bad_grammars_are_a_400_naming_the_field(
+    app: tuple[TestClient, FakeEngine], chat: bool, body: dict[str, Any], param: str, words: str
+) -> None:
+    r = _post(app, chat, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and err["code"] == "invalid_grammar"

@@ -59,13 +59,13 @@ def test_non_strict_drops_what_it_cannot_enforce(backend: LLGuidanceBackend) -> 
     assert any("frobnicate" in w for w in backend.compile(spec).warnings)
 
 
-def test_tool_calls_not_yet(backend: LLGuidanceBackend) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+def test_a_tool_without_an_object_schema_is_refused(backend: LLGuidanceBackend) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
     spec = spec_from_request(None, [tool], "required")
     assert spec is not None
-    with pytest.raises(GrammarSpecError, match="not built yet") as info:
-        backend.compile(spec)
-    assert info.value.field == "tool_choice"
+    with pytest.raises(GrammarSpecError, match="type") as info:
+        backend.check(spec)
+    assert info.value.field == "tools[0].function.parameters"
 
 
 def test_mask_allows_exactly_the_grammar(backend: LLGuidanceBackend) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -13,13 +12,12 @@ import pytest
 
 from dsv4_serving.structured.backend import GrammarMatcher, bitmask_words
 from dsv4_serving.structured.llguidance_backend import LLGuidanceBackend
+from dsv4_serving.structured.schema_corpus import schemas
 from dsv4_serving.structured.spec import spec_from_request
 
 pytestmark = pytest.mark.unit
 
-CORPUS: list[dict[str, Any]] = json.loads(
-    (Path(__file__).parent / "data" / "schemas.json").read_text()
-)
+CORPUS: list[dict[str, Any]] = schemas()
 SEEDS = tuple(range(8))
 FREE_STEPS = 48  # then the walk prefers tokens that close something
 CAP = 1500

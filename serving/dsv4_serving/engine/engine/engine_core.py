@@ -52,7 +52,12 @@ from dsv4_serving.engine.worker.step_protocol import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
+    from dsv4_serving.structured.backend import CompiledGrammar
+    from dsv4_serving.structured.manager import GrammarManager
+    from dsv4_serving.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +131,9 @@ class EngineCore:
         self.idle_waiting_for_kv = False
         eos = lm.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.eos_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
+        self.eos_ids = [e for e in self.eos_ids if e is not None]
+        self.grammars: GrammarManager | None = None  # at the first structured request
         self.info = EngineInfo(
             max_model_len=lm.max_model_len,
             vocab_size=int(lm.model_config.vocab_size),
@@ -150,9 +158,38 @@ class EngineCore:
             assert self.config.role != "decode" and req.sampling_params.max_tokens == 1
         elif isinstance(p, RemotePrefillParams):
             assert self.config.role != "prefill"
+        spec = req.sampling_params.structured
+        grammar = self._compile_grammar(spec) if spec is not None else None
         self.scheduler.add_request(Request(req, self.eos_token_id))
+        if grammar is not None:
+            assert self.runner.grammars is not None
+            self.runner.grammars.add(req.request_id, grammar)
         if self.tracing is not None:
             self.tracing.add(req)
+
+    def _compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """Compile on the manager's thread (cached by spec), off the loop: a decode's compile
+        overlaps its KV pull, a local one the steps before its first sample. The runner holds
+        the matcher; its ``finished_ids`` drop it (abort included). A ValueError refuses the
+        request before it is queued."""
+        from dsv4_serving.engine.worker.model_runner import ModelRunner  # torch: core only
+
+        runner = self.runner
+        if not isinstance(runner, ModelRunner):
+            raise ValueError("structured outputs need the model runner (not the emulated one)")
+        if not self.eos_ids:
+            raise ValueError("structured outputs need the model's EOS token id (none configured)")
+        if self.grammars is None:
+            from dsv4_serving.engine.engine.tokenizer import load_tokenizer
+            from dsv4_serving.structured.llguidance_backend import LLGuidanceBackend
+            from dsv4_serving.structured.manager import GrammarManager
+            from dsv4_serving.structured.request_grammars import RequestGrammars
+
+            vocab = self.info.vocab_size
+            backend = LLGuidanceBackend(load_tokenizer(self.config.model).hf, self.eos_ids, vocab)
+            self.grammars = GrammarManager(backend)
+            runner.grammars = RequestGrammars(vocab, self.eos_ids)
+        return self.grammars.compile_async(spec)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         aborted = self.scheduler.abort_requests(request_ids)
@@ -291,6 +328,8 @@ class EngineCore:
             self._tell_followers(StopFollowing())
         if self.kv_worker is not None:
             self.kv_worker.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     def stats(self) -> SchedulerStats:
         out = self.scheduler.snapshot_stats()

@@ -19,6 +19,11 @@ class Tokenizer:
         self._template: Any = None
 
     @property
+    def hf(self) -> Any:
+        """The HuggingFace ``tokenizers.Tokenizer`` (what a grammar library reads)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size())
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dsv4_serving.structured.spec import GrammarSpec
+
 _GREEDY_EPS = 1e-5
 
 
@@ -46,6 +48,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Decode the output without special tokens (vLLM's field); the chat output parser needs
     them (``</think>``, EOS) and sets it False."""
+    structured: GrammarSpec | None = None
+    """The grammar the output must match (``response_format``, ``tool_choice`` required or
+    named): a token mask before sampling, on the rank that samples (``structured/``)."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100.0:

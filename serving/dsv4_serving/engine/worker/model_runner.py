@@ -8,7 +8,9 @@ each accepted token); everything else it needs (tokens, block ids, state slot) c
 
 Under tensor parallelism every TP rank runs ``execute`` on the same output (the core broadcasts
 it); the head gathers the logits, so TP rank 0 alone samples (the generators live there) and
-tells the others the tokens only when the MTP layer needs them.
+tells the others the tokens only when the MTP layer needs them. Grammars (structured
+outputs) live there too (``grammars``): the core hands each request's compiled grammar over when
+it accepts the request, and the runner masks that request's rows before sampling.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dsv4_serving.engine.sample.logits_processors import TokenHistory
 from dsv4_serving.engine.sample.sampler import compute_logprobs, sample_and_verify
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.engine.worker.model_loader import LoadedModel
+from dsv4_serving.structured.bitmask import apply_bitmask_
+from dsv4_serving.structured.request_grammars import RequestGrammars
 
 if TYPE_CHECKING:
     from dsv4_serving.eplb.balancer import Balancer
@@ -63,6 +67,7 @@ class ModelRunner:
         self._gens: dict[str, torch.Generator] = {}
         self._hists: dict[str, TokenHistory] = {}
         self._default_gen = torch.Generator().manual_seed(seed)
+        self.grammars: RequestGrammars | None = None  # set by the core at its first grammar
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator:
         seed = s.sampling_params.seed
@@ -101,6 +106,8 @@ class ModelRunner:
         for rid in out.finished_ids:
             self._gens.pop(rid, None)
             self._hists.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.drop(rid)
         for src, dst in out.state_copies:
             self.cache.copy_slot(src, dst)
         if not out.scheduled:
@@ -153,7 +160,10 @@ class ModelRunner:
                 drafts = s.token_ids[len(s.token_ids) - s.num_spec :] if s.num_spec else []
                 sp = s.sampling_params
                 hist = self._history(s, lg.shape[-1])
-                if greedy is not None and sp.greedy and not drafts and not sp.moves_argmax:
+                grammar = self.grammars is not None and s.request_id in self.grammars
+                if grammar:
+                    toks = self._constrained(s, lg, drafts, hist)
+                elif greedy is not None and sp.greedy and not drafts and not sp.moves_argmax:
                     toks = [greedy[a]]
                 else:
                     toks = sample_and_verify(lg, drafts, sp, self._generator(s), hist)
@@ -169,6 +179,23 @@ class ModelRunner:
                 results = {r: results.get(r) or RunnerResult(t) for r, t in toks.items()}
             self._draft(sched, meta, hidden, results, mtp_chain)
         return results
+
+    def _constrained(
+        self,
+        s: ScheduledRequest,
+        lg: torch.Tensor,
+        drafts: list[int],
+        hist: TokenHistory | None,
+    ) -> list[int]:
+        """Sample / verify under the request's grammar: drafts the grammar refuses are cut
+        (rejected: their probability under the mask is 0), row i is masked by the grammar's
+        state after the drafts before it, and the matcher advances with the verified tokens."""
+        assert self.grammars is not None
+        rows, kept = self.grammars.rows(s.request_id, drafts)
+        masked = apply_bitmask_(lg[: kept + 1].clone(), torch.from_numpy(rows))
+        toks = sample_and_verify(masked, drafts[:kept], s.sampling_params, self._generator(s), hist)
+        self.grammars.advance(s.request_id, toks)
+        return toks
 
     def _draft(
         self,
