@@ -94,32 +94,47 @@ class KVEventFeeds:
             self.ctx.destroy(linger=0)
 
     async def _follow(self, url: str, rank: int, endpoint: str, cache: RankCache) -> None:
+        """Every (re)connection to the publisher replays its ring (what was published while
+        not connected, a restarted engine's fresh history); then the live stream."""
         pub, replay = rank_endpoints(endpoint, rank)
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(pub)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
-            while cache.expected is None:  # what the rank published before we listened
-                if not await self._resync(url, rank, replay, cache):
-                    await asyncio.sleep(1.0)
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    continue
-                seq = seq_of(frames[1])
-                try:
-                    batch = decode_batch(frames[2])
-                except msgspec.DecodeError as exc:
-                    log.warning("KV events from %s rank %d: bad batch %d: %s", url, rank, seq, exc)
-                    continue
-                how = on_live(seq, cache.expected, cache.replayed_from)
-                if how is Live.RESYNC:
-                    await self._resync(url, rank, replay, cache)
-                    how = on_live(seq, cache.expected, cache.replayed_from)
-                if how is Live.APPLY:
-                    cache.apply(seq, batch)
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    while not await self._resync(url, rank, replay, cache):
+                        await asyncio.sleep(1.0)
+                if sub in ready:
+                    await self._on_batch(url, rank, replay, cache, await sub.recv_multipart())
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _on_batch(
+        self, url: str, rank: int, replay: str, cache: RankCache, frames: list[bytes]
+    ) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            return
+        seq = seq_of(frames[1])
+        try:
+            batch = decode_batch(frames[2])
+        except msgspec.DecodeError as exc:
+            log.warning("KV events from %s rank %d: bad batch %d: %s", url, rank, seq, exc)
+            return
+        how = on_live(seq, cache.expected, cache.replayed_from)
+        if how is Live.RESYNC:
+            await self._resync(url, rank, replay, cache)
+            how = on_live(seq, cache.expected, cache.replayed_from)
+        if how is Live.APPLY:
+            cache.apply(seq, batch)
 
     async def _resync(self, url: str, rank: int, endpoint: str, cache: RankCache) -> bool:
         """Replay the rank's ring from 0 into ``cache``; False when it did not answer."""

@@ -15,19 +15,9 @@ from typing import Literal, Protocol
 
 from dsv4_serving.gateway import scorers
 from dsv4_serving.gateway.instances import Instance
+from dsv4_serving.gateway.scorers import RouteRequest
 
 PolicyName = Literal["dplb", "least_load", "round_robin"]
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    prompt_tokens: int
-    block_hashes: Sequence[bytes] = ()
-    block_size: int = 16
-    stage: Literal["prefill", "decode"] = "prefill"
-    # the prompt's token ids (their first block_size * len(block_hashes) at least): a
-    # snapshot keyed by the token after a boundary is looked up with it
-    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

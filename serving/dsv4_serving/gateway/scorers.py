@@ -16,15 +16,27 @@ request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from dsv4_serving.gateway.instances import Instance
 
-if TYPE_CHECKING:
-    from dsv4_serving.gateway.policies import RouteRequest
 
-Scorer = Callable[[Instance, int, "RouteRequest"], float]
+@dataclass(frozen=True)
+class RouteRequest:
+    """What is being routed: the prompt's size and prefix, and the stage."""
+
+    prompt_tokens: int
+    block_hashes: Sequence[bytes] = ()
+    block_size: int = 16
+    stage: Literal["prefill", "decode"] = "prefill"
+    # the prompt's token ids (their first block_size * len(block_hashes) at least): a
+    # snapshot keyed by the token after a boundary is looked up with it
+    token_ids: Sequence[int] = ()
+
+
+Scorer = Callable[[Instance, int, RouteRequest], float]
 
 # how much an engine-reported waiting request weighs, in prompt tokens / in running sequences
 WAITING_TOKENS = 256.0

@@ -123,7 +123,7 @@ class ZmqEventPublisher:
                     return
                 assert isinstance(item, KVEventBatch)
                 payload = encode_batch(item)
-                pub.send_multipart((self.topic, seq_bytes(seq), payload))
+                self._send(pub, seq, payload)
                 self._buffer.append((seq, payload))
                 seq += 1
                 try:
@@ -133,6 +133,9 @@ class ZmqEventPublisher:
             if replay is not None:
                 while replay.poll(0):
                     self._replay(replay)
+
+    def _send(self, pub: zmq.Socket[bytes], seq: int, payload: bytes) -> None:
+        pub.send_multipart((self.topic, seq_bytes(seq), payload))
 
     def _replay(self, replay: zmq.Socket[bytes]) -> None:
         frames = replay.recv_multipart()
