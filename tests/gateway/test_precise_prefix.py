@@ -25,7 +25,8 @@ def stack() -> Iterator[tuple[Service, Service, Service]]:
     ep = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     a = engine("pp-a", *SMALL, "--kv-events-endpoint", ep[0])
     b = engine("pp-b", *SMALL, "--kv-events-endpoint", ep[1])
-    with running(a, b):
+    # engines may wait minutes for a kernel build other processes hold the lock of
+    with running(a, b, timeout_s=600):
         flags = ("--engine", a.url, "--engine", b.url, "--block-size", str(BS))
         flags += ("--kv-events", f"{a.url}={ep[0]}", "--kv-events", f"{b.url}={ep[1]}")
         with running(gateway("pp-gw", *flags)) as (g,):
