@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -126,3 +127,83 @@ def test_blocks_stored_evicted_and_replayed(engine: tuple[Service, str]) -> None
     seen = [(s, p) for s, p in sub.got if s >= mid]
     assert _replay(replay, mid)[: len(seen)] == seen
     assert [s for s, _ in sub.got] == list(range(sub.got[0][0], sub.got[-1][0] + 1))
+
+
+def test_a_fresh_subscriber_rebuilds_the_cache_exactly_after_evictions() -> None:
+    """An in-process core (MTP on: snapshot keys carry the next token) runs a mixed workload
+    with a shared prefix on a pool small enough to evict; then a subscriber that never saw the
+    live stream replays the ring from 0 into the gateway's index: its blocks and snapshot keys
+    are exactly the engine's cached hashes and published snapshots."""
+    from dsv4_serving.engine.config import EngineConfig
+    from dsv4_serving.engine.engine.engine_core import EngineCore
+    from dsv4_serving.gateway.kv_index import RankCache
+    from tests.engine.common import run, workload
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        model="dsv4-tiny",
+        max_model_len=256,
+        num_kv_blocks=48,
+        max_num_seqs=4,
+        block_size=BS,
+        kv_events_endpoint=endpoint,
+    )
+    core = EngineCore(config)
+    try:
+        run(core, workload(16, 3, shared_prefix=50), waves=4)
+        kv = core.kv
+        assert kv.pool.num_evictions > 0 and kv.key_next_token
+        _, replay = rank_endpoints(endpoint, 0)
+        ring = _replay(replay, 0)
+        for _ in range(50):  # the publisher thread may still be sending the last steps
+            time.sleep(0.1)
+            again = _replay(replay, 0)
+            if len(again) == len(ring):
+                break
+            ring = again
+        cache = RankCache()
+        assert cache.resync([(s, decode_batch(p)) for s, p in ring]) is not None
+        assert cache.blocks == kv.pool.cached_hashes() and cache.blocks
+        assert cache.snapshots == {snapshot_hash(b, n) for b, n in kv._boundaries}
+        assert cache.snapshot_bounded
+        assert any(n >= 0 for _, n in kv._boundaries)  # keys with the next token
+    finally:
+        core.close()
+
+
+def test_each_dp_rank_publishes_its_own_cache(tmp_path: Path) -> None:
+    """Two DP ranks: each publishes on its own ports, tagged with its rank; a request the
+    front end sends to rank 1 is announced by rank 1 alone."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    args = ("--model", "dsv4-tiny", "--served-model-name", "tiny", "--block-size", str(BS))
+    args += ("--max-model-len", "128", "--num-kv-blocks", "32", "--data-parallel-size", "2")
+    server = start_engine("events-dp", tmp_path, *args, "--kv-events-endpoint", endpoint)
+    try:
+        server.wait_ready(600)
+        subs = []
+        for rank in (0, 1):
+            pub, replay = rank_endpoints(endpoint, rank)
+            (first,) = _replay(replay, 0)[:1]
+            batch = decode_batch(first[1])
+            assert (first[0], batch.data_parallel_rank, batch.events) == (
+                0,
+                rank,
+                [AllBlocksCleared()],
+            )
+            subs.append(_Sub(pub))
+        time.sleep(0.5)
+        prompt = [(3 * i + 2) % 200 for i in range(40)]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json=body,
+            headers={"x-data-parallel-rank": "1"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        h = block_hashes(prompt, BS)
+        got = subs[1].until(lambda bs: set(h) <= set(_hashes(bs, BlockStored, None)))
+        assert {b.data_parallel_rank for b in got} == {1}
+        assert not subs[0].sock.poll(500)  # rank 0 stored nothing
+    finally:
+        server.stop()
