@@ -1,6 +1,7 @@
-"""KV events from a real ``dsv4 engine`` process, read by a real ZMQ SUB socket: a request's
-blocks and boundary snapshot are announced, evicting them is announced, and replay from a
-sequence number returns exactly the batches published since."""
+"""KV events from real engines, read by real ZMQ sockets: a request's blocks and boundary
+snapshot are announced, evicting them is announced, replay from a sequence number returns
+exactly the batches published since, a fresh subscriber's replay rebuilds the engine's cache
+exactly, and each DP rank publishes its own."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ class Gateway:
         stream = bool(body.get("stream"))
         ids = prompt_tokens(body, chat, self.encode)
         head = ids[:MAX_HASHED_TOKENS]
-        bs = self.cfg.block_size
+        bs = self.feeds.block_size or self.cfg.block_size
         req = RouteRequest(len(ids), block_hashes(head, bs), bs, token_ids=head)
         try:
             return await self._dispatch(path, body, chat, rid, ticket, req, stream)

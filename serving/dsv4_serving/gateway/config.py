@@ -46,8 +46,8 @@ class GatewayConfig:
     selective_pd_tokens: int = 0
     """Prompts with fewer uncached tokens than this go to a decode engine alone (0: never)."""
     block_size: int = 16
-    """Tokens per prefix-cache block, as the engines use (for prefix affinity; a rank whose KV
-    events name another block size scores no cached tokens)."""
+    """Tokens per prefix-cache block, as the engines use (for prefix affinity), until the
+    engines' KV events name theirs."""
     scorers: str = DEFAULT_WEIGHTS
     """``dplb``'s weighted scorers, ``name=weight,...`` (docs/cluster-kv.md): ``load``,
     ``precise_prefix`` (engines' KV events), ``estimated_prefix`` (engines without events)."""

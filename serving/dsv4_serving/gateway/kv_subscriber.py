@@ -51,6 +51,8 @@ class KVEventFeeds:
         self.pool, self.explicit, self.port, self.metrics = pool, explicit, port, metrics
         self.ctx = zmq.asyncio.Context()
         self._tasks: dict[tuple[str, int], tuple[str, asyncio.Task[None]]] = {}
+        # the engines' block size, from their events: the gateway hashes prompts with it
+        self.block_size: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -135,6 +137,23 @@ class KVEventFeeds:
             how = on_live(seq, cache.expected, cache.replayed_from)
         if how is Live.APPLY:
             cache.apply(seq, batch)
+        self._learn_block_size(url, cache)
+
+    def _learn_block_size(self, url: str, cache: RankCache) -> None:
+        bs = cache.block_size
+        if bs is None or bs == self.block_size:
+            return
+        if self.block_size is not None:
+            log.warning(
+                "KV events: %s uses %d-token blocks, others %d: prompts are hashed with %d, "
+                "its ranks score no cached tokens",
+                url,
+                bs,
+                self.block_size,
+                self.block_size,
+            )
+            return
+        self.block_size = bs
 
     async def _resync(self, url: str, rank: int, endpoint: str, cache: RankCache) -> bool:
         """Replay the rank's ring from 0 into ``cache``; False when it did not answer."""
@@ -142,6 +161,7 @@ class KVEventFeeds:
         if got is None:
             return False
         how = cache.resync(got)
+        self._learn_block_size(url, cache)
         if how is not None:
             self.metrics.kv_resyncs.labels(url, str(rank), how.value).inc()
             log.info("KV events from %s rank %d: resync (%s)", url, rank, how.value)

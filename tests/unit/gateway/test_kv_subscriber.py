@@ -88,6 +88,7 @@ def test_feed_catches_up_follows_and_recovers_a_lost_batch(ring: int, second: st
         pub.publish(_stored(2))  # seq 3: lost in transport
         pub.publish([*_stored(3), BlockRemoved([H[0]])])  # seq 4: a gap -> replay
         await _until(lambda: cache.expected == 5)
+        assert feeds.block_size == 4  # learned from the events
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return cache
