@@ -196,3 +196,26 @@ def test_dplb_routes_to_the_precise_holder_and_reports_its_prediction() -> None:
     # weighted to ignore the prefix, load alone decides
     policy = make_policy("dplb", {"load": 1.0})
     assert policy.choose([a, b], RouteRequest(65, h, BS, token_ids=ids)) == Choice(a, 0, 0)
+
+
+def test_predicted_and_actual_cached_tokens_are_counted_per_instance() -> None:
+    from dsv4_serving.gateway.app import Gateway
+    from dsv4_serving.gateway.config import GatewayConfig
+
+    gw = Gateway(GatewayConfig(both_urls=["http://x:1"]))
+    inst = _inst("http://x:1", True)
+    req = RouteRequest(100, (), BS)
+    gw._predicted(req, Choice(inst, 0, 32))
+    gw._observe_cached(req, {"usage": {"prompt_tokens_details": {"cached_tokens": 48}}})
+    gw._observe_cached(req, {"usage": {}})  # no prediction left, nothing reported: ignored
+    samples = {
+        (s.name, s.labels.get("instance")): s.value
+        for f in gw.metrics.registry.collect()
+        for s in f.samples
+        if "cached" in s.name
+    }
+    assert samples[("dsv4_gateway_predicted_cached_tokens_total", "http://x:1")] == 32
+    assert samples[("dsv4_gateway_actual_cached_tokens_total", "http://x:1")] == 48
+    assert samples[("dsv4_gateway_cached_tokens_error_sum", None)] == 16
+    assert samples[("dsv4_gateway_cached_tokens_error_count", None)] == 1
+    assert gw._predictions == {}
