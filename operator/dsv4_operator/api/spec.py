@@ -70,6 +70,7 @@ OWNED_ENGINE_FLAGS = (
     "--eplb-window",
     "--expert-parallel-size",
     "--host",
+    "--kv-events-endpoint",
     "--kv-failure-policy",
     "--kv-pull-timeout",
     "--kv-sidecar",

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from dsv4_common.ports import KV_EVENTS_PORT
 from dsv4_operator.api.spec import DeploymentSpec
 from dsv4_operator.reconcile import names
 
@@ -37,6 +38,8 @@ _FIELDS: dict[str, Callable[[DeploymentSpec], Any]] = {
     "kv_failure_policy": lambda s: s.kv.failure_policy,
     "kv_pull_timeout": lambda s: s.kv.pull_timeout_s,
     "kv_sidecar_wait": lambda s: KV_SIDECAR_WAIT_S,
+    # KV events for the gateway's precise prefix index (DP rank r: this port + 2r, + 2r + 1)
+    "kv_events_endpoint": lambda s: f"tcp://0.0.0.0:{KV_EVENTS_PORT}",
     # EPLB: only when enabled (the engine's defaults otherwise; the CRD keeps both roles EP > 1)
     "enable_eplb": lambda s: True if s.features.eplb.enabled else None,
     "eplb_redundant_experts": lambda s: _eplb(s, s.features.eplb.redundant_experts),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.ports import KV_EVENTS_PORT
 from dsv4_operator.api.spec import DeploymentSpec
 from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.shutdown import gateway_shutdown
@@ -34,6 +35,9 @@ def gateway_command(spec: DeploymentSpec) -> list[str]:
         # so turning autoscaling on does not roll the gateway
         "--routing-configmap",
         names.routing_name(spec),
+        # the precise prefix index: every engine pod publishes its KV events on this port
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
         *tracing_args(spec),
     ]
 

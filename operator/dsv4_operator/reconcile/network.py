@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4_common.ports import ENGINE_PORT
+from dsv4_common.ports import ENGINE_PORT, KV_EVENTS_PORT
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.reconcile import names
 
@@ -95,6 +95,8 @@ def _engines_policy(spec: DeploymentSpec) -> dict[str, Any]:
             "from": [_peer(names.gateway_labels(spec))],
             "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
         },
+        # KV events (PUB and replay of each DP rank, 2 ports per rank): the gateway only
+        {"from": [_peer(names.gateway_labels(spec))], "ports": [kv_events_ports(spec)]},
         # KV pulls: sidecars of this deployment only
         {
             "from": [{"podSelector": engines_sel}],
@@ -121,6 +123,13 @@ def _engines_policy(spec: DeploymentSpec) -> dict[str, Any]:
         ),
         "spec": {"podSelector": engines_sel, "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def kv_events_ports(spec: DeploymentSpec) -> dict[str, Any]:
+    """The engines' KV event ports: rank r of an instance publishes on base + 2r, replays on
+    base + 2r + 1 (``dsv4_common.kv_events.rank_endpoints``)."""
+    ranks = max(spec.role(r).parallelism.dp for r in ROLES)
+    return {"protocol": "TCP", "port": KV_EVENTS_PORT, "endPort": KV_EVENTS_PORT + 2 * ranks - 1}
 
 
 def _from_any_namespace(pod_labels: dict[str, str], ports: list[dict[str, Any]]) -> dict[str, Any]:

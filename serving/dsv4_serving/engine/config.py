@@ -136,6 +136,10 @@ class EngineConfig:
     otlp_traces_endpoint: str | None = None
     """OpenTelemetry traces of each request to this OTLP/HTTP endpoint (e.g.
     http://127.0.0.1:4318; /v1/traces is added when no path is given); unset: tracing off."""
+    kv_events_endpoint: str | None = None
+    """Publish KV cache events (vLLM's schema, msgpack over ZMQ PUB) on this ``tcp://HOST:PORT``;
+    DP rank r publishes on PORT+2r and serves replay on PORT+2r+1 (docs/cluster-kv.md); unset:
+    off."""
     shutdown_timeout: float = 30.0
     """Seconds in-flight requests get to finish after SIGTERM (readiness fails at once, new
     requests get 503 + X-DSV4-Draining); what is left then is stopped with an error."""
@@ -188,6 +192,7 @@ class EngineConfig:
         except TracingConfigError as exc:
             raise ConfigError(str(exc)) from None
         self.topology()
+        self._check_kv_events()
         if self.role != "both" and not self.kv_sidecar:
             raise ConfigError(
                 f"--role {self.role} needs --kv-sidecar URL: the control API of the local "
@@ -237,6 +242,18 @@ class EngineConfig:
                 f"--eplb-interval and --eplb-window must be >= 1 step, got "
                 f"{self.eplb_interval} and {self.eplb_window}"
             )
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_endpoint is None:
+            return
+        from dsv4_common.kv_events import parse_endpoint
+
+        try:
+            parse_endpoint(self.kv_events_endpoint)
+        except ValueError as exc:
+            raise ConfigError(f"--kv-events-endpoint: {exc}") from None
+        if not self.enable_prefix_caching:
+            raise ConfigError("--kv-events-endpoint needs prefix caching (it reports the cache)")
 
     @property
     def model_name(self) -> str:

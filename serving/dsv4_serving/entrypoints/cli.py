@@ -33,7 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(
         p,
         EngineConfig,
-        metavars={"kv_sidecar": "URL", "kv_pull_timeout": seconds, "kv_sidecar_wait": seconds},
+        metavars={
+            "kv_sidecar": "URL",
+            "kv_events_endpoint": "URL",
+            "kv_pull_timeout": seconds,
+            "kv_sidecar_wait": seconds,
+        },
     )
     # the spellings these switches had before the flags came from EngineConfig
     for flag, dest in (

@@ -23,17 +23,20 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError
+from dsv4_serving.engine.core.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
 from dsv4_serving.gateway.fanout import fan_out, fan_out_n
 from dsv4_serving.gateway.health import health_loop
-from dsv4_serving.gateway.instances import InstancePool
+from dsv4_serving.gateway.instances import Instance, InstancePool
+from dsv4_serving.gateway.kv_subscriber import KVEventFeeds
 from dsv4_serving.gateway.lifecycle import Admission, Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.openapi import openapi_document
-from dsv4_serving.gateway.policies import RouteRequest, make_policy
-from dsv4_serving.gateway.prompt import load_encoder, routing_key
+from dsv4_serving.gateway.policies import DPLB, Choice, RouteRequest, make_policy
+from dsv4_serving.gateway.prompt import MAX_HASHED_TOKENS, load_encoder, prompt_tokens
 from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
+from dsv4_serving.gateway.scorers import cached_tokens, parse_weights
 from dsv4_serving.gateway.tracing import request_span, routing
 from dsv4_serving.gateway.tracing import setup as setup_tracing
 from dsv4_serving.http.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
@@ -48,7 +51,15 @@ class Gateway:
         self.pool = InstancePool()
         self.metrics = GatewayMetrics()
         self.admission = Admission(cfg.max_inflight, self.metrics)
-        self.proxy = Proxy(cfg, self.pool, make_policy(cfg.policy), self.metrics)
+        policy = make_policy(cfg.policy, parse_weights(cfg.scorers))
+        if isinstance(policy, DPLB):
+            policy.on_choice = self._predicted
+        # the prediction behind each request's prefill choice, until its answer tells the truth
+        self._predictions: dict[int, Choice] = {}
+        self.proxy = Proxy(cfg, self.pool, policy, self.metrics)
+        self.feeds = KVEventFeeds(
+            self.pool, cfg.kv_event_endpoints(), cfg.kv_events_port, self.metrics
+        )
         self.encode = load_encoder(cfg.tokenizer, cfg.chat_format, cfg.default_thinking == "on")
         self.drain = Drain(lambda: self.admission.inflight)
         self.proxy.tracer = setup_tracing(cfg.otlp_traces_endpoint)
@@ -107,10 +118,25 @@ class Gateway:
         self, path: str, body: dict[str, Any], chat: bool, rid: str, ticket: Ticket
     ) -> Response:
         stream = bool(body.get("stream"))
-        n_tokens, hashes = routing_key(body, chat, self.encode, self.cfg.block_size)
-        req = RouteRequest(
-            prompt_tokens=n_tokens, block_hashes=hashes, block_size=self.cfg.block_size
-        )
+        ids = prompt_tokens(body, chat, self.encode)
+        head = ids[:MAX_HASHED_TOKENS]
+        bs = self.feeds.block_size or self.cfg.block_size
+        req = RouteRequest(len(ids), block_hashes(head, bs), bs, token_ids=head)
+        try:
+            return await self._dispatch(path, body, chat, rid, ticket, req, stream)
+        finally:
+            self._predictions.pop(id(req), None)
+
+    async def _dispatch(
+        self,
+        path: str,
+        body: dict[str, Any],
+        chat: bool,
+        rid: str,
+        ticket: Ticket,
+        req: RouteRequest,
+        stream: bool,
+    ) -> Response:
         try:
             if not self.pd:
                 return await self.proxy.forward("both", path, body, req, rid, stream, ticket)
@@ -140,6 +166,7 @@ class Gateway:
         """Prefill, then decode with its KV (``prefilled`` is called between)."""
         try:
             answer, _ = await self.proxy.prefill(path, body, req, rid)
+            self._observe_cached(req, answer)
             prefilled()
             decode = decode_body(body, answer)
         except UpstreamFailed as e:
@@ -159,10 +186,30 @@ class Gateway:
 
     def _uncached(self, req: RouteRequest) -> int:
         best = max(
-            (i.prefix.matched_blocks(req.block_hashes) for i in self.pool.of_role("prefill")),
+            (
+                cached_tokens(i, r, req)
+                for i in self.pool.of_role("prefill")
+                for r in range(i.dp_size)
+            ),
             default=0,
         )
-        return req.prompt_tokens - best * req.block_size
+        return req.prompt_tokens - best
+
+    def _predicted(self, req: RouteRequest, choice: Choice) -> None:
+        self.metrics.predicted_cached.labels(choice.instance.url).inc(choice.cached_tokens)
+        self._predictions[id(req)] = choice
+
+    def _observe_cached(self, req: RouteRequest, answer: dict[str, Any]) -> None:
+        """The prefill's usage says how many prompt tokens it found cached: the truth to the
+        prediction its routing made."""
+        choice = self._predictions.pop(id(req), None)
+        usage = answer.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        actual = details.get("cached_tokens") if isinstance(details, dict) else None
+        if choice is None or not isinstance(actual, int):
+            return
+        self.metrics.actual_cached.labels(choice.instance.url).inc(actual)
+        self.metrics.cached_error.observe(abs(actual - choice.cached_tokens))
 
 
 class GatewayApp(Starlette):
@@ -222,6 +269,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     gw.proxy.client = _client(cfg)
     discovery = _discover(gw)
     drain_on_sigterm(gw.drain, cfg.shutdown_timeout, log)
+    feeds = asyncio.create_task(gw.feeds.run()) if gw.feeds.enabled else None
     _tune_gc()
     checker = asyncio.create_task(
         health_loop(
@@ -235,9 +283,11 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        checker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await checker
+        for task in (checker, feeds):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if discovery:
             discovery.stop()
         await gw.proxy.client.close()
@@ -310,6 +360,7 @@ class Endpoints:
                     "routed": i.routed,
                     "inflight_requests": i.inflight_requests,
                     "ranks": [vars(r) for r in i.ranks],
+                    "kv_events": _kv_state(i),
                 }
                 for i in sorted(self.gw.pool.all(), key=lambda i: (i.role, i.url))
             ]
@@ -332,6 +383,27 @@ class Endpoints:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ]
+
+
+def _kv_state(inst: Instance) -> dict[str, Any] | None:
+    """The precise prefix index's view of an instance (None: it publishes no KV events)."""
+    if inst.kv_ranks is None:
+        return None
+    return {
+        "endpoint": inst.kv_events,
+        "ranks": [
+            {
+                "blocks": len(c.blocks),
+                "snapshots": len(c.snapshots),
+                "next_seq": c.expected,
+                "batches": c.batches,
+                "resyncs": c.resyncs,
+                "lossy_resyncs": c.lossy_resyncs,
+                "block_size": c.block_size,
+            }
+            for c in inst.kv_ranks
+        ],
+    }
 
 
 def create_app(cfg: GatewayConfig) -> Starlette:

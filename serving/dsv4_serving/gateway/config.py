@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dsv4_common.kv_events import parse_endpoint
 from dsv4_common.tracing import check_endpoint
 from dsv4_serving.gateway.policies import PolicyName
+from dsv4_serving.gateway.scorers import DEFAULT_WEIGHTS, parse_weights
 
 
 @dataclass(slots=True)
@@ -44,7 +46,16 @@ class GatewayConfig:
     selective_pd_tokens: int = 0
     """Prompts with fewer uncached tokens than this go to a decode engine alone (0: never)."""
     block_size: int = 16
-    """Tokens per prefix-cache block, as the engines use (for prefix affinity)."""
+    """Tokens per prefix-cache block, as the engines use (for prefix affinity), until the
+    engines' KV events name theirs."""
+    scorers: str = DEFAULT_WEIGHTS
+    """``dplb``'s weighted scorers, ``name=weight,...`` (docs/cluster-kv.md): ``load``,
+    ``precise_prefix`` (engines' KV events), ``estimated_prefix`` (engines without events)."""
+    kv_events: list[str] = field(default_factory=list)
+    """``ENGINE_URL=tcp://HOST:PORT``: that engine's ``--kv-events-endpoint``; the precise
+    prefix index subscribes to it (every DP rank's)."""
+    kv_events_port: int = 0
+    """Every engine publishes KV events on this port of its own host (0: only ``--kv-events``)."""
     tokenizer: str | None = None
     """The model's tokenizer for exact prefix hashes: a preset, a checkpoint directory or its
     tokenizer.json; chats of a model in DeepSeek's format are then rendered as the engine renders
@@ -91,6 +102,10 @@ class GatewayConfig:
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ValueError("--shutdown-timeout must be in [0, 3600]")
         check_endpoint(self.otlp_traces_endpoint)
+        parse_weights(self.scorers)
+        self.kv_event_endpoints()
+        if not 0 <= self.kv_events_port < 65535:
+            raise ValueError("--kv-events-port must be in 0..65534")
         if self.eject_after_failures < 1:
             raise ValueError("--eject-after-failures must be >= 1")
         for name in (
@@ -114,6 +129,17 @@ class GatewayConfig:
         for url in (*self.prefill_urls, *self.decode_urls, *self.both_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
+
+    def kv_event_endpoints(self) -> dict[str, str]:
+        """``--kv-events`` as {engine URL: events endpoint}; ValueError naming a bad entry."""
+        out: dict[str, str] = {}
+        for entry in self.kv_events:
+            url, sep, endpoint = entry.partition("=")
+            if not sep or not url.startswith(("http://", "https://")):
+                raise ValueError(f"--kv-events takes ENGINE_URL=tcp://HOST:PORT, got {entry!r}")
+            parse_endpoint(endpoint)
+            out[url.rstrip("/")] = endpoint
+        return out
 
 
 def check_tokenizer(spec: str) -> None:

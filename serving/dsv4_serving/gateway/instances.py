@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dsv4_serving.gateway.kv_index import RankCache
+
 Role = Literal["prefill", "decode", "both"]
 
 
@@ -68,6 +70,10 @@ class Instance:
     routed: int = 0
     ranks: list[RankLoad] = field(default_factory=list)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    kv_events: str | None = None
+    """The engine's ``--kv-events-endpoint`` (DP rank r: ``rank_endpoints``); None: no events."""
+    kv_ranks: list[RankCache] | None = None
+    """Per DP rank, what its KV events say it caches (set once its events are subscribed)."""
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")

@@ -73,6 +73,33 @@ class GatewayMetrics:
             registry=r,
         )
 
+        # precise prefix routing (docs/cluster-kv.md): what the gateway predicted an engine
+        # would find cached, and (PD prefill answers, whose usage the gateway reads) what it did
+        self.predicted_cached = Counter(
+            "dsv4_gateway_predicted_cached_tokens",
+            "Prompt tokens predicted cached at the chosen prefill (or both) instance",
+            ["instance"],
+            registry=r,
+        )
+        self.actual_cached = Counter(
+            "dsv4_gateway_actual_cached_tokens",
+            "Prompt tokens the prefill instance reported cached (usage.prompt_tokens_details)",
+            ["instance"],
+            registry=r,
+        )
+        self.cached_error = Histogram(
+            "dsv4_gateway_cached_tokens_error",
+            "|actual - predicted| cached prompt tokens per PD request",
+            registry=r,
+            buckets=(0, 16, 64, 128, 256, 512, 1024, 4096, 16384),
+        )
+        self.kv_resyncs = Counter(
+            "dsv4_gateway_kv_events_resyncs",
+            "Index resynchronisations from an engine rank's replay (rebuild, continue, lossy)",
+            ["instance", "rank", "kind"],
+            registry=r,
+        )
+
     def outcome(self, status: str) -> Any:
         """dsv4_gateway_requests{status}: the child looked up once (labels() costs per call)."""
         child = self._outcomes.get(status)

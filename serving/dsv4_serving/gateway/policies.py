@@ -1,29 +1,23 @@
 """Routing policies: pick an instance (and its data-parallel rank) for one request.
 
-``dplb`` (default) scores each (instance, rank) by the work already queued there, as the
-gateway counts it itself (requests and tokens in flight) and as the engine reports it (waiting,
-running, KV usage); for prefill it subtracts the prompt blocks that instance probably has cached.
-Ties rotate, so equal instances share load evenly instead of piling onto the first.
+``dplb`` (default) adds the weighted costs of ``scorers.py`` for each (instance, rank): the
+work already queued there and, for prefill, minus the prompt tokens it has cached (from the
+engine's KV events where it publishes them, else the gateway's estimate). Ties rotate, so
+equal instances share load evenly instead of piling onto the first.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from dsv4_serving.gateway import scorers
 from dsv4_serving.gateway.instances import Instance
+from dsv4_serving.gateway.scorers import RouteRequest
 
 PolicyName = Literal["dplb", "least_load", "round_robin"]
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    prompt_tokens: int
-    block_hashes: Sequence[bytes] = ()
-    block_size: int = 16
-    stage: Literal["prefill", "decode"] = "prefill"
 
 
 @dataclass(frozen=True)
@@ -82,45 +76,37 @@ class LeastLoad(_Rotating):
 
 
 class DPLB(_Rotating):
-    """Cost = tokens to compute here (prefill) or sequences to step here (decode)."""
+    """The weighted sum of ``scorers``' costs (``--scorers``); the cheapest (instance, rank)."""
 
     name = "dplb"
-    # how much an engine-reported waiting request weighs, in prompt tokens / in running sequences
-    WAITING_TOKENS = 256.0
-    KV_PRESSURE = 8.0
+
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        super().__init__()
+        self.weights = dict(weights or scorers.parse_weights(scorers.DEFAULT_WEIGHTS))
+        # called with every prefill choice (the gateway's predicted-cached-tokens metric)
+        self.on_choice: Callable[[RouteRequest, Choice], None] | None = None
 
     def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Choice | None:
         slots = [(inst, r) for inst in candidates for r in range(inst.dp_size)]
         if not slots:
             return None
-        best: tuple[float, Instance, int, int] | None = None
+        best: tuple[float, Instance, int] | None = None
         for k in self._order(len(slots), req.stage):
             inst, r = slots[k]
-            load = inst.ranks[r]
-            cached = 0
-            if req.stage == "prefill":
-                cached = min(
-                    inst.prefix.matched_blocks(req.block_hashes) * req.block_size, req.prompt_tokens
-                )
-                score = (
-                    load.inflight_tokens
-                    + (req.prompt_tokens - cached)
-                    + load.waiting * self.WAITING_TOKENS
-                )
-            else:
-                # the gateway's own count reacts at once; the scraped one catches other clients
-                score = (
-                    max(load.inflight_requests, load.running)
-                    + load.waiting
-                    + self.KV_PRESSURE * max(0.0, load.kv_usage - 0.8) / 0.2
-                )
+            score = scorers.cost(inst, r, req, self.weights)
             if best is None or score < best[0]:
-                best = (score, inst, r, cached)
+                best = (score, inst, r)
         assert best is not None
-        return Choice(best[1], best[2], best[3])
+        _, inst, r = best
+        cached = scorers.cached_tokens(inst, r, req) if req.stage == "prefill" else 0
+        choice = Choice(inst, r, cached)
+        if self.on_choice is not None and req.stage == "prefill":
+            self.on_choice(req, choice)
+        return choice
 
 
-def make_policy(name: PolicyName) -> Policy:
+def make_policy(name: PolicyName, weights: Mapping[str, float] | None = None) -> Policy:
+    """``weights``: the ``dplb`` scorers' (default ``scorers.DEFAULT_WEIGHTS``)."""
     policies: dict[str, type[RoundRobin] | type[LeastLoad] | type[DPLB]] = {
         "round_robin": RoundRobin,
         "least_load": LeastLoad,
@@ -128,4 +114,4 @@ def make_policy(name: PolicyName) -> Policy:
     }
     if name not in policies:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(policies)}")
-    return policies[name]()
+    return DPLB(weights) if name == "dplb" else policies[name]()

@@ -56,6 +56,7 @@ def test_engine_json_is_flat_and_names_the_model_source() -> None:
         "kv_failure_policy": "recompute",
         "kv_pull_timeout": 30,
         "kv_sidecar_wait": 120,
+        "kv_events_endpoint": "tcp://0.0.0.0:5557",
     }
 
 

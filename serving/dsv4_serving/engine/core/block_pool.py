@@ -5,6 +5,9 @@ The free list is ordered for eviction: a block freed by a finished request goes 
 and keeps its hash, so it can still be hit until it reaches the head and is reused. Requests
 free their blocks last-first, so a prompt's tail blocks are evicted before its head (the head
 is the part other prompts are most likely to share).
+
+With events on, evicting a cached block records a ``BlockRemoved`` and a reset an
+``AllBlocksCleared`` (``dsv4_common.kv_events``); the manager records what is stored.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from dsv4_common.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from dsv4_serving.engine.core.prefix_hash import BlockHash
 
 
@@ -28,7 +32,9 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError("the KV block pool needs at least one block")
         self.num_blocks = num_blocks
@@ -38,6 +44,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # KV events not yet taken (``take_events``); None: events off, nothing recorded
+        self.events: list[KVCacheEvent] | None = [] if enable_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,12 +73,17 @@ class BlockPool:
         if n > len(self._free):
             raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
+        evicted: list[BlockHash] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             b = self.blocks[block_id]
-            self._evict(b)
+            h = self._evict(b)
+            if h is not None:
+                evicted.append(h)
             b.ref_cnt = 1
             out.append(b)
+        if evicted and self.events is not None:
+            self.events.append(BlockRemoved(evicted))
         return out
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -82,21 +95,38 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._free[b.block_id] = None
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Publish a full block under its chained hash (the first block with a hash keeps it)."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Publish a full block under its chained hash (the first block with a hash keeps it);
+        True when the hash is new to the cache."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # another block already holds this prefix; this one stays private
+            return False  # another block already holds this prefix; this one stays private
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
-    def _evict(self, b: KVBlock) -> None:
-        if b.block_hash is not None:
-            if self._cached.get(b.block_hash) is b:
-                del self._cached[b.block_hash]
-            b.block_hash = None
-            self.num_evictions += 1
+    def _evict(self, b: KVBlock) -> BlockHash | None:
+        """Drop ``b``'s cached content; the hash the cache lost, if any."""
+        h = b.block_hash
+        if h is None:
+            return None
+        b.block_hash = None
+        self.num_evictions += 1
+        if self._cached.get(h) is b:
+            del self._cached[h]
+            return h
+        return None
+
+    def cached_hashes(self) -> set[BlockHash]:
+        """Every hash the cache holds now (tests compare it with what events rebuilt)."""
+        return set(self._cached)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -105,4 +135,6 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

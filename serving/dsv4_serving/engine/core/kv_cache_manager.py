@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from dsv4_common.kv_events import BlockStored, KVCacheEvent, snapshot_removed, snapshot_stored
 from dsv4_serving.engine.core.block_pool import BlockPool, KVBlock
 from dsv4_serving.engine.core.prefix_hash import BlockHash
 from dsv4_serving.engine.request import Request
@@ -46,9 +47,10 @@ class KVCacheManager:
         has_state: bool = False,
         num_snapshot_slots: int = 0,
         key_next_token: bool = False,
+        enable_events: bool = False,
     ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_events)
         self.enable_caching = enable_caching
         self.has_state = has_state
         self.key_next_token = key_next_token
@@ -85,6 +87,50 @@ class KVCacheManager:
 
     def _needs_boundary(self) -> bool:
         return self.has_state or self.key_next_token
+
+    @property
+    def snapshot_bounded(self) -> bool:
+        """A cached prefix is usable only up to its deepest boundary key (the events say so)."""
+        return self.enable_caching and self._needs_boundary()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call, in order (empty when events are off)."""
+        return self.pool.take_events()
+
+    def _record_snapshot(self, key: BoundaryKey, stored: bool) -> None:
+        if self.pool.events is not None:  # events off: not even the key's hash
+            ev = snapshot_stored(*key, self.block_size) if stored else snapshot_removed(*key)
+            self.pool.events.append(ev)
+
+    def _stored(self, req: Request, stored: list[int]) -> None:
+        """One ``BlockStored`` per contiguous run of newly published block indexes."""
+        hashes, bs = req.block_hashes, self.block_size
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[k - 1]
+            assert self.pool.events is not None
+            self.pool.events.append(
+                BlockStored(
+                    block_hashes=hashes[first : last + 1],
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=list(req.all_token_ids[first * bs : (last + 1) * bs]),
+                    block_size=bs,
+                )
+            )
+            run_start = k
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and published snapshot (only when no request holds a
+        block); records ``AllBlocksCleared``."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        for slot in self._boundaries.values():
+            if slot is not None:
+                self._free_snapshots.append(slot)
+        self._boundaries.clear()
+        return True
 
     def _key(self, req: Request, num_blocks: int) -> BoundaryKey | None:
         b = num_blocks * self.block_size
@@ -199,8 +245,9 @@ class KVCacheManager:
         blocks = self.req_blocks[req.request_id]
         n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
         done = self._num_cached.get(req.request_id, 0)
-        for i in range(done, n_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        stored = [i for i in range(done, n_full) if self.pool.cache_block(blocks[i], hashes[i])]
+        if stored and self.pool.events is not None:
+            self._stored(req, stored)
         self._num_cached[req.request_id] = max(done, n_full)
         if (
             self._needs_boundary()
@@ -219,15 +266,18 @@ class KVCacheManager:
         if self._free_snapshots:
             return self._free_snapshots.pop()
         while self._boundaries:
-            _, slot = self._boundaries.popitem(last=False)  # evict the least recently used
+            key, slot = self._boundaries.popitem(last=False)  # evict the least recently used
+            self._record_snapshot(key, stored=False)
             if slot is not None:
                 return slot
         return None
 
     def _publish(self, key: BoundaryKey, slot: int | None) -> None:
         if not self.has_state and len(self._boundaries) >= self._boundary_capacity:
-            self._boundaries.popitem(last=False)
+            old, _ = self._boundaries.popitem(last=False)
+            self._record_snapshot(old, stored=False)
         self._boundaries[key] = slot
+        self._record_snapshot(key, stored=True)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """State-slot copies (src, dst) the runner must do, in order, before the next forward."""

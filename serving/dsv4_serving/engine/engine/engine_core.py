@@ -42,6 +42,7 @@ from dsv4_serving.engine.engine.messages import (
 from dsv4_serving.engine.engine.request_tracing import CoreTracing
 from dsv4_serving.engine.kv_connector.compat import KVCompat
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
+from dsv4_serving.engine.kv_events.publisher import start_publisher
 from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from dsv4_serving.engine.worker.step_protocol import (
     Heartbeat,
@@ -91,7 +92,9 @@ class EngineCore:
             has_state,
             snaps,
             key_next_token=k > 0,
+            enable_events=config.kv_events_endpoint is not None,
         )
+        self.kv_events = start_publisher(config, self.dp.index, self.kv.snapshot_bounded)
         self.kv_scheduler: SidecarConnectorScheduler | None = None
         if config.kv_sidecar:
             self.kv_scheduler = SidecarConnectorScheduler(config.kv_failure_policy)
@@ -202,6 +205,13 @@ class EngineCore:
         """An idle engine still finishes what its pulls left (cancelled ones release)."""
         self._start_kv_loads()
         self._finish_kv_loads()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            events = self.kv.take_events()
+            if events:
+                self.kv_events.publish(events)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -239,6 +249,7 @@ class EngineCore:
         if self.tracing is not None:
             self.tracing.stepped(out, results, t0)
         self._save_kv(outputs)
+        self._publish_kv_events()
         if self.tracing is not None:
             self.tracing.finished(outputs)
         self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
@@ -330,6 +341,8 @@ class EngineCore:
             self.kv_worker.close()
         if self.grammars is not None:
             self.grammars.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def stats(self) -> SchedulerStats:
         out = self.scheduler.snapshot_stats()
