@@ -227,6 +227,9 @@ SPLIT_BY_SEQUENCE = (
     "queries (wq_a, wq_b), the indexer's queries and weights, its scores and top-k",
     "attention output, o-projection, MoE, norms, the residual (mHC) streams",
 )
+SPLIT_BY_SEQUENCE_MLA = (
+    "queries (q_a, q_b), attention output, o-projection, MLP / MoE, norms, the residual",
+)
 GATHERED = (
     "the shared K=V rows (the window's keys)",
     "the compressor's raw projections (compressed KV, pooled on every rank)",
