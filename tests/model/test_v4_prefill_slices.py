@@ -56,8 +56,8 @@ def test_slices_are_bit_identical_to_one_pass(path: str, monkeypatch: pytest.Mon
     parts_seen: list[int] = []
     real_parts = PrefillChunks.parts
 
-    def counting(self: PrefillChunks, cols: int) -> list:  # type: ignore[type-arg]
-        got = real_parts(self, cols)
+    def counting(self: PrefillChunks, cols: int, local: torch.Tensor | None = None) -> list:  # type: ignore[type-arg]
+        got = real_parts(self, cols, local)
         parts_seen.append(len(got))
         return got
 

@@ -173,11 +173,19 @@ class V4Attention(nn.Module):
         self.rotary = rotary_comp if self.ratio else rotary_main
         self.rotary_comp = rotary_comp
 
-    def forward(self, x: torch.Tensor, step: V4Step, cache: V4LayerCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: V4Step,
+        cache: V4LayerCache,
+        local: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``step``: this step's plan from the attention backend
         (``attention/backends/v4_torch.py``), built once per step: every decode sequence in one
         batched pass, the longer chunks in another. With the kernel the queries' rope (and its
-        inverse on the output) happens inside it."""
+        inverse on the output) happens inside it. ``local`` (bool ``[T]``): a context-parallel
+        rank's prefill rows (``distributed/cp_plan.py:local_rows``); the cache is written for
+        every row, attention runs for these only, other prefill rows come out zero."""
         meta = step.meta
         t = x.shape[0]
         h, d = self.n_heads, self.head_dim
@@ -219,7 +227,7 @@ class V4Attention(nn.Module):
             chunks = prefill_chunks(step)
             rope = (cos[chunks.rows], sin[chunks.rows]) if kernel else None
             out[chunks.rows] = self._prefill(
-                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope
+                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope, local
             )
         if not kernel:
             out = rotate_tail(out, cos, sin, inverse=True)
@@ -369,6 +377,7 @@ class V4Attention(nn.Module):
         idx_proj: torch.Tensor | None,
         cache: V4LayerCache,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        local: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every sequence with more than one new token at once, as a padded batch
         ``[S, N]``: window keys (the ring's older rows, then the chunk's own), the compressed
@@ -394,8 +403,10 @@ class V4Attention(nn.Module):
                     self.indexer.compressor, cache.index, cache.index_state, chunks, idx_proj
                 )
         win.view(-1, win.shape[-1])[wp.write] = kv[wp.write_src].to(win.dtype)
-        out = q.new_empty(chunks.rows.shape[0], *q.shape[1:])
-        for part in chunks.parts(self.prefill_cols(chunks, cache, wp, kernel=ext is not None)):
+        shape = (chunks.rows.shape[0], *q.shape[1:])
+        out = q.new_empty(shape) if local is None else q.new_zeros(shape)
+        cols = self.prefill_cols(chunks, cache, wp, kernel=ext is not None)
+        for part in chunks.parts(cols, local):
             visible = self._prefill_visible(chunks, part, cache, idx_q, idx_w, idx_keys)
             if ext is not None:
                 assert ksrc is not None

@@ -145,15 +145,17 @@ class PrefillChunks:
         self._j = j
         self._plans: dict[tuple[object, ...], object] = {}
 
-    def parts(self, cols_per_part: int) -> list[RowSlice]:
-        """The batch's columns in slices of ``cols_per_part`` (one slice: the whole batch)."""
+    def parts(self, cols_per_part: int, local: torch.Tensor | None = None) -> list[RowSlice]:
+        """The batch's columns in slices of ``cols_per_part`` (one slice: the whole batch).
+        ``local`` (bool over the flat batch's rows): only those rows, a CP rank's share."""
         n = self.index.shape[1]
         step = max(1, cols_per_part)
-        return [self._part(j, min(n, j + step)) for j in range(0, n, step)]
+        mine = self.valid if local is None else self.valid & local[self.index]
+        return [self._part(mine, j, min(n, j + step)) for j in range(0, n, step)]
 
-    def _part(self, j0: int, j1: int) -> RowSlice:
+    def _part(self, mine: torch.Tensor, j0: int, j1: int) -> RowSlice:
         cols = slice(j0, j1)
-        valid = self.valid[:, cols]
+        valid = mine[:, cols]
         sel = valid.flatten().nonzero().flatten()
         index = self.index[:, cols]
         r_of_cell = self.valid.flatten().cumsum(0).view_as(self.valid) - 1

@@ -166,9 +166,8 @@ class CPPlan:
         block and per sequence (V4's window and compressor state), from the KV cache class."""
         if cp < 1 or tokens < 1 or align < 1 or context < 0:
             raise ValueError(f"cp {cp}, tokens {tokens}, align {align}, context {context}")
-        blocks = -(-tokens // align)
-        split = cp > 1 and blocks >= 2 * cp
-        parts = _zigzag(tokens, cp, align) if split else [[(0, tokens)]] * cp
+        parts = split_chunk(tokens, cp, align)
+        split = len(parts[0]) > 1
         ranks = []
         csa = [layer.ratio for layer in model.layers if layer.kind == "csa"]
         entries = (context + tokens) // min(csa) if csa else 0  # the padded batch's E
@@ -210,16 +209,31 @@ class CPPlan:
         return max(visits) * len(visits) / max(1, sum(visits))
 
 
-def _zigzag(tokens: int, cp: int, align: int) -> list[list[tuple[int, int]]]:
-    """Chunk rows of each rank: ``2cp`` parts of whole blocks (the first ``blocks % 2cp``
-    parts one block longer, the last truncated at ``tokens``), rank r owns r and 2cp-1-r."""
+def split_chunk(tokens: int, cp: int, align: int) -> list[list[tuple[int, int]]]:
+    """Chunk rows ``[start, end)`` of each rank: ``2cp`` parts of whole blocks (the first
+    ``blocks % 2cp`` parts one block longer, the last truncated at ``tokens``), rank r owns
+    r and 2cp-1-r; every rank the whole chunk when it has fewer than ``2cp`` blocks."""
     blocks = -(-tokens // align)
+    if cp == 1 or blocks < 2 * cp:
+        return [[(0, tokens)] for _ in range(cp)]
     base, extra = divmod(blocks, 2 * cp)
     bounds = [0]
     for i in range(2 * cp):
         bounds.append(min(tokens, bounds[-1] + (base + (i < extra)) * align))
     parts = list(itertools.pairwise(bounds))
     return [[parts[r], parts[2 * cp - 1 - r]] for r in range(cp)]
+
+
+def local_rows(
+    starts: list[int], lens: list[int], cp: int, rank: int, align: int
+) -> list[tuple[int, int]]:
+    """Rows ``[start, end)`` of a flat batch that CP ``rank`` computes: each prefill chunk
+    (its first row and length) split by ``split_chunk``."""
+    return [
+        (start + a, start + b)
+        for start, n in zip(starts, lens, strict=True)
+        for a, b in split_chunk(n, cp, align)[rank]
+    ]
 
 
 # What each tensor of an attention layer does under CP (printed by ``dsv4 explain-model``).

@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsv4_serving.distributed.cp_plan import CPLayer, CPModel, CPPlan, key_visits
+from dsv4_serving.distributed.cp_plan import (
+    CPLayer,
+    CPModel,
+    CPPlan,
+    key_visits,
+    local_rows,
+    split_chunk,
+)
 from dsv4_serving.models.config import DeepseekV4Config
 from dsv4_serving.presets.configs import shape_config
 
@@ -123,3 +130,24 @@ def test_mla_gathers_its_latent_rows() -> None:
     p = CPPlan.build(MLA, 4096, cp=2)
     assert p.gathered_bytes(1) == 2048 * 3 * 576 * 2
     assert p.ranks[0].indexer_bytes == 0
+
+
+def test_local_rows_split_each_prefill_chunk_of_a_flat_batch() -> None:
+    # rows 0-299 (19 blocks of 16: parts of 5, 5, 5, 4 blocks, the last cut at 300), rows
+    # 300-449 (10 blocks: 3, 3, 2, 2, cut at 150), rows 450-469 (2 blocks: not split)
+    starts, lens = [0, 300, 450], [300, 150, 20]
+    assert split_chunk(300, 2, 16) == [[(0, 80), (240, 300)], [(80, 160), (160, 240)]]
+    assert local_rows(starts, lens, 2, 0, 16) == [
+        (0, 80),
+        (240, 300),
+        (300, 348),
+        (428, 450),
+        (450, 470),
+    ]
+    assert local_rows(starts, lens, 2, 1, 16) == [
+        (80, 160),
+        (160, 240),
+        (348, 396),
+        (396, 428),
+        (450, 470),
+    ]
