@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dsv4_serving.attention.kv_cache.v4 import V4LayerCache
+from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.attention.v4_prefill_plan import (
     PoolPlan,
     PrefillChunks,
@@ -179,33 +180,37 @@ class V4Attention(nn.Module):
         step: V4Step,
         cache: V4LayerCache,
         local: torch.Tensor | None = None,
+        cp: CPShare | None = None,
     ) -> torch.Tensor:
         """``step``: this step's plan from the attention backend
         (``attention/backends/v4_torch.py``), built once per step: every decode sequence in one
         batched pass, the longer chunks in another. With the kernel the queries' rope (and its
         inverse on the output) happens inside it. ``local`` (bool ``[T]``): a context-parallel
         rank's prefill rows (``distributed/cp_plan.py:local_rows``); the cache is written for
-        every row, attention runs for these only, other prefill rows come out zero."""
+        every row, attention runs for these only, other prefill rows come out zero. ``cp``:
+        context parallel, ``x`` holds the rank's rows (``CPShare.rows``) and so does the
+        result; the cache inputs of every row are all-gathered first."""
         meta = step.meta
-        t = x.shape[0]
         h, d = self.n_heads, self.head_dim
         cos, sin = meta.cos_sin(self.rotary)
-        q_res = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
-        kernel = self._kernel(q, cache) is not None
-        if not kernel:
-            q = rotate_tail(q, cos, sin)
-        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
-
-        comp_proj = self.compressor.project(x) if self.compressor is not None else None
-        idx_q = idx_w = idx_proj = None
-        if self.indexer is not None:
-            ix = self.indexer
-            ccos, csin = meta.cos_sin(self.rotary_comp)
-            idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
-            idx_q = rotate_tail(idx_q, ccos, csin)
-            idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
-            idx_proj = ix.compressor.project(x)
+        ccos, csin = meta.cos_sin(self.rotary_comp)
+        if cp is not None:  # x holds this rank's rows: project them, gather the cache inputs
+            local = cp.mask
+            q, kv, comp_proj, idx_q, idx_w, idx_proj, kernel = self._project(
+                x, cache, cos[cp.rows], sin[cp.rows], ccos[cp.rows], csin[cp.rows]
+            )
+            q, idx_q, idx_w = (None if y is None else cp.scatter(y) for y in (q, idx_q, idx_w))
+            ins = [y for y in (kv, comp_proj, idx_proj) if y is not None]
+            got = iter(cp.gather(ins))
+            kv = next(got)
+            comp_proj = None if comp_proj is None else next(got)
+            idx_proj = None if idx_proj is None else next(got)
+            assert q is not None
+        else:
+            q, kv, comp_proj, idx_q, idx_w, idx_proj, kernel = self._project(
+                x, cache, cos, sin, ccos, csin
+            )
+        t = q.shape[0]
 
         dec = step.decode
         if dec is not None and dec.size == t:  # a decode-only step: every row, no gathers
@@ -231,10 +236,49 @@ class V4Attention(nn.Module):
             )
         if not kernel:
             out = rotate_tail(out, cos, sin, inverse=True)
+        if cp is not None:
+            out, t = out[cp.rows], cp.rows.shape[0]
         g = self.o_groups
         wo_a = self.wo_a.weight.view(g, -1, h * d // g)
         grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wo_a)
         return self.wo_b(grouped.flatten(1))
+
+    def _project(
+        self,
+        x: torch.Tensor,
+        cache: V4LayerCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ccos: torch.Tensor,
+        csin: torch.Tensor,
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        bool,
+    ]:
+        """Per-row projections of ``x``: queries (rotated unless the kernel does it), the K=V
+        row, the compressor's raw rows, the indexer's queries, weights and raw rows."""
+        t = x.shape[0]
+        h, d = self.n_heads, self.head_dim
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
+        kernel = self._kernel(q, cache) is not None
+        if not kernel:
+            q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        comp_proj = self.compressor.project(x) if self.compressor is not None else None
+        idx_q = idx_w = idx_proj = None
+        if self.indexer is not None:
+            ix = self.indexer
+            idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
+            idx_q = rotate_tail(idx_q, ccos, csin)
+            idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
+            idx_proj = ix.compressor.project(x)
+        return q, kv, comp_proj, idx_q, idx_w, idx_proj, kernel
 
     def _decode(
         self,
