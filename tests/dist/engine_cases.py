@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from dsv4_serving.engine.engine.async_llm import AsyncLLM
 from dsv4_serving.engine.config import EngineConfig
+from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
+from dsv4_serving.engine.engine.async_llm import AsyncLLM
 from dsv4_serving.engine.engine.engine_core import EngineCore
+from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 from dsv4_serving.engine.request import EngineCoreRequest
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
-from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
-from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 
 NEAR_TIE = 1e-3
 Work = list[tuple[list[int], int]]

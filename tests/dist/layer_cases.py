@@ -10,19 +10,19 @@ from torch import nn
 
 from dsv4_serving.attention.kv_cache.mla import MLAKVCache
 from dsv4_serving.attention.kv_cache.v4 import V4KVCache
+from dsv4_serving.attention.mla import MLAttention
+from dsv4_serving.attention.selector import attention_backend
+from dsv4_serving.attention.v4 import V4Attention
 from dsv4_serving.distributed.comm import all_gather
 from dsv4_serving.distributed.groups import ModelParallel
 from dsv4_serving.distributed.parallel_state import destroy_distributed, get_world_group
 from dsv4_serving.distributed.topology import Topology
 from dsv4_serving.layers.linear import ColumnParallelLinear, RowParallelLinear
-from dsv4_serving.attention.mla import MLAttention
 from dsv4_serving.layers.moe import SwiGLU, V3MoE, V4MoE
 from dsv4_serving.layers.rope import Rotary
-from dsv4_serving.attention.v4 import V4Attention
 from dsv4_serving.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from dsv4_serving.loader.dummy import init_dummy_weights
 from dsv4_serving.models.config import DeepseekV3Config, DeepseekV4Config
-from dsv4_serving.attention.selector import attention_backend
 from dsv4_serving.presets.configs import preset_config
 
 from .cases import BLOCK, _meta, join, world_variants

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from dsv4_serving.engine.engine.async_llm import AsyncLLM
 from dsv4_serving.engine.config import EngineConfig
+from dsv4_serving.engine.engine.async_llm import AsyncLLM
 from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 from dsv4_serving.entrypoints.metrics import EngineMetrics
 

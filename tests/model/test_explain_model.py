@@ -56,3 +56,34 @@ def test_missing_device_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
         pytest.skip("torch_npu is installed here")
     assert main(["explain-model", "dsv4-tiny", "--device", "npu"]) == 1
     assert "torch_npu is not installed" in capsys.readouterr().err
+
+
+def test_explain_model_cp_prints_the_plan_and_bytes_per_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["explain-model", "deepseek-v4-flash", "--cp", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    order = [
+        "5b. context parallel (--cp 2)",
+        "all-gathered: the shared K=V rows",
+        "131072-token prompt as one chunk: work imbalance 1.0002",
+        "KV 871.3 MiB per rank (replicated)",
+        "rank 0: 65536 rows (positions 0-32767, 98304-131071), 50.0% of the key visits; "
+        "residual 2.00 GiB, indexer scores 512.00 GiB in one pass (<= 256.0 MiB per slice); "
+        "receives 11.75 GiB over 43 layers",
+        "rank 1: 65536 rows (positions 32768-65535, 65536-98303)",
+        "1048576-token prompt as one chunk",
+        "receives 94.00 GiB over 43 layers",
+        "rank 1: 524288 rows (positions 262144-524287, 524288-786431)",
+        "6. memory plan per rank",
+    ]
+    positions = [out.index(s) for s in order]
+    assert positions == sorted(positions)
+    assert main(["explain-model", "deepseek-v4-flash", "--device", "cpu"]) == 0
+    assert "context parallel" not in capsys.readouterr().out
+    assert main(["explain-model", "dsv3-small", "--cp", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "all-gathered: the latent rows (kv_lora_rank + rope)" in out
+    assert "(beyond max_position_embeddings 4096)" in out
+    assert main(["explain-model", "dsv4-tiny", "--cp", "0"]) == 1
+    assert "--cp must be >= 1, got 0" in capsys.readouterr().err

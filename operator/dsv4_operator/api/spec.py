@@ -91,7 +91,7 @@ OWNED_ENGINE_FLAGS = (
     "--threads-per-rank",
 )
 # Models built into the engine image (dsv4_serving.presets; a unit test keeps them in step).
-PRESETS = ("dsv3-small", "dsv4-tiny")
+PRESETS = ("dsv3-small", "dsv4-tiny", "dsv4-tiny-long")
 
 
 @crd_object(

@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from dsv4_serving.attention.kv_cache.v4 import V4LayerCache
+from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.attention.v4_prefill_plan import (
     PoolPlan,
     PrefillChunks,
+    RowSlice,
     WindowPlan,
     prefill_chunks,
 )
@@ -37,6 +39,10 @@ from dsv4_serving.layers.quant.methods import QuantMethod, QuantMethods
 from dsv4_serving.layers.rope import Rotary, rotate_tail_interleaved
 from dsv4_serving.layers.shard import ShardSpec
 from dsv4_serving.models.config import DeepseekV4Config
+
+# a prefill slice's query-side buffers (indexer scores, entry masks, torch-path logits) stay
+# under this many bytes: a 64K-token prompt's indexer scores alone are O(rows x entries)
+SLICE_BYTES = 256 << 20
 
 
 def rotate_tail(
@@ -168,31 +174,43 @@ class V4Attention(nn.Module):
         self.rotary = rotary_comp if self.ratio else rotary_main
         self.rotary_comp = rotary_comp
 
-    def forward(self, x: torch.Tensor, step: V4Step, cache: V4LayerCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: V4Step,
+        cache: V4LayerCache,
+        local: torch.Tensor | None = None,
+        cp: CPShare | None = None,
+    ) -> torch.Tensor:
         """``step``: this step's plan from the attention backend
         (``attention/backends/v4_torch.py``), built once per step: every decode sequence in one
         batched pass, the longer chunks in another. With the kernel the queries' rope (and its
-        inverse on the output) happens inside it."""
+        inverse on the output) happens inside it. ``local`` (bool ``[T]``): a context-parallel
+        rank's prefill rows (``distributed/cp_plan.py:local_rows``); the cache is written for
+        every row, attention runs for these only, other prefill rows come out zero. ``cp``:
+        context parallel, ``x`` holds the rank's rows (``CPShare.rows``) and so does the
+        result; the cache inputs of every row are all-gathered first."""
         meta = step.meta
-        t = x.shape[0]
         h, d = self.n_heads, self.head_dim
         cos, sin = meta.cos_sin(self.rotary)
-        q_res = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
-        kernel = self._kernel(q, cache) is not None
-        if not kernel:
-            q = rotate_tail(q, cos, sin)
-        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
-
-        comp_proj = self.compressor.project(x) if self.compressor is not None else None
-        idx_q = idx_w = idx_proj = None
-        if self.indexer is not None:
-            ix = self.indexer
-            ccos, csin = meta.cos_sin(self.rotary_comp)
-            idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
-            idx_q = rotate_tail(idx_q, ccos, csin)
-            idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
-            idx_proj = ix.compressor.project(x)
+        ccos, csin = meta.cos_sin(self.rotary_comp)
+        if cp is not None:  # x holds this rank's rows: project them, gather the cache inputs
+            local = cp.mask
+            q, kv, comp_proj, idx_q, idx_w, idx_proj, kernel = self._project(
+                x, cache, cos[cp.rows], sin[cp.rows], ccos[cp.rows], csin[cp.rows]
+            )
+            q, idx_q, idx_w = (None if y is None else cp.scatter(y) for y in (q, idx_q, idx_w))
+            ins = [y for y in (kv, comp_proj, idx_proj) if y is not None]
+            got = iter(cp.gather(ins))
+            kv = next(got)
+            comp_proj = None if comp_proj is None else next(got)
+            idx_proj = None if idx_proj is None else next(got)
+            assert q is not None
+        else:
+            q, kv, comp_proj, idx_q, idx_w, idx_proj, kernel = self._project(
+                x, cache, cos, sin, ccos, csin
+            )
+        t = q.shape[0]
 
         dec = step.decode
         if dec is not None and dec.size == t:  # a decode-only step: every row, no gathers
@@ -214,14 +232,53 @@ class V4Attention(nn.Module):
             chunks = prefill_chunks(step)
             rope = (cos[chunks.rows], sin[chunks.rows]) if kernel else None
             out[chunks.rows] = self._prefill(
-                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope
+                chunks, q, kv, comp_proj, idx_q, idx_w, idx_proj, cache, rope, local
             )
         if not kernel:
             out = rotate_tail(out, cos, sin, inverse=True)
+        if cp is not None:
+            out, t = out[cp.rows], cp.rows.shape[0]
         g = self.o_groups
         wo_a = self.wo_a.weight.view(g, -1, h * d // g)
         grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wo_a)
         return self.wo_b(grouped.flatten(1))
+
+    def _project(
+        self,
+        x: torch.Tensor,
+        cache: V4LayerCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ccos: torch.Tensor,
+        csin: torch.Tensor,
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        bool,
+    ]:
+        """Per-row projections of ``x``: queries (rotated unless the kernel does it), the K=V
+        row, the compressor's raw rows, the indexer's queries, weights and raw rows."""
+        t = x.shape[0]
+        h, d = self.n_heads, self.head_dim
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(q_res).view(t, h, d), None, self.eps)
+        kernel = self._kernel(q, cache) is not None
+        if not kernel:
+            q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        comp_proj = self.compressor.project(x) if self.compressor is not None else None
+        idx_q = idx_w = idx_proj = None
+        if self.indexer is not None:
+            ix = self.indexer
+            idx_q = ix.wq_b(q_res).view(t, ix.n_heads, ix.head_dim)
+            idx_q = rotate_tail(idx_q, ccos, csin)
+            idx_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
+            idx_proj = ix.compressor.project(x)
+        return q, kv, comp_proj, idx_q, idx_w, idx_proj, kernel
 
     def _decode(
         self,
@@ -364,15 +421,18 @@ class V4Attention(nn.Module):
         idx_proj: torch.Tensor | None,
         cache: V4LayerCache,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        local: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every sequence with more than one new token at once, as a padded batch
         ``[S, N]``: window keys (the ring's older rows, then the chunk's own), the compressed
         entries (the blocks the chunks complete pooled first), the indexer's top-k, sinks.
         Returns the chunks' rows ``[R, h, d]`` (``chunks.rows`` of the batch). With the kernel
-        every query reads its window keys and selected entries in place instead."""
+        every query reads its window keys and selected entries in place instead. The cache
+        writes cover the whole batch; the query side runs in slices of columns
+        (``prefill_cols``) so its O(rows x context) buffers stay within ``SLICE_BYTES``."""
         win = cache.window
         ext = self._kernel(q, cache)
-        wp = chunks.window(win.shape[1], self.window, mask=ext is None)
+        wp = chunks.window(win.shape[1], self.window)
         # every read of the ring comes before this step's rows are written into it
         keys, ksrc = self._prefill_window_keys(chunks, wp, kv, win, kernel=ext is not None)
         comp = idx_keys = None
@@ -387,12 +447,38 @@ class V4Attention(nn.Module):
                     self.indexer.compressor, cache.index, cache.index_state, chunks, idx_proj
                 )
         win.view(-1, win.shape[-1])[wp.write] = kv[wp.write_src].to(win.dtype)
-        visible = self._prefill_visible(chunks, cache, idx_q, idx_w, idx_keys)
-        if ext is not None:
-            assert ksrc is not None
-            return self._prefill_kernel(ext, chunks, q, ksrc, visible, cache, rope)
-        assert keys is not None
-        return self._prefill_torch(chunks, wp, q, keys, comp, visible)
+        shape = (chunks.rows.shape[0], *q.shape[1:])
+        out = q.new_empty(shape) if local is None else q.new_zeros(shape)
+        cols = self.prefill_cols(chunks, cache, wp, kernel=ext is not None)
+        for part in chunks.parts(cols, local):
+            visible = self._prefill_visible(chunks, part, cache, idx_q, idx_w, idx_keys)
+            if ext is not None:
+                assert ksrc is not None
+                prope = None if rope is None else (rope[0][part.r], rope[1][part.r])
+                out[part.r] = self._prefill_kernel(
+                    ext, chunks, part, q, ksrc, visible, cache, prope
+                )
+            else:
+                assert keys is not None
+                out[part.r] = self._prefill_torch(part, wp, q, keys, comp, visible)
+        return out
+
+    def prefill_cols(
+        self, chunks: PrefillChunks, cache: V4LayerCache, wp: WindowPlan, kernel: bool
+    ) -> int:
+        """Columns of the padded batch per query slice: as many as keep one slice's scores,
+        masks and logits (bytes per column, a generous count of the live buffers) within
+        ``SLICE_BYTES``; at least one."""
+        e = 0
+        if self.compressor is not None:
+            assert cache.comp is not None
+            e = chunks.ratio(self.ratio, cache.comp.shape[1]).entries.shape[1]
+        idx_heads = self.indexer.n_heads if self.indexer is not None else 0
+        # indexer scores and their weighted copies (f32), the mask, sort order and cidx (i64)
+        per_col = e * (8 * idx_heads + 8 + 17)
+        if not kernel:  # logits, masked copies and probabilities over window and entries
+            per_col += 12 * self.n_heads * (wp.kpos.shape[1] + e + 1)
+        return max(1, SLICE_BYTES // max(1, len(chunks.seqs) * per_col))
 
     def _prefill_window_keys(
         self,
@@ -420,26 +506,28 @@ class V4Attention(nn.Module):
     def _prefill_visible(
         self,
         chunks: PrefillChunks,
+        part: RowSlice,
         cache: V4LayerCache,
         idx_q: torch.Tensor | None,
         idx_w: torch.Tensor | None,
         idx_keys: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """``[S, N, E]`` bool: the compressed entries each query attends to (complete before
-        it and, on CSA layers, among the indexer's top-k); None where there are none."""
+        """``[S, n, E]`` bool: the compressed entries each query of the slice attends to
+        (complete before it and, on CSA layers, among the indexer's top-k); None where there
+        are none."""
         if self.compressor is None:
             return None
         assert cache.comp is not None
         rp = chunks.ratio(self.ratio, cache.comp.shape[1])
         if not rp.entries.shape[1]:
             return None
-        visible = rp.visible
+        visible = rp.visible(part)
         if self.indexer is not None:
             assert idx_q is not None and idx_w is not None and idx_keys is not None
-            s, n = chunks.index.shape
-            scores = torch.einsum("snhd,sed->snhe", idx_q[chunks.index].float(), idx_keys.float())
+            s, n = part.index.shape
+            scores = torch.einsum("snhd,sed->snhe", idx_q[part.index].float(), idx_keys.float())
             chosen = self._topk(
-                scores.flatten(0, 1), idx_w[chunks.index].flatten(0, 1), visible.flatten(0, 1)
+                scores.flatten(0, 1), idx_w[part.index].flatten(0, 1), visible.flatten(0, 1)
             )
             visible = visible & chosen.view(s, n, -1)
         return visible
@@ -448,44 +536,47 @@ class V4Attention(nn.Module):
         self,
         ext: ModuleType,
         chunks: PrefillChunks,
+        part: RowSlice,
         q: torch.Tensor,
         ksrc: torch.Tensor,
         visible: torch.Tensor | None,
         cache: V4LayerCache,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """The kernel's pass: every query row reads its window keys and entries in place."""
+        """The kernel's pass over a slice: every query row reads its window keys and entries
+        in place."""
         wk = chunks.window_rows(cache.window.shape[1], self.window)
+        kidx = wk.kidx[part.r]
         sink = self.attn_sink.float()
         if visible is None:
-            csrc, cidx = ksrc, wk.kidx[:, :0]
+            csrc, cidx = ksrc, kidx[:, :0]
         else:
             assert cache.comp is not None
             csrc = cache.comp.view(-1, cache.comp.shape[-1])
-            ent = chunks.ratio(self.ratio, cache.comp.shape[1]).entries[chunks.seq_of_row]
-            cidx = torch.where(visible.flatten(0, 1)[chunks.sel], ent, -1)
-        q_rows = q[chunks.rows].contiguous()
+            ent = chunks.ratio(self.ratio, cache.comp.shape[1]).entries[part.seq_of_row]
+            cidx = torch.where(visible.flatten(0, 1)[part.sel], ent, -1)
+        q_rows = q[part.rows].contiguous()
         scale = self.head_dim**-0.5
         out: torch.Tensor = ext.v4_attn(
-            q_rows, ksrc, wk.kidx, csrc, cidx, sink, scale, *self._rope_args(rope)
+            q_rows, ksrc, kidx.contiguous(), csrc, cidx, sink, scale, *self._rope_args(rope)
         )
         return out
 
     def _prefill_torch(
         self,
-        chunks: PrefillChunks,
+        part: RowSlice,
         wp: WindowPlan,
         q: torch.Tensor,
         keys: torch.Tensor,
         comp: torch.Tensor | None,
         visible: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The torch pass over the padded batch: masked window and entry logits, sinks."""
+        """The torch pass over a slice of the padded batch: masked window and entry logits,
+        sinks."""
         scale = self.head_dim**-0.5
-        qf = q[chunks.index].float()  # [S, N, h, d]
+        qf = q[part.index].float()  # [S, n, h, d]
         logits = torch.einsum("snhd,skd->shnk", qf, keys.float()) * scale
-        assert wp.hidden is not None
-        parts = [logits.masked_fill(wp.hidden[:, None], -torch.inf)]
+        parts = [logits.masked_fill(wp.hidden(part)[:, None], -torch.inf)]
         values = [keys]
         if comp is not None and visible is not None:
             cl = torch.einsum("snhd,sed->shne", qf, comp.float()) * scale
@@ -494,7 +585,7 @@ class V4Attention(nn.Module):
         probs = self._with_sinks(parts, head_dim=1)
         v = torch.cat(values, dim=1).float()
         out = torch.einsum("shnk,skd->snhd", probs, v).to(q.dtype)
-        return out.flatten(0, 1)[chunks.sel]
+        return out.flatten(0, 1)[part.sel]
 
     def _advance_prefill(
         self,

@@ -20,10 +20,18 @@ class WindowPlan:
     """The sliding window of a prefill batch for one ring length and window."""
 
     read: torch.Tensor  # [S, P] flat ring rows of the positions before the chunks (0: padding)
-    hidden: torch.Tensor | None  # [S, N, P + N] bool: key not in the query's window (or
-    # padding); None where the kernel reads the window through ``WindowRows`` instead
+    kpos: torch.Tensor  # [S, P + N] each key column's position
+    k_valid: torch.Tensor  # [S, P + N] bool: the column holds a key (not padding)
     write: torch.Tensor  # [R] flat ring rows of the chunks' last positions
     write_src: torch.Tensor  # [R] their rows in the flat batch
+    w_len: int
+
+    def hidden(self, part: RowSlice) -> torch.Tensor:
+        """``[S, n, P + N]`` bool: key not in the window of the slice's queries (or padding).
+        Built per slice: for the whole batch it is O(N^2)."""
+        qpos = part.pos[:, :, None]
+        kpos = self.kpos[:, None, :]
+        return ~(self.k_valid[:, None, :] & (kpos <= qpos) & (kpos > qpos - self.w_len))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +48,28 @@ class EntryPlan:
     """One compression ratio's entries as seen by a prefill batch."""
 
     entries: torch.Tensor  # [S, E] flat store rows of entries 0 .. E-1 (0: padding)
-    visible: torch.Tensor  # [S, N, E] bool: entry complete before the query (e < (t+1)//r)
+    limit: torch.Tensor  # [S, N] entries complete before each query ((t + 1) // r, capped)
+
+    def visible(self, part: RowSlice) -> torch.Tensor:
+        """``[S, n, E]`` bool: entry complete before the slice's query (``e < (t + 1) // r``).
+        Built per slice: for the whole batch it is O(N x E)."""
+        e = torch.arange(self.entries.shape[1], device=self.entries.device)
+        return e[None, None, :] < self.limit[:, part.cols, None]
+
+
+@dataclass(frozen=True, slots=True)
+class RowSlice:
+    """Columns ``cols`` of the padded batch ``[S, N]``: the query rows one pass of a layer's
+    attention computes, so that the O(rows x context) buffers (indexer scores, entry masks,
+    the torch path's logits) stay bounded for long prompts."""
+
+    cols: slice
+    index: torch.Tensor  # [S, n] rows in the flat batch (0: padding)
+    pos: torch.Tensor  # [S, n] positions
+    sel: torch.Tensor  # valid cells of [S * n]
+    rows: torch.Tensor  # [r] their rows in the flat batch
+    r: torch.Tensor  # [r] their indices among ``PrefillChunks.rows``
+    seq_of_row: torch.Tensor  # [r] each row's sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +145,31 @@ class PrefillChunks:
         self._j = j
         self._plans: dict[tuple[object, ...], object] = {}
 
+    def parts(self, cols_per_part: int, local: torch.Tensor | None = None) -> list[RowSlice]:
+        """The batch's columns in slices of ``cols_per_part`` (one slice: the whole batch).
+        ``local`` (bool over the flat batch's rows): only those rows, a CP rank's share."""
+        n = self.index.shape[1]
+        step = max(1, cols_per_part)
+        mine = self.valid if local is None else self.valid & local[self.index]
+        return [self._part(mine, j, min(n, j + step)) for j in range(0, n, step)]
+
+    def _part(self, mine: torch.Tensor, j0: int, j1: int) -> RowSlice:
+        cols = slice(j0, j1)
+        valid = mine[:, cols]
+        sel = valid.flatten().nonzero().flatten()
+        index = self.index[:, cols]
+        r_of_cell = self.valid.flatten().cumsum(0).view_as(self.valid) - 1
+        seq = sel // valid.shape[1]
+        return RowSlice(
+            cols,
+            index,
+            self.pos[:, cols],
+            sel,
+            index.flatten()[sel],
+            r_of_cell[:, cols].flatten()[sel],
+            seq,
+        )
+
     def _tail(self, keep_max: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat ring rows and batch rows of each chunk's last ``min(n, keep_max)`` positions."""
         keep = self._n.clamp(max=keep_max)
@@ -124,8 +178,8 @@ class PrefillChunks:
         rows = (self._slot[:, None] * ring + self.pos % ring).flatten()[cells]
         return rows, self.index.flatten()[cells]
 
-    def window(self, ring: int, w_len: int, mask: bool = True) -> WindowPlan:
-        key = ("window", ring, w_len, mask)
+    def window(self, ring: int, w_len: int) -> WindowPlan:
+        key = ("window", ring, w_len)
         got = self._plans.get(key)
         if got is None:
             prev_start = (self._ctx - w_len + 1).clamp(min=0)
@@ -134,13 +188,9 @@ class PrefillChunks:
             p_valid = jp[None, :] < older[:, None]
             p_pos = prev_start[:, None] + jp[None, :]
             read = torch.where(p_valid, self._slot[:, None] * ring + p_pos % ring, 0)
-            hidden = None
-            if mask:
-                kpos = torch.cat((p_pos, self.pos), dim=1)[:, None, :]
-                k_valid = torch.cat((p_valid, self.valid), dim=1)[:, None, :]
-                qpos = self.pos[:, :, None]
-                hidden = ~(k_valid & (kpos <= qpos) & (kpos > qpos - w_len))
-            got = self._plans[key] = WindowPlan(read, hidden, *self._tail(ring, ring))
+            kpos = torch.cat((p_pos, self.pos), dim=1)
+            k_valid = torch.cat((p_valid, self.valid), dim=1)
+            got = self._plans[key] = WindowPlan(read, kpos, k_valid, *self._tail(ring, ring), w_len)
         assert isinstance(got, WindowPlan)
         return got
 
@@ -181,10 +231,8 @@ class PrefillChunks:
             e = torch.arange(int(total.max()), device=self.dev)
             valid = e[None, :] < total[:, None]
             flat = self.table[:, e // per] * per + e % per
-            visible = e[None, None, :] < ((self.pos + 1) // ratio)[:, :, None]
-            got = self._plans[key] = EntryPlan(
-                torch.where(valid, flat, 0), visible & valid[:, None, :]
-            )
+            limit = torch.minimum((self.pos + 1) // ratio, total[:, None])
+            got = self._plans[key] = EntryPlan(torch.where(valid, flat, 0), limit)
         assert isinstance(got, EntryPlan)
         return got
 

@@ -4,9 +4,12 @@ In the seed's troubleshooting order: (1) which class the checkpoint's architectu
 and who registered it, (2) which device and attention backend the platform picks and from
 which config fields, (3) the derived switches and the KV cache shape, then (5) the parallel
 plan for ``--tp/--dp/--ep``: which tensors each rank holds whole, TP-sharded or expert-local,
-and the weight and KV bytes per rank, (6) the memory plan: weight bytes per rank by kind in
-the stored format (``--quantization``), KV per token and per 4K/32K/128K sequence, and with
-``--device-memory`` how many sequences fit (exit 1 when the weights alone do not). Reads
+and the weight and KV bytes per rank, (5b) with ``--cp N`` the context-parallel plan of a 128K
+and a 1M prompt (``distributed/cp_plan.py``): the split, what is gathered, and per CP rank the
+rows, causal work, activation, gathered and KV bytes, (6) the memory plan: weight bytes per
+rank by kind in the stored format (``--quantization``), KV per token and per 4K/32K/128K
+sequence, and with ``--device-memory`` how many sequences fit (exit 1 when the weights alone
+do not). Reads
 ``config.json`` only; no weights are loaded. The released models' shapes are built in
 (``deepseek-v4-flash``, ``deepseek-v3``).
 """
@@ -44,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (1 or tp x dp)")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes the ranks spread over")
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context parallel size: print the CP plan of a 128K and a 1M prompt",
+    )
     parser.add_argument(
         "--quantization",
         default="auto",
@@ -88,9 +97,10 @@ def explain(
     quantization: str = "auto",
     device_bytes: int | None = None,
     utilization: float = 0.9,
+    cp: int = 1,
 ) -> str:
     return _explain(
-        config, source, device, block_size, topology, quantization, device_bytes, utilization
+        config, source, device, block_size, topology, quantization, device_bytes, utilization, cp
     )[0]
 
 
@@ -103,6 +113,7 @@ def _explain(
     quantization: str,
     device_bytes: int | None,
     utilization: float,
+    cp: int = 1,
 ) -> tuple[str, MemoryPlan | None]:
     from dsv4_serving.models.parallel_plan import parallel_plan, render
     from dsv4_serving.models.registry import REGISTRY
@@ -138,6 +149,8 @@ def _explain(
     topo = topology or Topology()
     plan = parallel_plan(cls, cfg, topo)
     lines += render(plan, _kv_bytes_per_block(cfg, block_size), block_size, weights)
+    if cp > 1:
+        lines += _cp_lines(cfg, cp, block_size)
     if hasattr(cfg, "compress_ratios") and (
         block_size % cfg.csa_ratio or block_size % cfg.hca_ratio
     ):
@@ -157,6 +170,68 @@ def _kv_bytes_per_block(cfg: Any, block_size: int) -> int | None:
     from dsv4_serving.attention.kv_cache.mla import MLAKVCache
 
     return int(MLAKVCache.bytes_per_block(cfg, block_size, 2))
+
+
+CP_PROMPTS = (131072, 1 << 20)
+
+
+def _cp_lines(cfg: Any, cp: int, block_size: int) -> list[str]:
+    """The CP plan of a 128K and a 1M prompt, each prefilled as one chunk."""
+    from dsv4_serving.attention.v4 import SLICE_BYTES
+    from dsv4_serving.distributed.cp_plan import (
+        GATHERED,
+        GATHERED_MLA,
+        SPLIT_BY_SEQUENCE,
+        SPLIT_BY_SEQUENCE_MLA,
+        CPModel,
+        CPPlan,
+    )
+
+    v4 = hasattr(cfg, "compress_ratios")
+    model = CPModel.v4(cfg) if v4 else CPModel.mla(cfg)
+    per_block = _kv_bytes_per_block(cfg, block_size) or 0
+    per_seq = 0
+    if v4 and per_block:
+        from dsv4_serving.attention.kv_cache.v4 import V4KVCache
+
+        per_seq = V4KVCache.bytes_per_slot(cfg, 2)
+    out = [
+        f"5b. context parallel (--cp {cp}), bf16: each chunk in 2 x {cp} parts of whole "
+        f"{block_size}-token blocks, rank r owns parts r and {2 * cp - 1}-r (zig-zag); the "
+        "cache inputs are all-gathered per layer and every rank writes the same cache, so "
+        "decode stays non-CP",
+        "   split by sequence: " + "; ".join(SPLIT_BY_SEQUENCE if v4 else SPLIT_BY_SEQUENCE_MLA),
+        "   all-gathered: " + "; ".join(GATHERED if v4 else GATHERED_MLA),
+    ]
+    for tokens in CP_PROMPTS:
+        plan = CPPlan.build(model, tokens, cp, block_size, 0, per_block, per_seq)
+        over = tokens > cfg.max_position_embeddings
+        out.append(
+            f"   {tokens}-token prompt as one chunk"
+            + (f" (beyond max_position_embeddings {cfg.max_position_embeddings})" if over else "")
+            + f": work imbalance {plan.imbalance():.4f}; gathered inputs of the largest "
+            f"layer {_gib(plan.gathered_buffer_bytes())}; KV {_gib(plan.kv_bytes)} per rank "
+            "(replicated)"
+        )
+        for r in plan.ranks:
+            where = ", ".join(f"{a}-{b - 1}" for a, b in r.spans)
+            idx = ""
+            if r.indexer_bytes:
+                idx = (
+                    f", indexer scores {_gib(r.indexer_bytes)} in one pass "
+                    f"(<= {_gib(min(r.indexer_bytes, SLICE_BYTES))} per slice)"
+                )
+            out.append(
+                f"     rank {r.rank}: {r.rows} rows (positions {where}), "
+                f"{100 * r.key_visits / max(1, sum(x.key_visits for x in plan.ranks)):.1f}% "
+                f"of the key visits; residual {_gib(r.residual_bytes)}{idx}; receives "
+                f"{_gib(plan.gathered_bytes(r.rank))} over {len(model.layers)} layers"
+            )
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _layers(cfg: Any, block_size: int) -> list[str]:
@@ -209,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, source = load_model_config(args.model)
         topology = Topology(args.tp, args.dp, args.ep, args.nnodes)
+        if args.cp < 1:
+            raise ValueError(f"--cp must be >= 1, got {args.cp}")
         device_bytes = None if args.device_memory is None else parse_bytes(args.device_memory)
         text, mp = _explain(
             config,
@@ -219,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
             args.quantization,
             device_bytes,
             args.memory_utilization,
+            args.cp,
         )
         print(text)
         if mp is not None and not mp.weights_fit:

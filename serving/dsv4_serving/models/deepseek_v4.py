@@ -15,6 +15,7 @@ from dsv4_serving.attention.kv_cache.v4 import V4KVCache
 from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.attention.selector import DeviceBackend
 from dsv4_serving.attention.v4 import V4Attention
+from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.attention.v4_step import V4Step
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.kernels.v4_attn import V4_ATTN
@@ -72,6 +73,7 @@ class V4Block(nn.Module):
         input_ids: torch.Tensor,
         step: V4Step,
         cache: V4KVCache,
+        cp: CPShare | None = None,
     ) -> torch.Tensor:
         c = self.cfg
         x, post, comb = hc_pre(
@@ -83,7 +85,7 @@ class V4Block(nn.Module):
             c.hc_eps,
             c.rms_norm_eps,
         )
-        out = self.attn(self.attn_norm(x), step, cache.layers[self.layer])
+        out = self.attn(self.attn_norm(x), step, cache.layers[self.layer], cp=cp)
         streams = hc_post(out, streams, post, comb)
         x, post, comb = hc_pre(
             streams,
@@ -186,13 +188,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         return cache
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: V4KVCache
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: V4KVCache,
+        cp: CPShare | None = None,
     ) -> torch.Tensor:
+        """``cp``: context parallel; this rank runs its rows (``CPShare.rows``) of
+        ``input_ids`` (every row's) and returns their streams."""
+        if cp is not None:
+            input_ids = input_ids[cp.rows]
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         step = self.attention_backend(x.device).plan(meta, cache.block_size)
         for block in self.layers:
-            streams = block(streams, input_ids, step, cache)
+            streams = block(streams, input_ids, step, cache, cp)
         return streams
 
     def _logits(

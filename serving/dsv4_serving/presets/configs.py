@@ -113,6 +113,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# dsv4-tiny for long prompts: V4's real ratios (CSA 4, HCA 128) and 128K positions (YaRN 32 x
+# 4096), so CPU tests and benchmarks can prefill 32K-128K-token prompts through every mechanism.
+PRESETS["dsv4-tiny-long"] = {
+    **copy.deepcopy(PRESETS["dsv4-tiny"]),
+    "compress_rate_hca": 128,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 32,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 131072,
+}
+
+
 # Config-only shapes (config.json fields; no weights or tokenizer, not servable presets): the
 # released models, for which ``dsv4 explain-model`` plans memory, and the benchmarks' anchor.
 _V4_FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]  # 43 layers, then the MTP layer

@@ -1,0 +1,66 @@
+"""Rank bodies of the context-parallel dist tests (module-level, so spawned ranks can import
+them): dsv4-tiny prefill and decode steps with a step's rows split over the CP group
+(``attention/v4_cp.py:CPShare``) against the same model in one process."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
+from dsv4_serving.attention.v4_cp import CPShare
+from dsv4_serving.distributed.groups import ModelParallel
+from dsv4_serving.distributed.parallel_state import destroy_distributed, get_world_group
+from dsv4_serving.distributed.topology import Topology
+
+from .cases import BLOCK, build_model, join
+
+# (context, new tokens) per sequence and step: 0 is split in two chunks, 1 split once, 2 too
+# short to split; then decodes (replicated on every rank)
+STEPS = [
+    [(0, 200), (0, 90), (0, 20)],
+    [(200, 100), (90, 1), (20, 1)],
+    [(300, 1), (91, 1), (21, 1)],
+]
+LENGTHS = [301, 92, 22]
+
+
+def _meta(step: list[tuple[int, int]]) -> AttentionMetadata:
+    nb = -(-max(LENGTHS) // BLOCK)
+    chunks = [SeqChunk(c, n, list(range(i * nb, (i + 1) * nb)), i) for i, (c, n) in enumerate(step)]
+    return AttentionMetadata.build(chunks, BLOCK)
+
+
+def _run(model: torch.nn.Module, cp: bool) -> list[torch.Tensor]:
+    """Every row's logits per step (CP: each rank's rows gathered back to flat order)."""
+    g = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, 264, (n,), generator=g) for n in LENGTHS]
+    nb = -(-max(LENGTHS) // BLOCK)
+    cache = model.allocate_cache(nb * len(LENGTHS), BLOCK, len(LENGTHS))  # type: ignore[operator]
+    out = []
+    with torch.no_grad():
+        for step in STEPS:
+            meta = _meta(step)
+            tokens = torch.cat([ids[i][c : c + n] for i, (c, n) in enumerate(step)])
+            if not cp:
+                out.append(model.compute_logits(model(tokens, meta, cache)))  # type: ignore[operator]
+                continue
+            share = CPShare.build(meta, get_world_group(), align=BLOCK)
+            streams = model(tokens, meta, cache, cp=share)  # type: ignore[operator]
+            (flat,) = share.gather([streams.flatten(1)])
+            out.append(model.compute_logits(flat.view(-1, *streams.shape[1:])))  # type: ignore[operator]
+    return out
+
+
+def v4_cp(rank: int, world: int, port: int) -> dict[str, float]:
+    """max|diff| / (1e-4 x logit scale) of every row's logits per step; <= 1 passes."""
+    join(rank, port, Topology(dp=world), timeout_s=600.0)  # the reference run first, unevenly
+    try:
+        model = build_model("dsv4-tiny", ModelParallel())
+        want = _run(model, cp=False)
+        got = _run(model, cp=True)
+        return {
+            f"step{i}": float((a - b).abs().max() / (1e-4 * b.abs().max()))
+            for i, (a, b) in enumerate(zip(got, want, strict=True))
+        } | {"bitwise": float(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))}
+    finally:
+        destroy_distributed()
