@@ -73,6 +73,14 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.migrations = Counter(
+            "dsv4_gateway_stream_migrations",
+            "Streams whose upstream failed mid-stream, continued on another instance "
+            "(outcome continued) or ended with an error event (outcome failed)",
+            ["reason", "outcome"],
+            registry=r,
+        )
+
     def outcome(self, status: str) -> Any:
         """dsv4_gateway_requests{status}: the child looked up once (labels() costs per call)."""
         child = self._outcomes.get(status)
