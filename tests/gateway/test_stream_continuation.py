@@ -65,19 +65,18 @@ def _kill_the_busy_one(g: Service, engines: list[Service]) -> Service:
     return victims[0]
 
 
-def _stream(
-    url: str, chat: bool, kill: Any = None, max_tokens: int = MAX_TOKENS, **extra: Any
-) -> Streamed:
-    """A greedy stream of ``max_tokens`` tokens (EOS ignored), with its token ids; ``kill``
-    is called after ``KILL_AFTER`` chunks."""
+def _stream(url: str, chat: bool, kill: Any = None, seed: int | None = None) -> Streamed:
+    """A stream of ``MAX_TOKENS`` tokens (EOS ignored), greedy or sampled with ``seed``, with
+    its token ids; ``kill`` is called after ``KILL_AFTER`` chunks."""
     c = _client(url)
     common: dict[str, Any] = {
         "model": MODEL,
-        "max_tokens": max_tokens,
-        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0 if seed is None else 1.0,
+        "seed": seed,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "extra_body": {"ignore_eos": True, "return_token_ids": True, **extra},
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
     }
     if chat:
         chunks = c.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **common)
@@ -133,18 +132,24 @@ def _assert_same(got: Streamed, want: Streamed, chat: bool) -> None:
         assert got.usage.completion_tokens_details == details
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat-thinking"])
-def test_a_killed_engine_s_stream_continues_on_the_other(chat: bool) -> None:
+@pytest.mark.parametrize(
+    ("chat", "seed"),
+    [(False, None), (True, None), (False, 7)],
+    ids=["completions", "chat-thinking", "completions-seeded"],
+)
+def test_a_killed_engine_s_stream_continues_on_the_other(chat: bool, seed: int | None) -> None:
     a, b = engine(f"cont-a-{chat}"), engine(f"cont-b-{chat}")
     with (
         running(a, b),
         running(gateway("gateway-cont", "--engine", a.url, "--engine", b.url)) as (g,),
     ):
-        want = _stream(g.url, chat)  # the uninterrupted run
+        want = _stream(g.url, chat, seed=seed)  # the uninterrupted run
         if chat:
             assert want.reasoning  # dsv4-tiny thinks by default: the kill lands in reasoning
         victim: list[Service] = []
-        got = _stream(g.url, chat, kill=lambda: victim.append(_kill_the_busy_one(g, [a, b])))
+        got = _stream(
+            g.url, chat, kill=lambda: victim.append(_kill_the_busy_one(g, [a, b])), seed=seed
+        )
         assert victim and not victim[0].running()
         _assert_same(got, want, chat)
         assert _migrations(g, "continued") == 1
@@ -177,17 +182,25 @@ def test_without_another_engine_the_stream_ends_with_an_error_event() -> None:
         assert _settled(g, "error", 1) == 1, g.metrics_text()
 
 
-@pytest.mark.parametrize("stop", [None, ["zzzzzz"]], ids=["plain", "stop-held-back"])
-def test_the_engine_continues_an_answer_exactly(solo: Service, stop: list[str] | None) -> None:
+@pytest.mark.parametrize(
+    ("stop", "seed"),
+    [(None, None), (["zzzzzz"], None), (None, 7)],
+    ids=["greedy", "stop-held-back", "seeded"],
+)
+def test_the_engine_continues_an_answer_exactly(
+    solo: Service, stop: list[str] | None, seed: int | None
+) -> None:
     """The engine half alone: a stream continued from any cut of an answer (a character split
-    across tokens, a stop string's held-back tail) gives the rest of the uninterrupted one."""
+    across tokens, a stop string's held-back tail; greedy or seeded sampling) gives the rest of
+    the uninterrupted one."""
     e = solo
     body: dict[str, Any] = {
         "stop": stop,
+        "seed": seed,
         "model": MODEL,
         "prompt": PROMPT,
         "max_tokens": 40,
-        "temperature": 0,
+        "temperature": 0 if seed is None else 1.0,
         "ignore_eos": True,
         "stream": True,
         "continuation": {},

@@ -11,7 +11,8 @@ has relayed is always whole increments.
 ``continuation: {token_ids, chars, id, created}`` continues an answer another engine started:
 the tokens are appended to the encoded prompt as output already generated (the front end's
 detokenizer, stop strings and chat parser are fed them without emitting anything), the budget
-is what is left of ``max_tokens`` (and ``min_tokens``), usage counts them as completion tokens,
+is what is left of ``max_tokens`` (and ``min_tokens``), a seed moves on by as many positions
+(``engine/sample/seeding.py``), usage counts them as completion tokens,
 and the chunks keep the answer's ``id`` and ``created`` (tool-call ids derive from the id), with
 no second role chunk. Greedy output equals an uninterrupted run's: the core computes prompt +
 tokens as one prefill, as it does after a preemption. On a prefill for a remote decode (PD) the
@@ -27,6 +28,7 @@ from typing import Any
 
 from dsv4_serving.engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.seeding import position_seed
 from dsv4_serving.entrypoints.chat_output import ChoiceOutput
 from dsv4_serving.entrypoints.checks import BadRequest
 from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
@@ -123,10 +125,12 @@ def remaining(params: SamplingParams, cont: Continuation) -> SamplingParams:
             f"{FIELD}: {done} tokens already generated, max_tokens is {params.max_tokens}",
             param=FIELD,
         )
+    seed = None if params.seed is None else position_seed(params.seed, done)
     return dataclasses.replace(
         params,
         max_tokens=params.max_tokens - done,
         min_tokens=max(0, params.min_tokens - done),
+        seed=seed,  # the draws go on where the first engine's stopped (sample/seeding.py)
     )
 
 

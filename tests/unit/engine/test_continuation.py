@@ -9,6 +9,7 @@ import pytest
 
 from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.seeding import position_seed
 from dsv4_serving.entrypoints.checks import BadRequest
 from dsv4_serving.entrypoints.continuation import (
     Continuation,
@@ -96,3 +97,13 @@ def test_state_blocks() -> None:
     assert _blocks(w.wrap("", [3], "", True)) == [{"t": [3], "c": 2, "f": 1}]
     resumed = StateWriter.of(Continuation((1, 2), 2, "c-1", 5), "c-9", 6)
     assert _blocks(resumed.wrap("data: y\n\n", [3], "y", False)) == [{"t": [3], "c": 3}]
+
+
+def test_a_seed_moves_on_by_the_tokens_already_drawn() -> None:
+    assert position_seed(5, 0) == 5
+    assert position_seed(position_seed(5, 3), 4) == position_seed(5, 7)
+    assert len({position_seed(5, i) for i in range(1000)}) == 1000
+    assert all(0 <= position_seed(2**63 - 1, i) < 2**63 for i in range(10))
+    got = remaining(SamplingParams(max_tokens=10, seed=5), Continuation((1, 2, 3)))
+    assert got.seed == position_seed(5, 3)
+    assert remaining(SamplingParams(max_tokens=10), Continuation((1,))).seed is None
