@@ -28,7 +28,9 @@ KILL_AFTER = 20  # chunks
 
 @pytest.fixture(scope="module")
 def solo() -> Iterator[Service]:
-    with running(engine("cont-engine")) as (e,):
+    # one token per step (no MTP drafts): a cut at any token is a cut between increments, and
+    # seeded draws are exact only without drafts (``engine/sample/seeding.py``)
+    with running(engine("cont-engine", "--num-speculative-tokens", "0")) as (e,):
         yield e
 
 
@@ -138,7 +140,9 @@ def _assert_same(got: Streamed, want: Streamed, chat: bool) -> None:
     ids=["completions", "chat-thinking", "completions-seeded"],
 )
 def test_a_killed_engine_s_stream_continues_on_the_other(chat: bool, seed: int | None) -> None:
-    a, b = engine(f"cont-a-{chat}"), engine(f"cont-b-{chat}")
+    # seeded draws continue exactly without MTP drafts (``engine/sample/seeding.py``)
+    flags = () if seed is None else ("--num-speculative-tokens", "0")
+    a, b = engine(f"cont-a-{chat}", *flags), engine(f"cont-b-{chat}", *flags)
     with (
         running(a, b),
         running(gateway("gateway-cont", "--engine", a.url, "--engine", b.url)) as (g,),
@@ -185,7 +189,7 @@ def test_without_another_engine_the_stream_ends_with_an_error_event() -> None:
 @pytest.mark.parametrize(
     ("stop", "seed"),
     [(None, None), (["zzzzzz"], None), (None, 7)],
-    ids=["greedy", "stop-held-back", "seeded"],
+    ids=["greedy-logprobs", "stop-held-back", "seeded"],
 )
 def test_the_engine_continues_an_answer_exactly(
     solo: Service, stop: list[str] | None, seed: int | None
@@ -197,6 +201,7 @@ def test_the_engine_continues_an_answer_exactly(
     body: dict[str, Any] = {
         "stop": stop,
         "seed": seed,
+        "logprobs": 1 if stop is None and seed is None else None,
         "model": MODEL,
         "prompt": PROMPT,
         "max_tokens": 40,
@@ -217,6 +222,7 @@ def test_the_engine_continues_an_answer_exactly(
         assert full.token_ids[:cut] + rest.token_ids == full.token_ids
         assert full.text[: full.chars[cut - 1]] + rest.text == full.text
         assert rest.chunk_ids == {full.head["id"]}
+        assert full.offsets[cut:] == rest.offsets  # logprobs' text_offset goes on
     refused = httpx.post(
         f"{e.url}/v1/completions",
         json={**body, "presence_penalty": 0.5, "continuation": {"token_ids": [1]}},
@@ -232,6 +238,7 @@ class _Raw:
     text: str = ""
     head: dict[str, Any] = field(default_factory=dict)
     chunk_ids: set[str] = field(default_factory=set)
+    offsets: list[int] = field(default_factory=list)  # logprobs' text_offset
 
 
 def _raw(url: str, body: dict[str, Any]) -> _Raw:
@@ -251,5 +258,7 @@ def _raw(url: str, body: dict[str, Any]) -> _Raw:
         elif block.startswith("data: {"):
             chunk = json.loads(block[len("data: ") :])
             out.chunk_ids.add(chunk["id"])
-            out.text += "".join(c["text"] for c in chunk["choices"])
+            for c in chunk["choices"]:
+                out.text += c["text"]
+                out.offsets += (c["logprobs"] or {}).get("text_offset", [])
     return out

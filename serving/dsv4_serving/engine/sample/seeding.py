@@ -3,9 +3,11 @@
 tokens are a function of (seed, position, logits) alone. A stream continued on another engine
 (``entrypoints/continuation.py``) after ``k`` tokens is sent the seed ``position_seed(seed, k)``:
 its output position 0 draws what the first engine's position ``k`` would have, so a seeded
-answer survives the move as a greedy one does. (With MTP a step draws for several positions
-from one reseed at the first, so the draws follow the step boundaries, which a continuation
-keeps only where a step began.)"""
+answer survives the move as a greedy one does, without MTP. With MTP drafts a step verifies
+several positions by rejection sampling from one reseed at the first, and a continuation's
+first step has no drafts, so its draws differ: a valid sample, not the same one. (Exact under
+MTP needs verification that draws each position's token with that position's generator and
+keeps a draft iff it equals it, the same distribution as today's rule for one-hot drafts.)"""
 
 from __future__ import annotations
 
