@@ -29,6 +29,11 @@ NO_OPS: frozenset[str] = frozenset(
 ``reasoning_content`` and ``reasoning`` are read by DeepSeek's chat format and ignored by a
 Jinja template.)"""
 
+INTERNAL: frozenset[str] = frozenset({"continuation"})
+"""Fields the engine takes from the gateway only (the gateway refuses them from clients):
+``continuation`` asks for stream state and continues an answer another engine started
+(``entrypoints/continuation.py``)."""
+
 _NOT_YET = "is not supported by this server yet"
 
 

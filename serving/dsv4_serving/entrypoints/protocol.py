@@ -61,6 +61,8 @@ class _Common(_Body):
     min_tokens: int = 0
     # the PD protocol (vLLM's): a prefill for a remote decode, or a decode of remote KV
     kv_transfer_params: dict[str, Any] | None = None
+    # internal, from the gateway only (``fields.INTERNAL``, ``continuation``)
+    continuation: dict[str, Any] | None = None
     # vLLM's extension: the generated token ids in each choice
     return_token_ids: bool = False
     # vLLM's extension: logprobs name tokens ``token_id:<id>``, never by their text

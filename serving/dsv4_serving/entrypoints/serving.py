@@ -23,6 +23,13 @@ from dsv4_serving.engine.engine.async_llm import AsyncLLM, RequestOutput
 from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.entrypoints.chat_output import ChoiceOutput, OutputSpec
+from dsv4_serving.entrypoints.continuation import (
+    Continuation,
+    StateWriter,
+    prime,
+    resume_args,
+    sent_text,
+)
 from dsv4_serving.entrypoints.logprobs import ChoiceLogprobs
 
 Indexed = tuple[int, RequestOutput]
@@ -144,11 +151,15 @@ class CompletionGenerator:
         echo: str | None = None,
         traceparent: str | None = None,
         output: OutputSpec | None = None,
+        continuation: Continuation | None = None,
     ) -> AsyncIterator[str] | dict[str, Any]:
         """``echo`` (completions): text put before each choice's (the prompt's). ``output``
-        (chat): how each choice's text is parsed into reasoning, content and tool calls."""
+        (chat): how each choice's text is parsed into reasoning, content and tool calls.
+        ``continuation``: stream state, and the answer this one continues (n = 1)."""
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.engine.new_request_id(prefix)
+        cont = continuation if continuation is not None and continuation.resumes else None
+        resumed = resume_args(cont)
         gens = [
             self.engine.generate(
                 ids,
@@ -157,13 +168,19 @@ class CompletionGenerator:
                 kv_transfer_params,
                 data_parallel_rank,
                 traceparent,
+                **resumed,
             )
             for i in range(n)
         ]
         outputs = _single(gens[0]) if n == 1 else _merged(gens)
         created = int(time.time())
+        if cont is not None:  # the answer's own id (tool-call ids derive from it) and time
+            rid, created, echo = cont.response_id or rid, cont.created or created, None
         lps = [ChoiceLogprobs(self.tokenizer, chat, tokens_as_ids) for _ in range(n)]
         outs = [ChoiceOutput(output, rid, i) for i in range(n)]
+        if cont is not None:
+            sent = sent_text(self.tokenizer, cont, params.skip_special_tokens)
+            prime(cont, sent, outs[0] if chat else None, lps[0])
         if stream:
             # pull the first increment now so a rejected request becomes an HTTP error, not a
             # broken stream
@@ -174,7 +191,17 @@ class CompletionGenerator:
                 raise
             chats = outs if chat else None
             return self._stream(
-                outputs, first, rid, created, lps, include_usage, chats, n, return_token_ids, echo
+                outputs,
+                first,
+                rid,
+                created,
+                lps,
+                include_usage,
+                chats,
+                n,
+                return_token_ids,
+                echo,
+                continuation,
             )
         text: list[list[str]] = [[echo] if echo else [] for _ in range(n)]
         logprobs: list[list[Any]] = [[] for _ in range(n)]
@@ -228,8 +255,11 @@ class CompletionGenerator:
         n: int,
         return_token_ids: bool = False,
         echo: str | None = None,
+        cont: Continuation | None = None,
     ) -> AsyncIterator[str]:
-        """``chats``: each chat choice's parts (None: a completions stream)."""
+        """``chats``: each chat choice's parts (None: a completions stream). ``cont``: each
+        increment followed by its stream-state block (``continuation``); resuming, no role
+        chunk, and the tokens and text already sent count."""
         base = {
             "id": rid,
             "object": "chat.completion.chunk" if chats else "text_completion",
@@ -239,8 +269,11 @@ class CompletionGenerator:
         last: dict[int, RequestOutput] = {}
         token_ids: list[list[int]] = [[] for _ in range(n)]
         echoes = set(range(n)) if echo else set()  # the choices whose prompt is not sent yet
+        state = StateWriter.of(cont, rid, created)
+        if cont is not None:
+            token_ids[0].extend(cont.token_ids)
         try:
-            if chats:
+            if chats and not (cont and cont.resumes):
                 for i in range(n):
                     role = {
                         "index": i,
@@ -248,7 +281,7 @@ class CompletionGenerator:
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    yield _sse({**base, "choices": [role]})
+                    yield state.wrap(_sse({**base, "choices": [role]}), [], "", False)
             item: Indexed | None = first
             while item is not None:
                 i, o = item
@@ -270,8 +303,10 @@ class CompletionGenerator:
                         choice["token_ids"] = o.delta_token_ids
                     echoes.discard(i)
                     choices = [choice]
-                for c in choices:
-                    yield _sse({**base, "choices": [c]})
+                events = "".join(_sse({**base, "choices": [c]}) for c in choices)
+                events = state.wrap(events, o.delta_token_ids, o.delta_text, o.finished)
+                if events:
+                    yield events
                 item = await anext(outputs, None)
             if include_usage:
                 spec = chats[0].spec if chats else None

@@ -23,6 +23,7 @@ from dsv4_serving.engine.engine.async_llm import AsyncLLM, KVTransferError
 from dsv4_serving.engine.engine.tokenizer import Tokenizer
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.entrypoints import continuation
 from dsv4_serving.entrypoints.chat_output import OutputSpec
 from dsv4_serving.entrypoints.checks import (
     DP_RANK_HEADER,
@@ -112,12 +113,16 @@ class OpenAIServing:
         if output is not None:
             params = dataclasses.replace(params, skip_special_tokens=False)
         spec = self._grammar(body, output)
+        prefill = isinstance(kv, PrefillRequestParams)
         # a prefill for a remote decode checks the grammar (the 400 before any KV moves) but
         # does not apply it: the decode samples the first token the client sees
-        if spec is not None and not isinstance(kv, PrefillRequestParams):
+        if spec is not None and not prefill:
             params = dataclasses.replace(params, structured=spec)
+        ids, params, cont = continuation.apply(
+            body.continuation, self.info.vocab_size, body.stream, body.n, prefill, ids, params
+        )
         if isinstance(kv, RemotePrefillParams):
-            self._check_remote_kv(kv, ids)
+            self._check_remote_kv(kv, [*ids, *cont.token_ids] if cont else ids)
         dp_rank = check_dp_rank(request.headers.get(DP_RANK_HEADER), self.info.data_parallel_size)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         span = self._start_span(request, len(ids), params.max_tokens, arrived_ns)
@@ -134,6 +139,7 @@ class OpenAIServing:
             tokens_as_ids=body.return_tokens_as_token_ids,
             echo=echo,
             output=output,
+            continuation=cont,
             traceparent=tracing.traceparent(span) if span is not None else None,
         )
         return await self._serve(request, work, span)

@@ -35,8 +35,9 @@ from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.openapi import openapi_document
 from dsv4_serving.gateway.policies import DPLB, Choice, RouteRequest, make_policy
 from dsv4_serving.gateway.prompt import MAX_HASHED_TOKENS, load_encoder, prompt_tokens
-from dsv4_serving.gateway.proxy import Proxy, RelayResponse, UpstreamFailed, decode_body
+from dsv4_serving.gateway.proxy import Opened, Proxy, RelayResponse, UpstreamFailed, decode_body
 from dsv4_serving.gateway.scorers import cached_tokens, parse_weights
+from dsv4_serving.gateway.stream_state import FIELD, wants_state, with_state
 from dsv4_serving.gateway.tracing import request_span, routing
 from dsv4_serving.gateway.tracing import setup as setup_tracing
 from dsv4_serving.http.disconnect import Drain, cancel_on_disconnect, drain_on_sigterm
@@ -87,6 +88,13 @@ class Gateway:
             return error_response(400, f"request body is not valid JSON: {e}", code="invalid_json")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", code="invalid_body")
+        if FIELD in body:  # the engines take it from the gateway only
+            return error_response(
+                400,
+                f"{FIELD} is internal to this server",
+                param=FIELD,
+                code="unsupported_parameter",
+            )
         if self.admission.full:
             self.admission.reject()
             return error_response(
@@ -118,6 +126,8 @@ class Gateway:
         self, path: str, body: dict[str, Any], chat: bool, rid: str, ticket: Ticket
     ) -> Response:
         stream = bool(body.get("stream"))
+        if wants_state(body):  # a stream of one choice: continued elsewhere if its engine fails
+            body = with_state(body)
         ids = prompt_tokens(body, chat, self.encode)
         head = ids[:MAX_HASHED_TOKENS]
         bs = self.feeds.block_size or self.cfg.block_size
@@ -144,6 +154,8 @@ class Gateway:
                 self.metrics.selective.inc()
                 return await self.proxy.forward("decode", path, body, req, rid, stream, ticket)
             n = fan_out_n(body)
+            if n > 1 and stream:  # each choice's stream can be continued on its own
+                body = with_state(body)
             if n > 1:  # an engine does n > 1 only without kv_transfer_params: fanout.py
                 run = functools.partial(
                     self._pd, path, req=req, rid=rid, stream=stream, ticket=ticket
@@ -179,8 +191,19 @@ class Gateway:
                 headers={"x-request-id": rid},
             )
         decode_req = RouteRequest(prompt_tokens=req.prompt_tokens, stage="decode")
+
+        async def resume(cont: dict[str, Any], tried: set[str]) -> Opened:
+            """A continuation is a PD request of its own: prompt + tokens prefilled, then
+            decoded on another decode instance."""
+            answer, _ = await self.proxy.prefill(path, cont, req, rid)
+            return await self.proxy.open(
+                "decode", path, decode_body(cont, answer), decode_req, rid, tried
+            )
+
         try:
-            return await self.proxy.forward("decode", path, decode, decode_req, rid, stream, ticket)
+            return await self.proxy.forward(
+                "decode", path, decode, decode_req, rid, stream, ticket, resume
+            )
         except UpstreamFailed as e:
             return e.response
 

@@ -99,6 +99,13 @@ class GatewayMetrics:
             ["instance", "rank", "kind"],
             registry=r,
         )
+        self.migrations = Counter(
+            "dsv4_gateway_stream_migrations",
+            "Streams whose upstream failed mid-stream, continued on another instance "
+            "(outcome continued) or ended with an error event (outcome failed)",
+            ["reason", "outcome"],
+            registry=r,
+        )
 
     def outcome(self, status: str) -> Any:
         """dsv4_gateway_requests{status}: the child looked up once (labels() costs per call)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -36,11 +36,16 @@ from dsv4_serving.gateway.instances import Instance, InstancePool, Role
 from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
-from dsv4_serving.gateway.tracing import attempt_span, upstream_status
+from dsv4_serving.gateway.stream_state import StreamState, continuation_body
+from dsv4_serving.gateway.tracing import attempt_span, current_span, routing_under, upstream_status
 from dsv4_serving.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from dsv4_serving.http.errors import DRAINING_HEADER, error_response
 
 log = logging.getLogger("dsv4.gateway")
+Opened = tuple[UpstreamResponse, Instance, ExitStack]
+"""An upstream answer below 500: the response, its instance, what its attempt holds."""
+Resume = Callable[[dict[str, Any], set[str]], Awaitable[Opened]]
+"""Open a stream's continuation (its body, the instances not to use)."""
 _HOP_HEADERS = {
     "content-length",
     "transfer-encoding",
@@ -206,19 +211,18 @@ class Proxy:
             return answer, inst
         raise self._exhausted("prefill", tried, last, request_id)
 
-    async def forward(
+    async def open(
         self,
         role: Role,
         path: str,
         body: dict[str, Any],
         req: RouteRequest,
         request_id: str,
-        stream: bool,
-        ticket: Ticket,
-    ) -> Response:
-        """Send ``body`` to a ``role`` instance and relay its answer; retried on another instance
-        until the first byte. A streamed answer leaves its load and connection with ``ticket``."""
-        tried: set[str] = set()
+        tried: set[str],
+    ) -> Opened:
+        """Send ``body`` to a ``role`` instance not in ``tried``, retried on another until one
+        answers below 500: its response, instance and what the attempt holds (its load, its
+        span, the response), for the caller to close."""
         last = ""
         for choice in self._attempts(role, req, tried):
             inst = choice.instance
@@ -260,48 +264,180 @@ class Proxy:
                 mark_success(inst)
                 if role != "decode":
                     inst.prefix.add(req.block_hashes)
-                if stream and resp.status == 200:
-                    ticket.hold(attempt.pop_all())  # ... or, streamed, when the stream ends
-                    return RelayResponse(
-                        self._relay(resp, inst, ticket),
-                        ticket,
-                        status_code=200,
-                        media_type=resp.headers.get("content-type", "text/event-stream"),
-                        headers={"x-request-id": request_id, "cache-control": "no-cache"},
-                    )
-                try:
-                    content = await resp.read(self.cfg.stream_idle_timeout_s)
-                except (UpstreamError, TimeoutError) as e:
-                    self._fail(inst)
-                    return error_response(
-                        502,
-                        f"{role} on {inst.url} broke off: {e}",
-                        code="upstream_error",
-                        headers={"x-request-id": request_id},
-                    )
-                ticket.outcome = "ok" if resp.status == 200 else "error"
-                return _client_response(resp, content, request_id)
+                return resp, inst, attempt.pop_all()  # ... or by the caller
         raise self._exhausted(role, tried, last, request_id)
 
-    async def _relay(
-        self, resp: UpstreamResponse, inst: Instance, ticket: Ticket
-    ) -> AsyncIterator[bytes]:
-        """The upstream's stream, chunk by chunk; the ticket (not this generator, which may
-        never run or never be closed) releases the connection and the load."""
-        try:
-            async for chunk in resp.iter_chunks(self.cfg.stream_idle_timeout_s):
-                ticket.chunk(chunk)
-                yield chunk
-        except (UpstreamError, TimeoutError) as e:
-            # mid-stream failure: the client already has a 200; end the stream with an error event
-            self._fail(inst)
-            ticket.outcome = "error"
-            err = openai_error(502, f"upstream {inst.url} broke off: {e}", code="upstream_error")
-            # a leading blank line ends any event the upstream left half-sent
-            yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    async def forward(
+        self,
+        role: Role,
+        path: str,
+        body: dict[str, Any],
+        req: RouteRequest,
+        request_id: str,
+        stream: bool,
+        ticket: Ticket,
+        resume: Resume | None = None,
+    ) -> Response:
+        """Send ``body`` to a ``role`` instance and relay its answer; retried on another instance
+        until the first byte. A streamed answer leaves its load and connection with ``ticket``;
+        one with stream state (``stream_state``) continues on another instance if its upstream
+        fails (``resume``: how to open the continuation; by default another ``role`` instance)."""
+        tried: set[str] = set()
+        resp, inst, attempt = await self.open(role, path, body, req, request_id, tried)
+        if stream and resp.status == 200:
+            if resume is None:
+
+                async def resume(cont: dict[str, Any], tried: set[str]) -> Opened:
+                    return await self.open(role, path, cont, req, request_id, tried)
+
+            relay = StreamRelay(self, body, resume, tried, ticket, current_span())
+            ticket.hold(relay.attempts)  # ... or, streamed, when the stream ends
+            relay.attempts.enter_context(attempt)
+            return RelayResponse(
+                relay.chunks(resp, inst),
+                ticket,
+                status_code=200,
+                media_type=resp.headers.get("content-type", "text/event-stream"),
+                headers={"x-request-id": request_id, "cache-control": "no-cache"},
+            )
+        with attempt:
+            try:
+                content = await resp.read(self.cfg.stream_idle_timeout_s)
+            except (UpstreamError, TimeoutError) as e:
+                self._fail(inst)
+                return error_response(
+                    502,
+                    f"{role} on {inst.url} broke off: {e}",
+                    code="upstream_error",
+                    headers={"x-request-id": request_id},
+                )
+            ticket.outcome = "ok" if resp.status == 200 else "error"
+            return _client_response(resp, content, request_id)
+
+
+MIGRATIONS_PER_STREAM = 3
+"""How many times one stream may move to another instance."""
+
+
+class StreamRelay:
+    """One streamed answer, relayed to the client as whole increments (``StreamState``); if
+    its upstream fails (the connection breaks, goes idle, ends without ``[DONE]``, or the engine
+    ends it with a continuable error) another instance continues it from what the client has.
+    ``attempts`` holds the current upstream attempt, released with the ticket."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        body: dict[str, Any],
+        resume: Resume,
+        tried: set[str],
+        ticket: Ticket,
+        span: Span | None,
+    ) -> None:
+        self.proxy, self.body, self.resume, self.tried = proxy, body, resume, tried
+        self.ticket, self.span = ticket, span
+        self.attempts = ExitStack()
+        self.state = StreamState()
+        self.migrations = 0
+
+    async def chunks(self, resp: UpstreamResponse, inst: Instance) -> AsyncIterator[bytes]:
+        """The client's stream; the ticket (not this generator, which may never run or never
+        be closed) releases the connection and the load."""
+        state, ticket = self.state, self.ticket
+        while True:
+            try:
+                async for chunk in resp.iter_chunks(self.proxy.cfg.stream_idle_timeout_s):
+                    out = state.feed(chunk)
+                    if out:
+                        ticket.chunk(out)
+                        yield out
+                    if state.engine_error is not None:
+                        raise UpstreamError("the engine ended the stream with an error")
+                if state.tracked and not state.done:
+                    raise UpstreamError("the stream ended without [DONE]")
+            except (UpstreamError, TimeoutError) as e:
+                failed = await self._failed(resp, inst, e)
+                if isinstance(failed, bytes):
+                    yield failed
+                    return
+                resp, inst = failed
+                continue
+            rest = state.flush()
+            if rest:
+                yield rest
+            resp.close()  # read to its end: the connection goes back to the pool
+            ticket.outcome = "ok"
             return
-        resp.close()  # read to its end: the connection goes back to the pool
-        ticket.outcome = "ok"
+
+    async def _failed(
+        self, resp: UpstreamResponse, inst: Instance, e: Exception
+    ) -> bytes | tuple[UpstreamResponse, Instance]:
+        """After a mid-stream failure: the continuation's response and instance, or the last
+        bytes the client gets (an error event, or ``[DONE]`` for a choice that had finished)."""
+        state = self.state
+        reason = _reason(e, state)
+        error = state.engine_error
+        resp.close()  # the old upstream stops before another continues (no two writers)
+        state.drop_pending()
+        self.proxy._fail(inst)
+        if state.finished and not state.done:  # only usage and [DONE] were lost
+            self.ticket.outcome = "ok"
+            return b"data: [DONE]\n\n"
+        why = f"upstream {inst.url} broke off: {e}"
+        if state.continuable() and self.migrations < MIGRATIONS_PER_STREAM:
+            opened = await self._continue(reason)
+            if not isinstance(opened, str):
+                return opened
+            why += f"; continuing it failed: {opened}"
+        self.ticket.outcome = "error"
+        if error is not None and not state.continuable():
+            return error + b"data: [DONE]\n\n"
+        err = openai_error(502, why, code="upstream_error")
+        # a leading blank line ends any event the upstream left half-sent
+        return f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+    async def _continue(self, reason: str) -> tuple[UpstreamResponse, Instance] | str:
+        """Open the continuation (recorded in the metric and on the request's span), or why
+        it could not be."""
+        self.migrations += 1
+        if self.span is not None:
+            self.span.set_attribute("dsv4.gateway.migrations", self.migrations)
+            self.span.set_attribute("dsv4.gateway.migration_reason", reason)
+        counter = self.proxy.metrics.migrations
+        try:
+            with routing_under(self.span):
+                body = continuation_body(self.body, self.state)
+                new, inst, attempt = await self.resume(body, self.tried)
+        except (UpstreamFailed, UpstreamError, KVParamsError, TimeoutError) as e:
+            counter.labels(reason, "failed").inc()
+            return _message(e)
+        if new.status != 200:
+            attempt.close()
+            counter.labels(reason, "failed").inc()
+            return f"the continuation was answered {new.status}"
+        counter.labels(reason, "continued").inc()
+        log.info("stream %s continued on %s (%s)", self.state.response_id, inst.url, reason)
+        self.attempts.close()  # the failed attempt's load and connection
+        self.attempts.enter_context(attempt)
+        return new, inst
+
+
+def _reason(e: Exception, state: StreamState) -> str:
+    """The ``reason`` label of a migration."""
+    if state.engine_error is not None:
+        return "engine_error"
+    if isinstance(e, TimeoutError):
+        return "idle_timeout"
+    return "broken"
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, UpstreamFailed):
+        try:
+            return str(json.loads(bytes(e.response.body))["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            return f"answered {e.response.status_code}"
+    return f"{type(e).__name__}: {e}"
 
 
 class RelayResponse(StreamingResponse):

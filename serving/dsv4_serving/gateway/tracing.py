@@ -83,6 +83,16 @@ def routing(span: Span) -> Iterator[None]:
         _current.reset(token)
 
 
+def current_span() -> Span | None:
+    """The request span of the routing block this runs in (None: tracing off or outside)."""
+    return _current.get()
+
+
+def routing_under(span: Span | None) -> Any:
+    """``routing(span)``, or nothing when ``span`` is None (tracing off)."""
+    return nullcontext() if span is None else routing(span)
+
+
 class _Attempt:
     """``with``: one upstream attempt's span under the current request span; an exception
     leaving the block marks it failed."""

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
@@ -229,17 +229,26 @@ class AsyncLLM:
         kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
         data_parallel_rank: int | None = None,
         traceparent: str | None = None,
+        continued: Sequence[int] = (),
+        sent_chars: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Increments until the request finishes; closing the iterator early aborts it.
-        ``data_parallel_rank``: the DP rank to run on (None: the least loaded)."""
+        ``data_parallel_rank``: the DP rank to run on (None: the least loaded). ``continued``:
+        output another engine generated, whose text's first ``sent_chars`` characters the
+        client has (``entrypoints/continuation.py``): the core computes it with the prompt,
+        and it counts as output here."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        st = _State(len(prompt_token_ids), detok, StopStrings(params.stop))
+        stops = StopStrings(params.stop)
+        if continued:
+            detok.add(list(continued), final=False)
+            stops.sent = sent_chars
+        st = _State(len(prompt_token_ids), detok, stops)
         self._states[request_id] = st
         req = EngineCoreRequest(
             request_id,
-            list(prompt_token_ids),
+            [*prompt_token_ids, *continued],
             params,
             kv_transfer_params=kv_transfer_params,
             data_parallel_rank=data_parallel_rank,

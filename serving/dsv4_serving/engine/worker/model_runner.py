@@ -26,6 +26,7 @@ from dsv4_serving.engine.core.sched.scheduler import RunnerResult, ScheduledRequ
 from dsv4_serving.engine.sample.logits_processors import TokenHistory
 from dsv4_serving.engine.sample.sampler import compute_logprobs, sample_and_verify
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+from dsv4_serving.engine.sample.seeding import position_seed
 from dsv4_serving.engine.worker.model_loader import LoadedModel
 from dsv4_serving.structured.bitmask import apply_bitmask_
 from dsv4_serving.structured.request_grammars import RequestGrammars
@@ -75,8 +76,8 @@ class ModelRunner:
             return self._default_gen
         g = self._gens.get(s.request_id)
         if g is None:
-            g = self._gens[s.request_id] = torch.Generator().manual_seed(seed)
-        return g
+            g = self._gens[s.request_id] = torch.Generator()
+        return g.manual_seed(position_seed(seed, s.num_output_tokens))  # sample/seeding.py
 
     def _history(self, s: ScheduledRequest, vocab: int) -> TokenHistory | None:
         """The request's token counts (penalties only), started at its first sample."""
