@@ -17,7 +17,8 @@ class WholeList:
     """The oracle: the whole list decoded at each step (what the detokenizer did before)."""
 
     def __init__(self, tokenizer: Tokenizer, skip: bool) -> None:
-        self.tokenizer, self.skip, self.ids, self.text = tokenizer, skip, [], ""
+        self.tokenizer, self.skip, self.text = tokenizer, skip, ""
+        self.ids: list[int] = []
 
     def add(self, ids: list[int], final: bool) -> str:
         self.ids += ids
