@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from dsv4_common.process import Service, dsv4_argv, free_ports
 from dsv4_kvtransfer.launch import SidecarService
+from dsv4_serving.platform.share_exec import wrap
+from dsv4_serving.platform.threads import ProcessShare
+
+S = TypeVar("S", bound=Service)
 
 TINY_ENGINE = (
     "--model",
@@ -26,6 +30,13 @@ TINY_ENGINE = (
 cluster's process nodes serve."""
 PORTS_PER_INSTANCE = 4
 """The engine's port, then the sidecar's peer, control and metrics ports (consecutive)."""
+
+
+def in_share(service: S, share: ProcessShare) -> S:
+    """``service`` run inside its CPU share (pinned, with the share's environment); an
+    engine's thread flag comes with its arguments (``ProcessShare.engine_args``)."""
+    service.argv = wrap(service.argv, share)
+    return service
 
 
 class PDInstance(NamedTuple):

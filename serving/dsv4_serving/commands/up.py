@@ -20,7 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsv4_common.process import Service, dsv4_argv, free_ports
-from dsv4_serving.commands.launch import engine_service, engine_with_sidecar
+from dsv4_serving.commands.launch import engine_service, engine_with_sidecar, in_share
+from dsv4_serving.platform.threads import (
+    MODES,
+    ProcessKind,
+    ProcessShare,
+    openmp_runtime,
+    plan_cpus,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +76,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="trace every request across gateway, engines and sidecars to this OTLP/HTTP "
         "endpoint (e.g. http://127.0.0.1:4318; default: tracing off)",
+    )
+    p.add_argument(
+        "--cpu-budget",
+        choices=MODES,
+        default="auto",
+        help="how the processes share this host's CPUs: auto (default) gives each engine its "
+        "own CPUs when there are at least as many CPUs as engines, else shared; shared: an "
+        "explicit thread count each and OpenMP's passive wait, no pinning; off: each process "
+        "sizes its threads to the whole host (engine flags given with --engine-arg, e.g. "
+        "--threads-per-rank, override the budget)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the processes, their commands and CPU shares, and start nothing",
     )
     p.add_argument(
         "--startup-timeout",
@@ -120,8 +142,26 @@ def _roles(args: argparse.Namespace) -> list[tuple[str, str]]:
     ]
 
 
+def processes(args: argparse.Namespace) -> list[tuple[str, ProcessKind]]:
+    """(name, kind) of every process ``plan`` starts, for the CPU budget."""
+    out: list[tuple[str, ProcessKind]] = []
+    for name, role in _roles(args):
+        if role != "both":
+            out.append((f"{name}-sidecar", "sidecar"))
+        out.append((name, "engine"))
+    return [*out, ("gateway", "gateway")]
+
+
+def cpu_shares(args: argparse.Namespace) -> dict[str, ProcessShare]:
+    """Each process's share of the CPUs this process may run on (a container's cpuset)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = plan_cpus(cpus, processes(args), args.cpu_budget, openmp_runtime())
+    return {s.name: s for s in shares}
+
+
 def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
-    """The processes, in start order (sidecars, engines, gateway)."""
+    """The processes, in start order (sidecars, engines, gateway), each in its CPU share."""
+    shares = cpu_shares(args)
     taken: set[int] = {args.port}
     token = run_dir / "kv-token"
     token.write_text(secrets.token_urlsafe(32))
@@ -134,9 +174,12 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
     children: list[Service] = []
     gateway_args: list[str] = []
     for name, role in _roles(args):
+        engine_args = [*shares[name].engine_args(), *args.engine_arg]
         if role == "both":
             port = free_ports(1, taken)
-            engine = engine_service(name, model, port, run_dir, *args.engine_arg)
+            engine = in_share(
+                engine_service(name, model, port, run_dir, *engine_args), shares[name]
+            )
             children.append(engine)
             gateway_args += ["--engine", engine.url]
             continue
@@ -148,15 +191,28 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
             token_file=token,
             taken=taken,
             shm_prefix=f"dsv4-up-{os.getpid()}",
-            engine_args=args.engine_arg,
+            engine_args=engine_args,
             transport=args.kv_transport,
             staging_bytes=256 << 20,
             **traced,
         )
-        children += pair
+        children += [
+            in_share(pair.sidecar, shares[pair.sidecar.name]),
+            in_share(pair.engine, shares[name]),
+        ]
         gateway_args += [f"--{role}", pair.engine.url]
-    children.append(_gateway(args, run_dir, gateway_args))
+    children.append(in_share(_gateway(args, run_dir, gateway_args), shares["gateway"]))
     return children
+
+
+def describe(args: argparse.Namespace, children: list[Service]) -> str:
+    """The plan as ``--dry-run`` prints it: each process's CPU share and command."""
+    shares = cpu_shares(args)
+    cpus = sorted(os.sched_getaffinity(0))
+    lines = [f"{len(children)} processes on {len(cpus)} CPUs (--cpu-budget {args.cpu_budget}):"]
+    for c in children:
+        lines += [f"  {shares[c.name].describe()}", f"    {' '.join(c.argv)}"]
+    return "\n".join(lines)
 
 
 def _gateway(args: argparse.Namespace, run_dir: Path, upstreams: list[str]) -> Service:
@@ -258,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     children = plan(args, run_dir)
+    if args.dry_run:
+        print(describe(args, children))
+        return 0
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -269,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
         print("stopped.", flush=True)
 
     def supervise() -> int:
+        shares = cpu_shares(args)
         print(f"starting {len(children)} processes (logs in {run_dir}) ...", flush=True)
+        print("\n".join(f"  {shares[c.name].describe()}" for c in children), flush=True)
         try:
             started = start_in_order(
                 children,

@@ -88,21 +88,38 @@ def load_tokenizer(model: str) -> Tokenizer:
 
 class IncrementalDetokenizer:
     """Text of a growing list of ids; a trailing partial UTF-8 sequence is held back.
-    ``skip_special_tokens`` False keeps added tokens' text (what the chat output parser reads)."""
+    ``skip_special_tokens`` False keeps added tokens' text (what the chat output parser reads).
+
+    Each ``add`` decodes a window, not the whole list (which made a step's detokenisation grow
+    with every sequence's length): the tokens whose text came last (context, so a decoder that
+    strips or joins at the start of what it decodes treats the new tokens as it would in the
+    whole list) and the new ones; the new text is what the window adds to its context's. The
+    window's start is always where the text so far decoded completely (no partial UTF-8 held
+    back), so the decoder's state there is clean and the pieces join into the whole list's
+    text exactly (vLLM's prefix/read offsets)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
+        self._done = ""  # the text of the tokens before ``_read``, decoded completely
+        self._prefix = 0  # the window's first token (its context's)
+        self._read = 0
 
     def add(self, ids: list[int], final: bool) -> str:
         self.token_ids.extend(ids)
-        text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
-        if not final:
-            while text.endswith("\ufffd"):
-                text = text[:-1]
-        if len(text) < len(self.text):  # held-back bytes resolved to fewer characters
-            text = self.text
-        self.text = text
-        return text
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        context = decode(self.token_ids[self._prefix : self._read], skip)
+        new = decode(self.token_ids[self._prefix :], skip)[len(context) :]
+        if new and not new.endswith("\ufffd"):
+            # a clean boundary: the next window starts at these tokens. Not after tokens that
+            # add no text (skipped special tokens): the context must hold text.
+            self._done += new
+            self._prefix, self._read = self._read, len(self.token_ids)
+            text = self._done
+        else:
+            text = self._done + (new if final else new.rstrip("\ufffd"))
+        if len(text) >= len(self.text):  # else held-back bytes resolved to fewer characters
+            self.text = text
+        return self.text
