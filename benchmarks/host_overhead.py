@@ -11,7 +11,7 @@
    ``--cpu-budget`` (default ``auto`` and ``off``: the budget and its side-by-side anchor).
 
 Prints both tables, writes them as JSON (``--json``) and a chart of achieved / ideal against
-running sequences (``--chart``, when matplotlib is installed).
+running sequences (``--chart``).
 
     .venv/bin/python benchmarks/host_overhead.py [--sizes 1,64,128,256] [--budgets auto,off]
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from charts import line_chart
 
 from dsv4_common.process import Service, dsv4_argv, free_port
 
@@ -192,21 +193,9 @@ def stack_table(rows: list[dict[str, Any]]) -> str:
 
 
 def chart(rows: list[dict[str, float]], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no chart: matplotlib is not installed in this environment"
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["running_sequences"] for r in rows]
-    ax.plot(xs, [r["achieved_over_ideal"] for r in rows], marker="o")
-    ax.set(xlabel="running sequences", ylabel="achieved / ideal step rate", ylim=(0, 1.05))
-    ax.set_title("EMULATED 10 ms steps, dsv4-tiny: host overhead")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    points = [(r["running_sequences"], r["achieved_over_ideal"]) for r in rows]
+    title = "EMULATED 10 ms steps, dsv4-tiny: host overhead"
+    line_chart(path, title, "running sequences", "achieved / ideal step rate", {"ours": points})
     return f"chart: {path}"
 
 
