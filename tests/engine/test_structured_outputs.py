@@ -3,8 +3,7 @@ schema of the corpus gives JSON that validates, on dsv4-tiny and dsv3-small, wit
 off (greedy tokens equal), after reasoning in thinking mode; tool_choice required and named give
 tool calls whose arguments validate; aborted grammar requests leave nothing behind.
 
-A random-weight model rambles: the requests bias the tokens that close things (quotes,
-brackets, ``<``), which the grammar's mask still rules (a bias never un-masks a token)."""
+A random-weight model rambles: the requests bias what closes things (tests/structured_requests)."""
 
 from __future__ import annotations
 
@@ -20,16 +19,20 @@ import pytest
 
 from dsv4_common.process import Service
 from dsv4_serving.structured.schema_corpus import schemas
+from tests import structured_requests
 from tests.engine.common import start_engine
 from tests.engine.test_openai_api import wait_blocks_free
+from tests.structured_requests import (
+    NO_THINKING,
+    THINK_CLOSE,
+    TOOL_BIAS,
+    TOOL_SCHEMAS,
+    TOOLS,
+    agent_three_turns,
+    assert_three_turns,
+)
 
 CORPUS = schemas()
-EOS, THINK_CLOSE = 257, 261  # the tiny tokenizer's special tokens
-# a JSON string ends at '"' (above '}' and ']', which a string may hold); a raw DSML string
-# ends at '<' (above '"', which it may hold)
-JSON_BIAS = {str(ord('"')): 10.0, str(ord("}")): 5.0, str(ord("]")): 5.0, str(THINK_CLOSE): 12.0}
-TOOL_BIAS = {str(ord("<")): 10.0, str(ord("}")): 5.0, str(ord("]")): 5.0, str(ord('"')): 3.0}
-NO_THINKING = {"thinking": {"type": "disabled"}}
 SERVERS: dict[str, tuple[str, int, dict[str, Any], tuple[str, ...]]] = {
     # name: (model, speculative tokens, the request's switches, more engine flags)
     "tiny": ("dsv4-tiny", 0, NO_THINKING, ()),
@@ -39,26 +42,6 @@ SERVERS: dict[str, tuple[str, int, dict[str, Any], tuple[str, ...]]] = {
     # its chat format decides whether it thinks; the biased </think> ends reasoning early
     "small-mtp": ("dsv3-small", 1, {}, ()),
 }
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string"},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "unit": {"enum": ["c", "f"]},
-    },
-    "required": ["city", "days"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-        },
-    },
-]
-TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -91,26 +74,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 
 
 def client(server: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    return structured_requests.client(server.url)
 
 
 def ask_json(server: Service, case: dict[str, Any], extra: dict[str, Any]) -> Any:
-    return (
-        client(server)
-        .chat.completions.create(
-            model="m",
-            messages=[{"role": "user", "content": f"Give me a {case['name']} as JSON."}],
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": case["name"], "schema": case["schema"], "strict": True},
-            },
-            temperature=0,
-            max_tokens=600,
-            logit_bias=JSON_BIAS,
-            extra_body=extra,
-        )
-        .choices[0]
-    )
+    return structured_requests.ask_json(server.url, "m", case, extra)
 
 
 def corpus_answers(server: Service, extra: dict[str, Any]) -> list[Any]:
@@ -239,48 +207,5 @@ def test_aborted_grammar_requests_leave_nothing(servers: dict[str, Service]) -> 
 
 
 def test_openai_agents_three_turn_loop(servers: dict[str, Service]) -> None:
-    """openai-agents (PyPI) against the engine: a forced tool call (``tool_choice: required``),
-    the tool's result, then an answer (the SDK resets tool_choice after a tool use)."""
-    import asyncio
-
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    set_tracing_disabled(True)
-    seen: list[tuple[str, int]] = []
-
-    @function_tool
-    def weather(city: str, days: int) -> str:
-        """The forecast for a city."""
-        seen.append((city, days))
-        return f"sunny in {city} for {days} days"
-
-    model = OpenAIChatCompletionsModel(
-        model="m",
-        openai_client=openai.AsyncOpenAI(
-            base_url=servers["tiny"].url + "/v1", api_key="x", max_retries=0, timeout=600
-        ),
-    )
-    agent = Agent(
-        name="forecaster",
-        instructions="Answer with the forecast.",
-        tools=[weather],
-        model=model,
-        model_settings=ModelSettings(
-            tool_choice="required",
-            temperature=0,
-            max_tokens=500,
-            extra_body={**NO_THINKING, "logit_bias": TOOL_BIAS},
-        ),
-    )
-    result = asyncio.run(Runner.run(agent, "Weather in Paris for 3 days?", max_turns=3))
-    assert len(seen) == 1 and isinstance(seen[0][0], str) and isinstance(seen[0][1], int)
-    kinds = [item.type for item in result.new_items]
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
-    assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)
+    """openai-agents (PyPI) against the engine: call, tool result, answer."""
+    assert_three_turns(*agent_three_turns(servers["tiny"].url, "m"))

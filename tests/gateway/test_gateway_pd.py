@@ -4,6 +4,7 @@ tokens as one engine doing both (greedy); `dsv4 up` end to end; load and a dying
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,10 +36,10 @@ def reference() -> Iterator[Service]:
 class Up(Service):
     """``dsv4 up``: the whole local stack, its children's logs in ``log_dir``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
         port = free_port()
         self.log_dir = Path(tempfile.mkdtemp(prefix="dsv4-up-test-"))
-        argv = dsv4_argv("up", "--port", str(port), "--log-dir", str(self.log_dir))
+        argv = dsv4_argv("up", "--port", str(port), "--log-dir", str(self.log_dir), *extra)
         super().__init__(
             "dsv4-up", argv, LOG_DIR / f"dsv4-up-{port}.log", f"http://127.0.0.1:{port}"
         )
@@ -51,11 +52,12 @@ class Up(Service):
         return f"----- dsv4 up\n{self.tail(40)}\n{logs}"
 
 
-@pytest.fixture(scope="module")
-def up() -> Iterator[Up]:
-    stack = Up()
+@contextlib.contextmanager
+def up_running(*extra: str, timeout_s: float = 240) -> Iterator[Up]:
+    """``dsv4 up *extra`` until it says it is up; stopped cleanly on the way out."""
+    stack = Up(*extra)
     stack.start(env={"PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + timeout_s
     while "dsv4 is up" not in stack.tail(60):
         assert stack.running(), stack.failure_report()
         assert time.monotonic() < deadline, stack.failure_report()
@@ -64,6 +66,12 @@ def up() -> Iterator[Up]:
     stack.stop(timeout_s=60)
     assert stack.exit_code() == 0, stack.failure_report()
     assert "stopped." in stack.tail(5)
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[Up]:
+    with up_running() as stack:
+        yield stack
 
 
 def _client(url: str) -> openai.OpenAI:

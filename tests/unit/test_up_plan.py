@@ -47,3 +47,19 @@ def test_no_pd_refuses_prefill_by_name() -> None:
 def test_counts_below_one_are_refused_by_name(flag: str) -> None:
     with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
         main(["up", flag, "0"])
+
+
+def test_role_args_reach_their_role_only(tmp_path: Path) -> None:
+    argv = ["up", "--engine-arg=--seed=3", "--prefill-arg=--tensor-parallel-size=2"]
+    children = {c.name: c.argv for c in up.plan(build_parser().parse_args(argv), tmp_path)}
+    prefill, decode = children["prefill-0"], children["decode-0"]
+    assert prefill[-2:] == ["--seed=3", "--tensor-parallel-size=2"]
+    assert "--tensor-parallel-size=2" not in decode and decode[-1] == "--seed=3"
+    argv = ["up", "--no-pd", "--decode-arg=--num-speculative-tokens=0"]
+    children = {c.name: c.argv for c in up.plan(build_parser().parse_args(argv), tmp_path)}
+    assert children["engine-0"][-1] == "--num-speculative-tokens=0"
+
+
+def test_no_pd_refuses_prefill_args_by_name() -> None:
+    with pytest.raises(SystemExit, match="--prefill-arg has no meaning with --no-pd"):
+        main(["up", "--no-pd", "--prefill-arg=--seed=1"])

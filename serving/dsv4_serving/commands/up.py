@@ -67,6 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra engine argument (repeatable)",
     )
+    for role, who in (
+        ("prefill", "prefill engines only (e.g. --prefill-arg=--tensor-parallel-size=2)"),
+        ("decode", "decode engines only (with --no-pd: the engines doing both)"),
+    ):
+        p.add_argument(
+            f"--{role}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"extra engine argument for {who}; after --engine-arg (repeatable)",
+        )
     p.add_argument(
         "--log-dir", type=Path, default=None, help="where each process logs (default: a temp dir)"
     )
@@ -125,6 +136,11 @@ def check_counts(args: argparse.Namespace) -> None:
     for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
         if value is not None and value < 1:
             raise SystemExit(f"dsv4 up: error: {flag} must be >= 1, got {value}")
+    if args.no_pd and args.prefill_arg:
+        raise SystemExit(
+            "dsv4 up: error: --prefill-arg has no meaning with --no-pd (no prefill engines); "
+            "use --engine-arg or --decode-arg"
+        )
 
 
 def _count(value: int | None) -> int:
@@ -174,7 +190,8 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
     children: list[Service] = []
     gateway_args: list[str] = []
     for name, role in _roles(args):
-        engine_args = [*shares[name].engine_args(), *args.engine_arg]
+        own = args.prefill_arg if role == "prefill" else args.decode_arg
+        engine_args = [*shares[name].engine_args(), *args.engine_arg, *own]
         if role == "both":
             port = free_ports(1, taken)
             engine = in_share(
