@@ -16,10 +16,18 @@ import jsonschema
 import pytest
 
 from dsv4_common.process import Service
+from dsv4_serving.chat import dsml
 from dsv4_serving.structured.schema_corpus import schemas
 from tests.gateway.conftest import engine, running
 from tests.gateway.test_gateway_pd import Up, up_running
-from tests.structured_requests import NO_THINKING, agent_three_turns, ask_json, assert_three_turns
+from tests.structured_requests import (
+    NO_THINKING,
+    TOOLS,
+    agent_three_turns,
+    ask_json,
+    assert_three_turns,
+    client,
+)
 
 CORPUS = schemas()
 MODEL = "dsv4-tiny"
@@ -81,3 +89,28 @@ def test_every_schema_validates_and_equals_one_engine(stacks: tuple[Up, Service]
 def test_an_agent_loop_through_the_stack(stacks: tuple[Up, Service]) -> None:
     up, _ = stacks
     assert_three_turns(*agent_three_turns(up.url, MODEL))
+
+
+def test_auto_returns_tool_calls_when_the_model_writes_one(stacks: tuple[Up, Service]) -> None:
+    """``tool_choice: auto`` with an answer that holds a call: the random-weight model is
+    teacher-forced to write one through vLLM's ``structured_outputs`` (a choice of one text),
+    and the parser returns it as ``tool_calls``."""
+    up, _ = stacks
+    call = dsml.render_block(
+        dsml.V4_BLOCK, [dsml.render_invoke("weather", {"city": "Paris", "days": 3})]
+    )
+    r = client(up.url).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=200,
+        extra_body={**NO_THINKING, "structured_outputs": {"choice": ["Checking.\n\n" + call]}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    assert choice.message.content == "Checking."
+    (got,) = choice.message.tool_calls or []
+    assert got.id.startswith("call_") and got.function.name == "weather"  # type: ignore[union-attr]
+    assert json.loads(got.function.arguments) == {"city": "Paris", "days": 3}  # type: ignore[union-attr]
