@@ -103,6 +103,8 @@ class EngineCore:
         if config.async_scheduling == "on" and why_not:
             raise ValueError(f"--async-scheduling on: {why_not}")
         self.async_scheduling = config.async_scheduling != "off" and why_not is None
+        if config.async_scheduling == "auto":
+            log.info("async scheduling %s", "on" if why_not is None else f"off: {why_not}")
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
