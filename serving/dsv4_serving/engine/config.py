@@ -91,7 +91,7 @@ class EngineConfig:
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule step N+1 (and take step N-1's outputs) while step N runs, the forward on its
     own thread; greedy tokens stay the synchronous engine's. auto = on where that is exact and
-    done: one process (no TP, DP) without MTP drafts; on = the same, an error elsewhere."""
+    done: without MTP drafts, without DP (TP is fine); on = the same, an error elsewhere."""
     tensor_parallel_size: int = 1
     """Devices each layer is split across; one process per rank (CPU: ranks share the CPUs)."""
     data_parallel_size: int = 1
@@ -238,8 +238,8 @@ class EngineConfig:
         )
         if k > 0:
             return "MTP drafts decide the next step's positions (use --num-speculative-tokens 0)"
-        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
-            return "a parallel engine (TP or DP ranks) steps synchronously"
+        if self.data_parallel_size > 1:
+            return "DP ranks step in lockstep, synchronously"
         return None
 
     def _check_eplb(self) -> None:

@@ -177,10 +177,11 @@ def test_stops_one_step_late_in_a_batch_equal_the_truncated_runs_alone() -> None
 def test_async_scheduling_is_refused_where_it_is_not_exact() -> None:
     assert EngineConfig(num_speculative_tokens=0).async_unsupported() is None
     assert "MTP" in (EngineConfig().async_unsupported(2) or "")
-    assert "parallel" in (EngineConfig(tensor_parallel_size=2).async_unsupported(0) or "")
+    assert EngineConfig(tensor_parallel_size=2).async_unsupported(0) is None
+    assert "DP" in (EngineConfig(data_parallel_size=2).async_unsupported(0) or "")
     with pytest.raises(ConfigError, match="MTP"):
         EngineConfig(async_scheduling="on", num_speculative_tokens=1)
-    with pytest.raises(ConfigError, match="parallel"):
+    with pytest.raises(ConfigError, match="DP"):
         EngineConfig(async_scheduling="on", num_speculative_tokens=0, data_parallel_size=2)
     with pytest.raises(ConfigError, match="auto, on or off"):
         EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]

@@ -295,7 +295,9 @@ class EngineCore:
         return outputs
 
     def _run_step(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
-        """One step on the step thread (one process: no followers, no DP agreement)."""
+        """One step on the step thread; the TP followers get it from there too (its
+        placeholders filled), so every broadcast to them keeps the steps' order."""
+        self._tell_followers(RunStep(out))
         return self.runner.execute(out)
 
     def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
@@ -341,8 +343,16 @@ class EngineCore:
             if done.loaded_kv and self.tp.size > 1:
                 from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
 
-                self._tell_followers(ReplicateKV(done.loaded_kv))
-                replicate_kv(self.runner.cache, done.loaded_kv, self.tp)
+                loads = done.loaded_kv
+
+                def replicate() -> None:
+                    self._tell_followers(ReplicateKV(loads))
+                    replicate_kv(self.runner.cache, loads, self.tp)
+
+                if self.steps is None:
+                    replicate()
+                else:  # between two steps of the step thread: the followers' order
+                    self.steps.call(replicate)
             self.scheduler.update_from_connector(done)
 
     def _save_kv(self, outputs: list[EngineCoreOutput]) -> None:

@@ -45,5 +45,9 @@ class StepThread:
         self._last = {rid: r.token_ids[-1] for rid, r in results.items() if r.token_ids}
         return results
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the step thread after the steps submitted so far; wait for it."""
+        self._pool.submit(fn).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
