@@ -1,8 +1,9 @@
 """PD with async scheduling on both sides (``--async-scheduling on``, MTP off): a prefill
 engine whose KV is exported after its one token (no step past ``max_tokens`` touches the
 blocks or the state slot being exported) and a decode engine whose pulled KV lands between
-two schedules give exactly the tokens of one synchronous engine in ``both`` mode, and every
-block and staging byte is free afterwards."""
+two schedules (a TP 2 decode: replicated to its follower between two steps of the step
+thread) give exactly the tokens of one synchronous engine in ``both`` mode, and every block
+and staging byte is free afterwards."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ TINY = ["--model", "dsv4-tiny", "--num-speculative-tokens", "0"]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, Pair]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, Pair, Pair]]:
     tmp = tmp_path_factory.mktemp("pd-async")
     f = SidecarFactory(tmp, f"a{int(time.time() * 1000) % 10**8}")
     engines: list[EngineProc] = []
     try:
-        sp, sd = f.start(staging="48M"), f.start(staging="48M")
+        sp, sd, sd2 = (f.start(staging="48M") for _ in range(3))
         ref = start_engine("ref", tmp, *TINY, "--async-scheduling", "off")
         engines.append(ref)
         on = ("--async-scheduling", "on")
@@ -39,9 +40,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc
             "decode", tmp, "--role", "decode", "--kv-sidecar", sd.control_url, *TINY, *on
         )
         engines.append(decode)
+        tp2 = ("--tensor-parallel-size", "2", "--threads-per-rank", "1")
+        decode2 = start_engine(
+            "decode-tp2", tmp, "--role", "decode", "--kv-sidecar", sd2.control_url, *TINY, *on, *tp2
+        )
+        engines.append(decode2)
         for e in engines:
             e.wait_ready()
-        yield ref, Pair(prefill, decode, sp, sd, "dsv4-tiny")
+        yield (
+            ref,
+            Pair(prefill, decode, sp, sd, "dsv4-tiny"),
+            Pair(prefill, decode2, sp, sd2, "dsv4-tiny"),
+        )
     except BaseException:
         for e in engines:
             print(f"--- engine {e.name} ---\n{e.tail()}")
@@ -53,8 +63,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc
         f.close()
 
 
-def test_async_pd_tokens_equal_one_synchronous_engine(stack: tuple[EngineProc, Pair]) -> None:
-    ref, pair = stack
+@pytest.mark.parametrize("decode", ["tp1", "tp2"])
+def test_async_pd_tokens_equal_one_synchronous_engine(
+    stack: tuple[EngineProc, Pair, Pair], decode: str
+) -> None:
+    ref, pair = stack[0], stack[1] if decode == "tp1" else stack[2]
     items = workload(10, 1) + workload(10, 2, shared_prefix=50)
     with ThreadPoolExecutor(8) as pool:
         want = list(
