@@ -88,6 +88,10 @@ class EngineConfig:
     ring and compressor state); 0 = 2 * max_num_seqs."""
     num_speculative_tokens: int = -1
     """MTP draft tokens per step (0-3); -1 = 1 when the model has an MTP layer, else 0."""
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
+    """Schedule step N+1 (and take step N-1's outputs) while step N runs, the forward on its
+    own thread; greedy tokens stay the synchronous engine's. auto = on where that is exact and
+    done: without MTP drafts, without DP (TP is fine); on = the same, an error elsewhere."""
     tensor_parallel_size: int = 1
     """Devices each layer is split across; one process per rank (CPU: ranks share the CPUs)."""
     data_parallel_size: int = 1
@@ -183,6 +187,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         self._check_eplb()
+        self._check_async()
         if self.threads_per_rank < 0 or self.distributed_timeout <= 0:
             raise ConfigError("threads_per_rank must be >= 0 and distributed_timeout > 0")
         if self.rendezvous_timeout < 0:
@@ -219,6 +224,28 @@ class EngineConfig:
                 StepTime.parse(self.emulate_step_time)
             except StepTimeError as exc:
                 raise ConfigError(str(exc)) from None
+
+    def _check_async(self) -> None:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling == "on" and self.async_unsupported():
+            raise ConfigError(f"--async-scheduling on: {self.async_unsupported()}")
+
+    def async_unsupported(self, num_speculative_tokens: int | None = None) -> str | None:
+        """Why async scheduling is not exact here (None: it is); ``num_speculative_tokens``:
+        the engine's, once the model decided a default of -1."""
+        k = (
+            self.num_speculative_tokens
+            if num_speculative_tokens is None
+            else num_speculative_tokens
+        )
+        if k > 0:
+            return "MTP drafts decide the next step's positions (use --num-speculative-tokens 0)"
+        if self.data_parallel_size > 1:
+            return "DP ranks step in lockstep, synchronously"
+        return None
 
     def _check_eplb(self) -> None:
         if not self.enable_eplb:

@@ -82,6 +82,7 @@ class Request:
         "kv_transfer_params",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "request_id",
@@ -101,6 +102,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set at the first schedule
         self.spec_token_ids: list[int] = []
+        # async scheduling: tokens a step in flight is sampling, already counted as computed
+        # input of the next step (``core/sched/async_scheduler.py``); always 0 when synchronous
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []

@@ -22,7 +22,9 @@ from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParam
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
+from dsv4_serving.engine.core.sched.async_scheduler import AsyncScheduler
 from dsv4_serving.engine.core.sched.scheduler import (
+    RunnerResult,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -51,6 +53,7 @@ from dsv4_serving.engine.worker.step_protocol import (
     StopFollowing,
     ToFollower,
 )
+from dsv4_serving.engine.worker.step_thread import StepThread
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -98,7 +101,14 @@ class EngineCore:
         self.kv_scheduler: SidecarConnectorScheduler | None = None
         if config.kv_sidecar:
             self.kv_scheduler = SidecarConnectorScheduler(config.kv_failure_policy)
-        self.scheduler = Scheduler(
+        # the async scheduler where it is exact (``config.async_unsupported``), else in turn
+        why_not = config.async_unsupported(k)
+        if config.async_scheduling == "on" and why_not:
+            raise ValueError(f"--async-scheduling on: {why_not}")
+        self.async_scheduling = config.async_scheduling != "off" and why_not is None
+        if config.async_scheduling == "auto":
+            log.info("async scheduling %s", "on" if why_not is None else f"off: {why_not}")
+        self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -111,6 +121,10 @@ class EngineCore:
             self.kv_scheduler,
         )
         self.runner = rs.runner
+        self.steps: StepThread | None = None
+        self._in_flight: tuple[SchedulerOutput, Future[dict[str, RunnerResult]], int] | None = None
+        if self.async_scheduling:
+            self.steps = StepThread(self._run_step)
         kv_dtype = str(lm.dtype).removeprefix("torch.")
         self.kv_worker: SidecarConnectorWorker | None = None
         if config.kv_sidecar and self.kv_scheduler is not None:
@@ -214,7 +228,7 @@ class EngineCore:
                 self.kv_events.publish(events)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self, admit: bool = True) -> list[EngineCoreOutput]:
         """One forward. With a KV connector, its calls come in this order (vLLM's):
@@ -233,13 +247,10 @@ class EngineCore:
         ``admit=False``: no waiting request starts (DP's BalanceScheduler freeze). Under DP
         every rank's core calls ``step`` every turn of the lockstep, busy or not.
         """
+        if self.steps is not None:
+            return self._step_async(self.steps, admit)
         started = time.perf_counter()
-        self._start_kv_loads()
-        self._finish_kv_loads()
-        out = self.scheduler.schedule(admit)
-        if self.tracing is not None:
-            self.tracing.scheduled(self.scheduler, out)
-        self._start_kv_loads()
+        out = self._schedule(admit)
         t0 = time.time_ns() if self.tracing is not None else 0
         batch, chain = self._agree(out)
         self._tell_followers(RunStep(batch, chain))
@@ -254,6 +265,51 @@ class EngineCore:
             self.tracing.finished(outputs)
         self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
         return outputs
+
+    def _schedule(self, admit: bool) -> SchedulerOutput:
+        """Steps 1-4 of ``step``."""
+        self._start_kv_loads()
+        self._finish_kv_loads()
+        out = self.scheduler.schedule(admit)
+        if self.tracing is not None:
+            self.tracing.scheduled(self.scheduler, out)
+        self._start_kv_loads()
+        return out
+
+    def _step_async(self, steps: StepThread, admit: bool) -> list[EngineCoreOutput]:
+        """Async scheduling: schedule step N+1 and hand it to the step thread (it starts as
+        soon as step N ended), then wait for step N and take its outputs, so the step thread
+        always has its next step while this thread works. Returns step N's outputs (none on
+        the first call of a busy spell). Connector order as in ``step``, around each
+        schedule; a KV load lands in its blocks here, between two schedules, never in blocks
+        of a step that is running."""
+        started = time.perf_counter()
+        out = self._schedule(admit)
+        nxt = None
+        if out.scheduled or out.finished_ids or out.state_copies:
+            nxt = (out, steps.submit(out), time.time_ns() if self.tracing is not None else 0)
+        prev, self._in_flight = self._in_flight, nxt
+        if prev is None:
+            outputs = self.scheduler.take_extra_outputs()
+        else:
+            done, future, t0 = prev
+            results = future.result()
+            outputs = self.scheduler.update_from_output(done, results)
+            self.scheduler.observe_step(time.perf_counter() - started, done.num_batched_tokens)
+            if self.tracing is not None:
+                self.tracing.stepped(done, results, t0)
+        self._save_kv(outputs)
+        if self.tracing is not None:
+            self.tracing.finished(outputs)
+        idle = prev is None and nxt is None and not outputs
+        self.idle_waiting_for_kv = self.kv_worker is not None and idle
+        return outputs
+
+    def _run_step(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
+        """One step on the step thread; the TP followers get it from there too (its
+        placeholders filled), so every broadcast to them keeps the steps' order."""
+        self._tell_followers(RunStep(out))
+        return self.runner.execute(out)
 
     def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
         """What this rank runs and whether it chains MTP calls: under DP every rank runs a
@@ -298,8 +354,16 @@ class EngineCore:
             if done.loaded_kv and self.tp.size > 1:
                 from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
 
-                self._tell_followers(ReplicateKV(done.loaded_kv))
-                replicate_kv(self.runner.cache, done.loaded_kv, self.tp)
+                loads = done.loaded_kv
+
+                def replicate() -> None:
+                    self._tell_followers(ReplicateKV(loads))
+                    replicate_kv(self.runner.cache, loads, self.tp)
+
+                if self.steps is None:
+                    replicate()
+                else:  # between two steps of the step thread: the followers' order
+                    self.steps.call(replicate)
             self.scheduler.update_from_connector(done)
 
     def _save_kv(self, outputs: list[EngineCoreOutput]) -> None:
@@ -335,6 +399,8 @@ class EngineCore:
             self.kv_worker.wait_for_event(timeout_s)
 
     def close(self, stop_followers: bool = True) -> None:
+        if self.steps is not None:
+            self.steps.close()
         if stop_followers:
             self._tell_followers(StopFollowing())
         if self.kv_worker is not None:

@@ -283,12 +283,13 @@ class Scheduler:
                 i += 1
                 continue
             ctx = req.num_computed_tokens
-            want = req.num_tokens + len(req.spec_token_ids) - ctx
+            end = req.num_tokens + req.num_output_placeholders  # placeholders: async only
+            want = end + len(req.spec_token_ids) - ctx
             num_new = min(want, budget, cfg.max_model_len - ctx)
-            if num_new <= 0:
+            if num_new <= 0 or self._waits_for_output(req):
                 i += 1
                 continue
-            sample = ctx + num_new >= req.num_tokens
+            sample = ctx + num_new >= end
             preemptions = self.stats.num_preemptions
             placed = self._allocate_or_preempt(req, num_new, k if sample else 0, plan)
             preempted = preempted or self.stats.num_preemptions != preemptions
@@ -351,11 +352,17 @@ class Scheduler:
         plan.append((req, num_new))
         return num_new
 
+    def _waits_for_output(self, req: Request) -> bool:
+        """Running ``req`` sits this step out until a step in flight returns (async only)."""
+        return False
+
     @staticmethod
     def _is_prompt(req: Request) -> bool:
         """Its first token is still to come from a prompt computed here."""
-        return not req.num_output_tokens and not isinstance(
-            req.kv_transfer_params, RemotePrefillParams
+        return (
+            not req.num_output_tokens
+            and not req.num_output_placeholders
+            and not isinstance(req.kv_transfer_params, RemotePrefillParams)
         )
 
     def _schedule_prompts(
