@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=ints, default=[1, 64, 128, 256], help="running sequences")
     p.add_argument("--output-len", type=int, default=200, help="tokens per request (emulated)")
     p.add_argument("--step-ms", type=float, default=10.0, help="emulated device step (ms)")
+    p.add_argument(
+        "--scheduling",
+        default="off,on",
+        help="engine --async-scheduling values for the emulated runs, side by side",
+    )
     p.add_argument("--budgets", default="auto,off", help="dsv4 up --cpu-budget values ('' skips)")
     p.add_argument("--concurrency", type=ints, default=[1, 16], help="dsv4 bench concurrencies")
     p.add_argument("--stack-requests", type=int, default=64, help="dsv4 bench requests per run")
@@ -54,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- 1. EMULATED steps -----------------------------------------------------------------------
 
 
-def emulated_engine(args: argparse.Namespace, log_dir: Path) -> Service:
+def emulated_engine(args: argparse.Namespace, log_dir: Path, scheduling: str) -> Service:
     port = free_port()
     seqs = max(args.sizes)
     argv = dsv4_argv(
@@ -63,6 +68,7 @@ def emulated_engine(args: argparse.Namespace, log_dir: Path) -> Service:
         *("--port", str(port), "--emulate-step-time", f"{args.step_ms:g},0,0"),
         *("--num-speculative-tokens", "0", "--max-num-seqs", str(seqs)),
         *("--max-model-len", str(args.output_len + 64), "--log-level", "WARNING"),
+        *("--async-scheduling", scheduling),
     )
     return Service("emulated", argv, log_dir / f"emulated-{port}.log", f"http://127.0.0.1:{port}")
 
@@ -97,8 +103,10 @@ def overhead_row(n: int, wall_s: float, output_len: int, step_ms: float) -> dict
     }
 
 
-def run_emulated(args: argparse.Namespace, log_dir: Path) -> list[dict[str, float]]:
-    engine = emulated_engine(args, log_dir)
+def run_emulated(
+    args: argparse.Namespace, log_dir: Path, scheduling: str
+) -> list[dict[str, float]]:
+    engine = emulated_engine(args, log_dir, scheduling)
     engine.start(env={"PYTHONUNBUFFERED": "1"})
     try:
         engine.wait_ready(args.startup_timeout)
@@ -192,10 +200,15 @@ def stack_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def chart(rows: list[dict[str, float]], path: Path) -> str:
-    points = [(r["running_sequences"], r["achieved_over_ideal"]) for r in rows]
+def chart(runs: dict[str, list[dict[str, float]]], path: Path) -> str:
+    series = {
+        f"--async-scheduling {mode}": [
+            (r["running_sequences"], r["achieved_over_ideal"]) for r in rows
+        ]
+        for mode, rows in runs.items()
+    }
     title = "EMULATED 10 ms steps, dsv4-tiny: host overhead"
-    line_chart(path, title, "running sequences", "achieved / ideal step rate", {"ours": points})
+    line_chart(path, title, "running sequences", "achieved / ideal step rate", series)
     return f"chart: {path}"
 
 
@@ -203,11 +216,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="dsv4-host-overhead-"))
     print(f"logs in {log_dir}", flush=True)
-    emulated: list[dict[str, float]] = []
+    emulated: dict[str, list[dict[str, float]]] = {}
     if not args.skip_emulated:
-        emulated = run_emulated(args, log_dir)
-        print(f"\nEMULATED {args.step_ms:g} ms steps, {args.output_len} tokens per request\n")
-        print(overhead_table(emulated))
+        for mode in [m for m in args.scheduling.split(",") if m]:
+            emulated[mode] = run_emulated(args, log_dir, mode)
+        for mode, rows in emulated.items():
+            print(
+                f"\nEMULATED {args.step_ms:g} ms steps, {args.output_len} tokens per request, "
+                f"--async-scheduling {mode}\n"
+            )
+            print(overhead_table(rows))
         print(chart(emulated, args.chart))
     stack: list[dict[str, Any]] = []
     for budget in [b for b in args.budgets.split(",") if b]:
