@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"same as --no-{dest.replace('_', '-')}",
         )
+    p.add_argument(
+        "-cp",
+        dest="context_parallel_size",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="same as --context-parallel-size",
+    )
     add_node_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--port", type=int, default=8000, help="port to serve on")
