@@ -112,6 +112,24 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_dict(values)
 
 
+def check_cp_model(model: str) -> None:
+    """``--context-parallel-size`` needs a V4 model: refused here, before any rank starts."""
+    from dsv4_serving.models.config import architecture_of, read_config_json
+    from dsv4_serving.presets.configs import PRESETS, preset_config
+
+    try:
+        arch = architecture_of(
+            preset_config(model) if model in PRESETS else read_config_json(model)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{model}: {exc}") from None
+    if arch != "DeepseekV4ForCausalLM":
+        raise ConfigError(
+            f"--context-parallel-size needs a DeepSeek V4 model; {model} is {arch} (V3's MLA "
+            "has no context-parallel forward yet)"
+        )
+
+
 def check_sidecar(url: str, wait_s: float) -> None:
     """Fail fast (with the reason) unless the local KV sidecar answers within ``wait_s``."""
     import time
@@ -144,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 f"model {config.model!r} is neither a directory nor a preset "
                 f"({', '.join(sorted(PRESETS))})"
             )
+        if config.context_parallel_size > 1:
+            check_cp_model(config.model)
         placement = placement_of(args)
         config.topology(placement.nnodes)  # the world splits over the nodes
         if config.device == "cpu":
