@@ -51,6 +51,7 @@ def _base(model: str) -> EngineConfig:
         num_speculative_tokens=0,
         num_prefix_state_snapshots=256,  # a snapshot at every boundary of the shared prefix
         threads_per_rank=1,
+        distributed_timeout=300,  # 4 ranks starting on 2 shared cores: minutes apart
     )
 
 
