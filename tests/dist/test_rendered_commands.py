@@ -174,6 +174,8 @@ def _start_pods(
         sts = objs[("StatefulSet", names.instance_name(spec, role, 0))]
         template = sts["spec"]["template"]["spec"]
         master_port = free_port()
+        # the instance's KV-events ports (2 per DP rank): each instance's own on this host
+        events = free_ports(2 * spec.role(role).parallelism.dp, taken)
         pods[role] = []
         for i in range(sts["spec"]["replicas"]):
             name = f"{sts['metadata']['name']}-{i}"
@@ -186,8 +188,7 @@ def _start_pods(
             }
             conf = tmp / f"{name}.engine.json"
             own = {"kv_sidecar": _ports([config["kv_sidecar"]], mapping)[0]}
-            if "kv_events_endpoint" in config:  # each pod's port pair (2 per DP rank)
-                events = free_ports(2 * spec.role(role).parallelism.dp, taken)
+            if "kv_events_endpoint" in config:  # node-local, but every node must agree
                 own["kv_events_endpoint"] = f"tcp://127.0.0.1:{events}"
             conf.write_text(json.dumps({**config, **own}))
             by_name = {c["name"]: c for c in template["containers"]}
