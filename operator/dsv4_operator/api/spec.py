@@ -361,7 +361,7 @@ class RoleSpec:
     )
     npus_per_node: int = prop(
         integer(
-            "NPUs each pod requests; 0 runs on CPU: each pod runs tp * dp / "
+            "NPUs each pod requests; 0 runs on CPU: each pod runs tp * cp * dp / "
             "nodesPerInstance rank processes on its CPUs (development and tests).",
             default=8,
             minimum=0,
