@@ -7,8 +7,8 @@ gives the StatefulSets, the gateway Deployment, engine.json and the KV Secret; e
 of every pod runs its rendered command with its rendered environment (the downward API resolved
 as the kubelet would). What a pod has and one host does not is substituted, and only that:
 
-- the pod's network namespace: each pod's ports (engine 8000, KV 14579-14581, gateway 8000)
-  become free ports of 127.0.0.1, in flags and URLs alike; ``--host 0.0.0.0`` becomes
+- the pod's network namespace: each pod's ports (engine 8000, KV 14579-14581, KV events
+  5557-5558, gateway 8000) become free ports of 127.0.0.1, in flags and URLs alike; ``--host 0.0.0.0`` becomes
   127.0.0.1; the leader's DNS name (``DSV4_MASTER_ADDR``) and ``status.podIP`` become
   127.0.0.1; the rendezvous port (29550 in every pod) is set to a free port
   (``DSV4_MASTER_PORT``, the engine's own env name);
@@ -174,6 +174,8 @@ def _start_pods(
         sts = objs[("StatefulSet", names.instance_name(spec, role, 0))]
         template = sts["spec"]["template"]["spec"]
         master_port = free_port()
+        # the instance's KV-events ports (2 per DP rank): each instance's own on this host
+        events = free_ports(2 * spec.role(role).parallelism.dp, taken)
         pods[role] = []
         for i in range(sts["spec"]["replicas"]):
             name = f"{sts['metadata']['name']}-{i}"
@@ -185,9 +187,10 @@ def _start_pods(
                 kv.metrics_port: pod.kv_base + 2,
             }
             conf = tmp / f"{name}.engine.json"
-            conf.write_text(
-                json.dumps({**config, "kv_sidecar": _ports([config["kv_sidecar"]], mapping)[0]})
-            )
+            own = {"kv_sidecar": _ports([config["kv_sidecar"]], mapping)[0]}
+            if "kv_events_endpoint" in config:  # node-local, but every node must agree
+                own["kv_events_endpoint"] = f"tcp://127.0.0.1:{events}"
+            conf.write_text(json.dumps({**config, **own}))
             by_name = {c["name"]: c for c in template["containers"]}
             side = by_name["kv-sidecar"]
             argv = _ports([_expand(a, _env(side, name, i, spec)) for a in side["command"]], mapping)

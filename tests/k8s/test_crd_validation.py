@@ -72,7 +72,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     (
         "ranks do not match NPUs",
         _cr(prefill={"nodesPerInstance": 2, "parallelism": {"tp": 8}}),
-        "prefill: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode",
+        "prefill: parallelism.tp * parallelism.cp * parallelism.dp must equal nodesPerInstance "
+        "* npusPerNode",
     ),
     (
         "decode TP larger than prefill TP",
@@ -96,8 +97,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
             decode={"npusPerNode": 0, "parallelism": {"tp": 1}},
             kvTransfer={"transport": "tcp"},
         ),
-        "prefill: on CPU (npusPerNode 0) parallelism.tp * parallelism.dp must be a multiple of "
-        "nodesPerInstance",
+        "prefill: on CPU (npusPerNode 0) parallelism.tp * parallelism.cp * parallelism.dp must "
+        "be a multiple of nodesPerInstance",
     ),
     (
         "HCCL without NPUs",
@@ -398,3 +399,57 @@ def test_valid_examples_are_accepted(k8s_control_plane, dsv4_crd) -> None:
             timeout=60,
         )
         assert res.returncode == 0, f"{path.name}: {res.stderr}"
+
+
+def test_context_parallel_is_a_prefill_knob_with_its_rules(k8s_control_plane, dsv4_crd) -> None:
+    """``parallelism.cp``: ranks = tp x cp x dp; refused on decode, with MTP, DP, EP or -cp."""
+    cpu = {"npusPerNode": 0, "mtpTokens": 0}
+    tcp = {"transport": "tcp"}
+    dec = {"npusPerNode": 0, "parallelism": {"tp": 1}}  # prefill TP >= decode TP
+    ok = [
+        _cr(prefill={**cpu, "parallelism": {"tp": 1, "cp": 2}}, decode=dec, kvTransfer=tcp),
+        _cr(
+            prefill={"npusPerNode": 8, "mtpTokens": 0, "parallelism": {"tp": 4, "cp": 2}},
+            decode={"parallelism": {"tp": 4, "dp": 2}},  # prefill TP >= decode TP
+        ),
+    ]
+    for cr in ok:
+        res = _apply(k8s_control_plane, cr)
+        assert res.returncode == 0, res.stderr
+    bad = [
+        (
+            _cr(decode={"parallelism": {"tp": 8, "cp": 2}}),
+            "decode.parallelism.cp must be 1: context parallel is for prefill",
+        ),
+        (
+            _cr(
+                prefill={**cpu, "mtpTokens": 1, "parallelism": {"tp": 1, "cp": 2}},
+                decode=dec,
+                kvTransfer=tcp,
+            ),
+            "prefill.parallelism.cp > 1 needs mtpTokens 0",
+        ),
+        (
+            _cr(
+                prefill={**cpu, "parallelism": {"tp": 1, "cp": 2, "dp": 2}},
+                decode=dec,
+                kvTransfer=tcp,
+            ),
+            "parallelism.cp > 1 needs ep 1 and dp 1",
+        ),
+        (
+            _cr(prefill={"npusPerNode": 8, "mtpTokens": 0, "parallelism": {"tp": 8, "cp": 2}}),
+            "prefill: parallelism.tp * parallelism.cp * parallelism.dp must equal",
+        ),
+        (
+            _cr(
+                prefill={**cpu, "parallelism": {"tp": 1}, "engineArgs": ["-cp", "2"]},
+                decode=dec,
+                kvTransfer=tcp,
+            ),
+            "prefill.engineArgs: -cp sets what the operator sets from the deployment",
+        ),
+    ]
+    for cr, message in bad:
+        res = _apply(k8s_control_plane, cr)
+        assert res.returncode != 0 and message in res.stderr, res.stderr

@@ -61,6 +61,7 @@ MIN_GRACE_S = PRESTOP_S + EXIT_MARGIN_S
 OWNED_ENGINE_FLAGS = (
     "--architecture",
     "--config",
+    "--context-parallel-size",
     "--data-parallel-size",
     "--device",
     "--dtype",
@@ -189,7 +190,12 @@ class EngineSpec:
             "!has(self.ep) || self.ep == 1 || self.ep == self.tp * self.dp",
             "parallelism.ep must be 1 (every rank holds every expert) or tp * dp "
             "(experts spread over every rank; the default)",
-        )
+        ),
+        (
+            "!has(self.cp) || self.cp == 1 || ((!has(self.ep) || self.ep == 1) && self.dp == 1)",
+            "parallelism.cp > 1 needs ep 1 and dp 1: expert and data parallel with context "
+            "parallel are not supported yet",
+        ),
     ],
     defaulted=True,
 )
@@ -212,12 +218,30 @@ class Parallelism:
         )
     )
     ep: int = prop(
-        integer("Expert-parallel size: 1 or tp*dp (the default).", minimum=1, maximum=1024)
+        integer(
+            "Expert-parallel size: 1 or tp*dp (the default; 1 when cp > 1).",
+            minimum=1,
+            maximum=1024,
+        )
+    )
+    cp: int = prop(
+        integer(
+            "Context-parallel size, prefill only: each prompt chunk's tokens split over cp "
+            "ranks (ranks = tp * cp * dp); needs mtpTokens 0, dp 1 and ep 1.",
+            default=1,
+            minimum=1,
+            maximum=64,
+        )
     )
 
     def __post_init__(self) -> None:
-        if not self.ep:  # unset: experts spread over every rank
-            object.__setattr__(self, "ep", self.tp * self.dp)
+        if not self.ep:  # unset: experts spread over every rank (no EP under CP yet)
+            object.__setattr__(self, "ep", 1 if self.cp > 1 else self.tp * self.dp)
+
+    @property
+    def ranks(self) -> int:
+        """Rank processes of one instance: tp x cp x dp."""
+        return self.tp * self.cp * self.dp
 
 
 ENV_NAME = "^[-._a-zA-Z][-._a-zA-Z0-9]*$"
@@ -237,7 +261,13 @@ def _engine_args(role: str) -> Schema:
                 "messageExpression": f"'{role}.engineArgs: ' + self + ' sets what the operator "
                 "sets from the deployment (use its fields: model, parallelism, mtpTokens, "
                 "kvTransfer, terminationGracePeriodSeconds, ...)'",
-            }
+            },
+            {
+                # the engine's one short flag: --context-parallel-size's alias
+                "rule": "self != '-cp' && !self.startsWith('-cp=')",
+                "messageExpression": f"'{role}.engineArgs: ' + self + ' sets what the operator "
+                "sets from the deployment (use parallelism.cp)'",
+            },
         ],
     }
     return {
@@ -276,18 +306,39 @@ def _role_rules(role: str) -> list[tuple[str, str]]:
             "64Mi) plus 256Mi for the engine's own shared memory",
         ),
         (
-            "self.npusPerNode == 0 || "
-            "self.parallelism.tp * self.parallelism.dp == self.nodesPerInstance * self.npusPerNode",
-            f"{role}: parallelism.tp * parallelism.dp must equal nodesPerInstance * npusPerNode "
-            "(one rank per NPU)",
+            f"self.npusPerNode == 0 || {_RANKS} == self.nodesPerInstance * self.npusPerNode",
+            f"{role}: parallelism.tp * parallelism.cp * parallelism.dp must equal "
+            "nodesPerInstance * npusPerNode (one rank per NPU)",
         ),
         (
-            # CPU: each pod runs tp*dp/nodesPerInstance rank processes on its own CPUs
-            "self.npusPerNode > 0 || "
-            "(self.parallelism.tp * self.parallelism.dp) % self.nodesPerInstance == 0",
-            f"{role}: on CPU (npusPerNode 0) parallelism.tp * parallelism.dp must be a multiple "
-            "of nodesPerInstance (each pod runs tp * dp / nodesPerInstance rank processes)",
+            # CPU: each pod runs tp*cp*dp/nodesPerInstance rank processes on its own CPUs
+            f"self.npusPerNode > 0 || ({_RANKS}) % self.nodesPerInstance == 0",
+            f"{role}: on CPU (npusPerNode 0) parallelism.tp * parallelism.cp * parallelism.dp "
+            "must be a multiple of nodesPerInstance (each pod runs tp * cp * dp / "
+            "nodesPerInstance rank processes)",
         ),
+        *_cp_rules(role),
+    ]
+
+
+# an instance's ranks in CEL (cp defaults to 1)
+_RANKS = (
+    "self.parallelism.tp * (has(self.parallelism.cp) ? self.parallelism.cp : 1) "
+    "* self.parallelism.dp"
+)
+_CP1 = "!has(self.parallelism.cp) || self.parallelism.cp == 1"
+
+
+def _cp_rules(role: str) -> list[tuple[str, str]]:
+    """Context parallel splits prompts: a prefill role's, without MTP drafting (yet)."""
+    if role != "prefill":
+        return [(_CP1, f"{role}.parallelism.cp must be 1: context parallel is for prefill")]
+    return [
+        (
+            f"{_CP1} || self.mtpTokens == 0",
+            "prefill.parallelism.cp > 1 needs mtpTokens 0 (no MTP drafting under context "
+            "parallel yet)",
+        )
     ]
 
 
@@ -310,7 +361,7 @@ class RoleSpec:
     )
     npus_per_node: int = prop(
         integer(
-            "NPUs each pod requests; 0 runs on CPU: each pod runs tp * dp / "
+            "NPUs each pod requests; 0 runs on CPU: each pod runs tp * cp * dp / "
             "nodesPerInstance rank processes on its CPUs (development and tests).",
             default=8,
             minimum=0,
@@ -361,10 +412,9 @@ class RoleSpec:
 
     @property
     def ranks_per_node(self) -> int:
-        """Rank processes in each pod of an instance: one per NPU, or on CPU the tp x dp ranks
-        split evenly over the pods (the CRD refuses a split that is not even)."""
-        par = self.parallelism
-        return par.tp * par.dp // self.nodes_per_instance
+        """Rank processes in each pod of an instance: one per NPU, or on CPU the tp x cp x dp
+        ranks split evenly over the pods (the CRD refuses a split that is not even)."""
+        return self.parallelism.ranks // self.nodes_per_instance
 
 
 @crd_object(defaulted=True)

@@ -1,6 +1,6 @@
 """Torch threads of each rank process of a CPU engine pod.
 
-A CPU pod (``npusPerNode: 0``) runs ``tp * dp / nodesPerInstance`` rank processes on the CPUs
+A CPU pod (``npusPerNode: 0``) runs ``tp * cp * dp / nodesPerInstance`` rank processes on the CPUs
 Kubernetes gives its engine container. Left to itself each rank would start as many threads as
 the host has cores (a container sees them all), so the ranks of one pod would oversubscribe its
 share many times over. The operator therefore renders ``--threads-per-rank``: the container's

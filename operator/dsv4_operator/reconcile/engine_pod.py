@@ -79,6 +79,8 @@ def engine_command(role: RoleSpec, prompt_deadline_s: float | None = None) -> li
         "--shutdown-timeout",
         str(role_shutdown(role).drain_s),
     ]
+    if par.cp > 1:
+        cmd += ["--context-parallel-size", str(par.cp)]
     if role.on_npu:
         cmd += ["--rank-table", "$(RANK_TABLE_FILE)"]
     else:

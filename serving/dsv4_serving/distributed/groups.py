@@ -46,6 +46,11 @@ class ModelParallel:
     tp: Group = SOLO
     dp: Group = SOLO
     ep: Group = SOLO
+    # context parallel: the ranks a prefill's tokens are split over (same TP index, same DP)
+    cp: Group = SOLO
+    # the tp x cp ranks of this DP rank: they run the same steps (the core broadcasts them);
+    # the TP group itself when cp is 1
+    step: Group = SOLO
     # MoE combine per (token, choice): EP results bitwise equal to one process (tests, CPU)
     exact_moe: bool = False
     # EPLB (``eplb/``): experts live in physical slots through a per-layer logical -> physical

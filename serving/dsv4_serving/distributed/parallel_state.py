@@ -40,7 +40,7 @@ MISMATCH_KEY = "dsv4/mismatch"
 
 
 def describe(topo: Topology) -> str:
-    return f"world {topo.world} (tp {topo.tp} x dp {topo.dp} over {topo.nnodes} node(s))"
+    return f"world {topo.world} ({topo.shape} over {topo.nnodes} node(s))"
 
 
 def _check_shape(store: Store, topo: Topology, rank: int, where: str) -> None:
@@ -56,7 +56,8 @@ def _check_shape(store: Store, topo: Topology, rank: int, where: str) -> None:
         msg = (
             f"world size mismatch at the rendezvous {where}: rank {rank} (node "
             f"{topo.node_of(rank)}) runs {mine} but rank 0 runs {master}; every node of an "
-            "instance needs the same --tensor-parallel-size, --data-parallel-size and --nnodes"
+            "instance needs the same --tensor-parallel-size, --context-parallel-size, "
+            "--data-parallel-size and --nnodes"
         )
         store.set(MISMATCH_KEY, msg)
         raise RendezvousError(msg)
@@ -93,7 +94,7 @@ def _join(topo: Topology, rank: int, addr: str, port: int, timeout_s: float) -> 
             raise RendezvousError(
                 f"rendezvous at {where} timed out after {timeout_s:g} s: ranks "
                 f"{', '.join(map(str, missing))} (node {', '.join(map(str, nodes))}) of "
-                f"world {topo.world} (tp {topo.tp} x dp {topo.dp} over {topo.nnodes} nodes) "
+                f"world {topo.world} ({topo.shape} over {topo.nnodes} nodes) "
                 "never joined"
             )
         time.sleep(0.05)
@@ -172,12 +173,24 @@ def init_distributed(
     tp = _mine([_group(g, rank, backend, timeout) for g in topo.tp_groups()])
     dp = _mine([_group(g, rank, backend, timeout) for g in topo.dp_groups()])
     world, tp, dp = (_with_shm(g, topo, timeout_s) for g in (world, tp, dp))
+    cp, step = Group((rank,), 0), tp
+    if topo.cp > 1:  # created after the others: a cp-1 world builds the groups it always did
+        cp = _mine([_group(g, rank, backend, timeout) for g in topo.cp_groups()])
+        step = _mine([_group(g, rank, backend, timeout) for g in topo.step_groups()])
+        cp, step = (_with_shm(g, topo, timeout_s) for g in (cp, step))
     ep = world if topo.ep > 1 else Group((rank,), 0)
     if topo.world == 1:
         world = Group()
     _STATE.update(topology=topo, rank=rank, world=world, store=store)
     _STATE["model"] = ModelParallel(
-        tp=tp, dp=dp, ep=ep, exact_moe=exact_moe, eplb=eplb, redundant_experts=redundant_experts
+        tp=tp,
+        dp=dp,
+        ep=ep,
+        cp=cp,
+        step=step,
+        exact_moe=exact_moe,
+        eplb=eplb,
+        redundant_experts=redundant_experts,
     )
     if fingerprint is not None:
         try:
@@ -222,10 +235,15 @@ def get_ep_group() -> Group:
     return get_model_parallel().ep
 
 
+def get_cp_group() -> Group:
+    return get_model_parallel().cp
+
+
 def destroy_distributed() -> None:
     if "model" in _STATE:
         m: ModelParallel = _STATE["model"]
-        for g in {id(g): g for g in (_STATE["world"], m.tp, m.dp, m.ep)}.values():
+        groups = (_STATE["world"], m.tp, m.dp, m.ep, m.cp, m.step)
+        for g in {id(g): g for g in groups}.values():
             if g.shm is not None:
                 g.shm.close()
     if _STATE and dist.is_initialized():

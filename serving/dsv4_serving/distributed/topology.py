@@ -1,7 +1,10 @@
-"""The rank layout of one engine instance: world = tp x dp, EP spanning the world.
+"""The rank layout of one engine instance: world = tp x cp x dp, EP spanning the world.
 
-vLLM's order: ``rank = dp_rank * tp + tp_rank``, so a TP group is a contiguous run of ranks
-(one node on Ascend: TP 8 = one node's NPUs) and a DP group takes every ``tp``-th rank.
+The order: ``rank = (dp_rank * cp + cp_rank) * tp + tp_rank`` (vLLM's ``dp * tp + tp_rank``
+when cp is 1), so a TP group is a contiguous run of ranks (one node on Ascend: TP 8 = one
+node's NPUs), a CP group takes every ``tp``-th rank inside one DP rank, and a DP group every
+``tp x cp``-th rank. The ``tp x cp`` ranks of one DP rank run the same steps (its step group:
+the core broadcasts each step over it).
 Pure Python: the engine config validates a topology without loading torch.
 """
 
@@ -21,11 +24,18 @@ class Topology:
     dp: int = 1
     ep: int = 1
     nnodes: int = 1
+    cp: int = 1  # context parallel: a prefill's tokens split over cp ranks (prefill only)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "ep", "nnodes"):
+        for name in ("tp", "dp", "ep", "nnodes", "cp"):
             if getattr(self, name) < 1:
                 raise TopologyError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep > 1 and self.cp > 1:
+            # CP ranks hold different tokens: the MoE would need the DP all-gather path
+            raise TopologyError(
+                "expert parallel (--expert-parallel-size) with context parallel "
+                "(--context-parallel-size) is not supported yet"
+            )
         if self.ep not in (1, self.world):
             raise TopologyError(
                 f"expert parallel size {self.ep} must be 1 or tp x dp = {self.world}: "
@@ -33,26 +43,34 @@ class Topology:
             )
         if self.world % self.nnodes:
             raise TopologyError(
-                f"world size {self.world} (tp {self.tp} x dp {self.dp}) does not split evenly "
+                f"world size {self.world} ({self.shape}) does not split evenly "
                 f"over {self.nnodes} nodes"
             )
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.cp * self.dp
+
+    @property
+    def shape(self) -> str:
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return f"tp {self.tp}{cp} x dp {self.dp}"
 
     @property
     def ranks_per_node(self) -> int:
         return self.world // self.nnodes
 
-    def rank(self, dp_rank: int, tp_rank: int) -> int:
-        return dp_rank * self.tp + tp_rank
+    def rank(self, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return (dp_rank * self.cp + cp_rank) * self.tp + tp_rank
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def cp_rank(self, rank: int) -> int:
+        return rank // self.tp % self.cp
+
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // (self.tp * self.cp)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -66,10 +84,30 @@ class Topology:
         return list(range(node * n, (node + 1) * n))
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(d, t) for t in range(self.tp)] for d in range(self.dp)]
+        return [
+            [self.rank(d, t, c) for t in range(self.tp)]
+            for d in range(self.dp)
+            for c in range(self.cp)
+        ]
+
+    def cp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank(d, t, c) for c in range(self.cp)]
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(d, t) for d in range(self.dp)] for t in range(self.tp)]
+        return [
+            [self.rank(d, t, c) for d in range(self.dp)]
+            for c in range(self.cp)
+            for t in range(self.tp)
+        ]
+
+    def step_groups(self) -> list[list[int]]:
+        """The tp x cp ranks of each DP rank (contiguous): they run the same steps."""
+        n = self.tp * self.cp
+        return [list(range(d * n, (d + 1) * n)) for d in range(self.dp)]
 
     def ep_groups(self) -> list[list[int]]:
         return [list(range(self.world))] if self.ep > 1 else [[r] for r in range(self.world)]

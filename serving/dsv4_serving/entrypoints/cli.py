@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"same as --no-{dest.replace('_', '-')}",
         )
+    p.add_argument(
+        "-cp",
+        dest="context_parallel_size",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="same as --context-parallel-size",
+    )
     add_node_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--port", type=int, default=8000, help="port to serve on")
@@ -105,6 +112,24 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_dict(values)
 
 
+def check_cp_model(model: str) -> None:
+    """``--context-parallel-size`` needs a V4 model: refused here, before any rank starts."""
+    from dsv4_serving.models.config import architecture_of, read_config_json
+    from dsv4_serving.presets.configs import PRESETS, preset_config
+
+    try:
+        arch = architecture_of(
+            preset_config(model) if model in PRESETS else read_config_json(model)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{model}: {exc}") from None
+    if arch != "DeepseekV4ForCausalLM":
+        raise ConfigError(
+            f"--context-parallel-size needs a DeepSeek V4 model; {model} is {arch} (V3's MLA "
+            "has no context-parallel forward yet)"
+        )
+
+
 def check_sidecar(url: str, wait_s: float) -> None:
     """Fail fast (with the reason) unless the local KV sidecar answers within ``wait_s``."""
     import time
@@ -137,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 f"model {config.model!r} is neither a directory nor a preset "
                 f"({', '.join(sorted(PRESETS))})"
             )
+        if config.context_parallel_size > 1:
+            check_cp_model(config.model)
         placement = placement_of(args)
         config.topology(placement.nnodes)  # the world splits over the nodes
         if config.device == "cpu":

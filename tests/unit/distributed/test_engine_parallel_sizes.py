@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dsv4_serving.engine.config import ConfigError, EngineConfig
-from dsv4_serving.models.config import DeepseekV4Config
+from dsv4_serving.models.config import DeepseekV3Config, DeepseekV4Config
 from dsv4_serving.presets.configs import preset_config
 
 
@@ -66,3 +66,50 @@ def test_validating_parallel_sizes_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_context_parallel_sizes_the_world_and_refuses_what_it_cannot_run_yet() -> None:
+    cfg = EngineConfig(tensor_parallel_size=2, context_parallel_size=2)
+    assert cfg.topology().world == 4
+    assert cfg.topology().cp_groups() == [[0, 2], [1, 3]]
+    for kwargs, what in (
+        ({"num_speculative_tokens": 1}, "--num-speculative-tokens > 0"),
+        ({"emulate_step_time": "1,0,0"}, "--emulate-step-time"),
+        ({"data_parallel_size": 2}, "--data-parallel-size > 1"),
+        ({"role": "decode", "kv_sidecar": "http://127.0.0.1:1"}, "--role decode"),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"--context-parallel-size 2 cannot be combined with {what}"
+        ):
+            EngineConfig(context_parallel_size=2, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="context_parallel_size must be >= 1"):
+        EngineConfig(context_parallel_size=0)
+
+
+def test_context_parallel_needs_a_v4_model() -> None:
+    v3 = DeepseekV3Config.from_dict(preset_config("dsv3-small"))
+    with pytest.raises(ConfigError, match="--context-parallel-size 2 needs a DeepSeek V4 model"):
+        EngineConfig(context_parallel_size=2).check_parallel("cpu", v3)
+    v4 = DeepseekV4Config.from_dict(preset_config("dsv4-tiny"))
+    EngineConfig(context_parallel_size=2, tensor_parallel_size=2).check_parallel("cpu", v4)
+
+
+def test_the_cp_flag_and_its_short_spelling_set_the_field() -> None:
+    from dsv4_common.cli import build_parser
+    from dsv4_serving.entrypoints.cli import build_config
+
+    for argv in (["--context-parallel-size", "2"], ["-cp", "2"]):
+        args = build_parser("engine").parse_args(["engine", "--model", "dsv4-tiny", *argv])
+        assert build_config(args).context_parallel_size == 2
+
+
+def test_dsv4_engine_refuses_cp_on_a_v3_model_before_starting_ranks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dsv4_common.cli import build_parser
+    from dsv4_serving.entrypoints.cli import run
+
+    args = build_parser("engine").parse_args(["engine", "--model", "dsv3-small", "-cp", "2"])
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "--context-parallel-size needs a DeepSeek V4 model; dsv3-small is DeepseekV3" in err

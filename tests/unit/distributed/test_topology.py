@@ -91,3 +91,34 @@ def test_presets_split_as_the_dist_tier_runs_them() -> None:
     for topo in (Topology(tp=2), Topology(tp=2, ep=2), Topology(dp=2, ep=2), Topology(2, 2, 4)):
         topo.check_model(v4)
     Topology(tp=4, ep=4).check_model(SimpleNamespace(**preset_config("dsv3-small")))
+
+
+def test_tp2_cp2_dp2_orders_ranks_tp_fastest_then_cp_then_dp() -> None:
+    t = Topology(tp=2, dp=2, cp=2)
+    assert t.world == 8
+    assert t.shape == "tp 2 x cp 2 x dp 2"
+    assert [(t.dp_rank(r), t.cp_rank(r), t.tp_rank(r)) for r in (0, 1, 2, 3, 5, 6)] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 1),
+        (1, 1, 0),
+    ]
+    assert t.rank(dp_rank=1, tp_rank=1, cp_rank=1) == 7
+    assert t.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert t.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert t.step_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_cp_alone_and_cp1_keep_the_tp_dp_layout() -> None:
+    assert Topology(cp=2).cp_groups() == [[0, 1]]
+    assert Topology(cp=2).tp_groups() == [[0], [1]]
+    assert Topology(tp=2, dp=2).cp_groups() == [[0], [1], [2], [3]]
+    assert Topology(tp=2, dp=2).step_groups() == Topology(tp=2, dp=2).tp_groups()
+
+
+def test_cp_with_ep_is_refused_naming_both_flags() -> None:
+    with pytest.raises(TopologyError, match=r"--expert-parallel-size.*--context-parallel-size"):
+        Topology(tp=1, cp=2, ep=2)

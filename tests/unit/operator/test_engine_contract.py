@@ -99,6 +99,11 @@ def test_the_crds_owned_engine_flags_are_those_the_operator_renders() -> None:
     cr["metadata"].update(namespace="ml", uid="u")
     cr["spec"]["autoscaling"] = {"ttftSeconds": 1.0, "prefill": {"promptDeadlineSeconds": 0.7}}
     specs.append(parse(cr))
+    cp = yaml.safe_load(EXAMPLES[0].read_text())
+    cp["metadata"].update(namespace="ml", uid="u")
+    cp["spec"]["prefill"].update(mtpTokens=0)
+    cp["spec"]["prefill"].setdefault("parallelism", {}).update(cp=2, dp=1, ep=1)
+    specs.append(parse(cp))
     rendered = set()
     for spec in specs:
         for argv in _commands(spec):

@@ -82,7 +82,7 @@ class EngineCore:
         from dsv4_serving.engine.worker.runner_setup import setup_runner
 
         self.config = config
-        self.tp = parallel.tp
+        self.tp = parallel.step  # the followers: TP ranks (x CP ranks)
         self.dp = parallel.dp
         rs = setup_runner(config, parallel, world, device_index, reserve_dummy=self.dp.size > 1)
         lm, k, n_blocks = rs.lm, rs.num_speculative_tokens, rs.num_blocks

@@ -15,6 +15,7 @@ it accepts the request, and the runner masks that request's rows before sampling
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +58,8 @@ class ModelRunner:
         self.dummy = dummy
         self.samples = tp.index == 0
         self.model = lm.model
+        # the step's forward: the model, or a context-parallel rank's (``cp_runner``)
+        self.forward: Callable[..., torch.Tensor] = lm.model
         self.device = lm.device
         self.block_size = lm.block_size
         self.k = num_speculative_tokens
@@ -134,7 +137,7 @@ class ModelRunner:
             )
         meta = AttentionMetadata.build(chunks, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.cache)
+        hidden = self.forward(input_ids, meta, self.cache)
 
         # logits rows: the last num_spec + 1 rows of every request that samples
         rows: list[int] = []

@@ -3,10 +3,12 @@
 Every rank joins the instance's process groups (config fingerprint checked), then builds its
 shard of the model and the same-shaped cache (``runner_setup``). TP rank 0 is the engine core:
 scheduler, KV cache manager and runner, talking to the front end over its queues as the
-single-process core does, and broadcasting each step to its TP followers. A follower runs
-exactly that step (``ModelRunner.execute``), so both make the same collectives in the same
-order; it stops when told, and fails (exit non-zero) when the core's group breaks. With DP,
-the TP rank 0 of every DP rank is a core, and the cores run in lockstep (``dp/lockstep.py``).
+single-process core does, and broadcasting each step to its followers: the other ranks of its
+step group (TP ranks, and with context parallel every TP rank of every CP rank of its DP rank).
+A follower runs exactly that step (``ModelRunner.execute``), so both make the same collectives
+in the same order; it stops when told, and fails (exit non-zero) when the core's group breaks.
+With DP, the (TP 0, CP 0) rank of every DP rank is a core, and the cores run in lockstep
+(``dp/lockstep.py``).
 """
 
 from __future__ import annotations
@@ -82,20 +84,28 @@ def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, 
     world = get_world_group()
     local = topo.local_rank(rank)
     try:
-        if topo.tp_rank(rank) == 0:
+        if topo.tp_rank(rank) == 0 and topo.cp_rank(rank) == 0:
             runner = _core(config, parallel, world, local, in_q, out_q)
         else:
             runner = follow(config, parallel, world, local)
     finally:
         destroy_distributed()
     if PROFILE_ENV in os.environ and runner is not None:
-        write_comm_profile(Path(os.environ[PROFILE_ENV]), rank, runner.forwards)
+        split = getattr(runner.forward, "split_steps", 0)
+        write_comm_profile(Path(os.environ[PROFILE_ENV]), rank, runner.forwards, split)
 
 
-def write_comm_profile(folder: Path, rank: int, forwards: int) -> None:
-    """This rank's time in collectives and its forward steps, as ``rank-N.json``."""
+def write_comm_profile(folder: Path, rank: int, forwards: int, cp_split_steps: int = 0) -> None:
+    """This rank's time in collectives, its forward steps and those that ran split over the
+    CP group, as ``rank-N.json``."""
     folder.mkdir(parents=True, exist_ok=True)
-    body = {"rank": rank, "comm_s": COMM.seconds, "comm_calls": COMM.calls, "steps": forwards}
+    body = {
+        "rank": rank,
+        "comm_s": COMM.seconds,
+        "comm_calls": COMM.calls,
+        "steps": forwards,
+        "cp_split_steps": cp_split_steps,
+    }
     (folder / f"rank-{rank}.json").write_text(json.dumps(body))
 
 
@@ -133,15 +143,15 @@ def _core(
 def follow(
     config: EngineConfig, parallel: ModelParallel, world: Group, device_index: int
 ) -> ModelRunner:
-    """A TP follower: run each step the core broadcasts, until it says stop."""
+    """A follower (TP or CP rank): run each step the core broadcasts, until it says stop."""
     rs = setup_runner(config, parallel, world, device_index, reserve_dummy=parallel.dp.size > 1)
     while True:
-        msg = broadcast_object(None, parallel.tp)
+        msg = broadcast_object(None, parallel.step)
         match msg:
             case RunStep(out=out, mtp_chain=chain):
                 rs.runner.execute(out, chain)
             case ReplicateKV(loads=loads):
-                replicate_kv(rs.runner.cache, loads, parallel.tp)
+                replicate_kv(rs.runner.cache, loads, parallel.step)
             case Heartbeat():
                 pass
             case StopFollowing():

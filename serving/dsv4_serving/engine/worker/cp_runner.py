@@ -1,0 +1,50 @@
+"""The model forward of a context-parallel rank: a step's prefill chunks split over the CP
+group, the rest of the step unsplit.
+
+Each step the runner calls ``CPForward`` instead of the model. When a prefill chunk of the
+step is long enough to split (``cp_plan.split_chunk``: at least ``2 x cp`` blocks), the step
+runs with a ``CPShare`` (``attention/v4_cp.py``): this rank computes its rows, the cache inputs
+are all-gathered per layer, and every CP rank writes the same (replicated) cache. Otherwise
+(decode steps, short chunks) every CP rank runs the whole step as one process would: no
+collective, the same cache. The result has the flat batch's rows; under CP only this rank's
+are filled (the rest are zero). The rows that sample are each chunk's last, which the zig-zag
+split gives to CP rank 0, the rank that samples (``ModelRunner.samples``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_serving.attention.metadata import AttentionMetadata
+from dsv4_serving.attention.v4_cp import CPShare
+from dsv4_serving.distributed.cp_plan import split_chunk
+from dsv4_serving.distributed.groups import Group
+
+
+def splits(meta: AttentionMetadata, cp: int, align: int) -> bool:
+    """Whether any chunk of the step is split over ``cp`` ranks."""
+    qsl = meta.query_start_loc
+    lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+    return any(n > 1 and len(split_chunk(n, cp, align)[0]) > 1 for n in lens)
+
+
+class CPForward:
+    """Called as the model: ``(input_ids, meta, cache) -> hidden`` of every row."""
+
+    def __init__(self, model: torch.nn.Module, group: Group, align: int) -> None:
+        if not hasattr(model, "attention_backend") or not hasattr(model.config, "hc_mult"):
+            raise TypeError(f"{type(model).__name__} has no context-parallel forward")
+        self.model = model
+        self.group = group
+        self.align = align
+        self.split_steps = 0  # steps that ran split (tests: CP really ran)
+
+    def __call__(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: object
+    ) -> torch.Tensor:
+        if not splits(meta, self.group.size, self.align):
+            return self.model(input_ids, meta, cache)  # type: ignore[no-any-return]
+        self.split_steps += 1
+        share = CPShare.build(meta, self.group, self.align)
+        local = self.model(input_ids, meta, cache, cp=share)
+        return share.scatter(local)
