@@ -50,9 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from charts import line_chart
 
 from dsv4_common.cli import build_parser

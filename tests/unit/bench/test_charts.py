@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.unit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from charts import line_chart  # noqa: E402
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "charts.py"
+_spec = importlib.util.spec_from_file_location("charts", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+charts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(charts)
+line_chart = charts.line_chart
 
 
 def test_line_chart_writes_a_png(tmp_path: Path) -> None:
