@@ -253,7 +253,7 @@ def test_slowed_engine_receives_clearly_less() -> None:
     dplb = gateway("gateway-dplb", "--engine", fast.url, "--engine", slow.url, "--policy", "dplb")
     with running(fast, slow), running(dplb) as (g,):
         with ThreadPoolExecutor(12) as pool:
-            list(pool.map(lambda i: _complete(g.url, f"req {i}", max_tokens=24), range(48)))
+            list(pool.map(lambda i: _complete(g.url, f"req {i}", max_tokens=48), range(48)))
         counts = routed_counts(g)
         assert counts[slow.url] < 0.6 * counts[fast.url], counts
 
