@@ -35,6 +35,7 @@ from dsv4_operator.api.fields import (
     section,
 )
 from dsv4_operator.api.observability_spec import ObservabilitySpec
+from dsv4_operator.api.parallelism_spec import RANKS_CEL, Parallelism, cp_rules
 from dsv4_operator.api.scheduling_spec import SchedulingSpec
 from dsv4_operator.api.schema import (
     Schema,
@@ -184,66 +185,6 @@ class EngineSpec:
     image_pull_secrets: list[str] = prop(string_list("Secrets for pulling images.", max_items=16))
 
 
-@crd_object(
-    rules=[
-        (
-            "!has(self.ep) || self.ep == 1 || self.ep == self.tp * self.dp",
-            "parallelism.ep must be 1 (every rank holds every expert) or tp * dp "
-            "(experts spread over every rank; the default)",
-        ),
-        (
-            "!has(self.cp) || self.cp == 1 || ((!has(self.ep) || self.ep == 1) && self.dp == 1)",
-            "parallelism.cp > 1 needs ep 1 and dp 1: expert and data parallel with context "
-            "parallel are not supported yet",
-        ),
-    ],
-    defaulted=True,
-)
-@dataclass(frozen=True, kw_only=True)
-class Parallelism:
-    tp: int = prop(
-        integer(
-            "Tensor-parallel size (attention heads split across ranks).",
-            default=8,
-            minimum=1,
-            maximum=256,
-        )
-    )
-    dp: int = prop(
-        integer(
-            "Data-parallel ranks per instance (DPLB balances across them).",
-            default=1,
-            minimum=1,
-            maximum=256,
-        )
-    )
-    ep: int = prop(
-        integer(
-            "Expert-parallel size: 1 or tp*dp (the default; 1 when cp > 1).",
-            minimum=1,
-            maximum=1024,
-        )
-    )
-    cp: int = prop(
-        integer(
-            "Context-parallel size, prefill only: each prompt chunk's tokens split over cp "
-            "ranks (ranks = tp * cp * dp); needs mtpTokens 0, dp 1 and ep 1.",
-            default=1,
-            minimum=1,
-            maximum=64,
-        )
-    )
-
-    def __post_init__(self) -> None:
-        if not self.ep:  # unset: experts spread over every rank (no EP under CP yet)
-            object.__setattr__(self, "ep", 1 if self.cp > 1 else self.tp * self.dp)
-
-    @property
-    def ranks(self) -> int:
-        """Rank processes of one instance: tp x cp x dp."""
-        return self.tp * self.cp * self.dp
-
-
 ENV_NAME = "^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 
 
@@ -306,39 +247,18 @@ def _role_rules(role: str) -> list[tuple[str, str]]:
             "64Mi) plus 256Mi for the engine's own shared memory",
         ),
         (
-            f"self.npusPerNode == 0 || {_RANKS} == self.nodesPerInstance * self.npusPerNode",
+            f"self.npusPerNode == 0 || {RANKS_CEL} == self.nodesPerInstance * self.npusPerNode",
             f"{role}: parallelism.tp * parallelism.cp * parallelism.dp must equal "
             "nodesPerInstance * npusPerNode (one rank per NPU)",
         ),
         (
             # CPU: each pod runs tp*cp*dp/nodesPerInstance rank processes on its own CPUs
-            f"self.npusPerNode > 0 || ({_RANKS}) % self.nodesPerInstance == 0",
+            f"self.npusPerNode > 0 || ({RANKS_CEL}) % self.nodesPerInstance == 0",
             f"{role}: on CPU (npusPerNode 0) parallelism.tp * parallelism.cp * parallelism.dp "
             "must be a multiple of nodesPerInstance (each pod runs tp * cp * dp / "
             "nodesPerInstance rank processes)",
         ),
-        *_cp_rules(role),
-    ]
-
-
-# an instance's ranks in CEL (cp defaults to 1)
-_RANKS = (
-    "self.parallelism.tp * (has(self.parallelism.cp) ? self.parallelism.cp : 1) "
-    "* self.parallelism.dp"
-)
-_CP1 = "!has(self.parallelism.cp) || self.parallelism.cp == 1"
-
-
-def _cp_rules(role: str) -> list[tuple[str, str]]:
-    """Context parallel splits prompts: a prefill role's, without MTP drafting (yet)."""
-    if role != "prefill":
-        return [(_CP1, f"{role}.parallelism.cp must be 1: context parallel is for prefill")]
-    return [
-        (
-            f"{_CP1} || self.mtpTokens == 0",
-            "prefill.parallelism.cp > 1 needs mtpTokens 0 (no MTP drafting under context "
-            "parallel yet)",
-        )
+        *cp_rules(role),
     ]
 
 
