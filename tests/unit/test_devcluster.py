@@ -191,3 +191,30 @@ def test_repository_of_a_reference(ref: str, repo: str) -> None:
     from dsv4_devcluster.realnodes.ocilayout import repository
 
     assert repository(ref) == repo
+
+
+def test_image_import_retries_only_the_collectors_snapshot_race(tmp_path) -> None:
+    from dsv4_devcluster.realnodes.containerd import Containerd
+    from dsv4_devcluster.realnodes.node import RealNodeError
+
+    race = "importing x: unpack: parent snapshot sha256:ab does not exist: not found"
+    errors = [RealNodeError(race), RealNodeError(race)]
+    calls: list[str] = []
+
+    class Flaky(Containerd):
+        def _import_once(self, node, ref):  # type: ignore[no-untyped-def]
+            calls.append(ref)
+            if errors:
+                raise errors.pop(0)
+            return 7
+
+    assert Flaky(tmp_path).import_image(None, "r") == 7  # type: ignore[arg-type]
+    assert calls == ["r", "r", "r"]
+    errors[:] = [RealNodeError(race)] * 3
+    with pytest.raises(RealNodeError, match="parent snapshot"):
+        Flaky(tmp_path).import_image(None, "r")  # type: ignore[arg-type]
+    errors[:] = [RealNodeError("importing x: no space left on device")]
+    calls.clear()
+    with pytest.raises(RealNodeError, match="no space"):
+        Flaky(tmp_path).import_image(None, "r")  # type: ignore[arg-type]
+    assert calls == ["r"]

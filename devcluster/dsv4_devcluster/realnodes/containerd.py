@@ -93,9 +93,23 @@ class Containerd:
             raise RealNodeError(f"ctr {' '.join(args)} on {node.name}: {res.stderr.strip()}")
         return res.stdout
 
-    def import_image(self, node: RealNode, ref: str) -> int:
+    def import_image(self, node: RealNode, ref: str, attempts: int = 3) -> int:
         """Import the layout's image ``ref`` into the node's containerd, sending only the layers
-        its content store lacks; returns the bytes of layers sent."""
+        its content store lacks; returns the bytes of layers sent.
+
+        Re-importing a tag that moved leaves the old image's snapshots unreferenced, and
+        containerd's collector may remove a parent the unpacker has just found and shares
+        ("parent snapshot ... does not exist", containerd issue 3787): the next attempt finds
+        the parent gone and unpacks it again."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._import_once(node, ref)
+            except RealNodeError as e:
+                if attempt == attempts or not _is_snapshot_race(str(e)):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _import_once(self, node: RealNode, ref: str) -> int:
         if self.layout is None:
             raise RealNodeError(f"no image layout to import {ref} from")
         img = ocilayout.image(self.layout, ref)
@@ -118,3 +132,8 @@ class Containerd:
         if proc.wait(timeout=600) != 0:
             raise RealNodeError(f"importing {ref} into {node.name}: {out.strip()}")
         return sum(ocilayout.blob_path(self.layout, d).stat().st_size for d in layers)
+
+
+def _is_snapshot_race(message: str) -> bool:
+    """Whether an import failed on a parent snapshot the collector removed under it."""
+    return "parent snapshot" in message and "does not exist" in message
