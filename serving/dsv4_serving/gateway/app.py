@@ -23,7 +23,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dsv4_kvtransfer.pd_protocol import KVParamsError
-from dsv4_serving.engine.core.prefix_hash import block_hashes
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
 from dsv4_serving.gateway.fanout import fan_out, fan_out_n
@@ -34,7 +33,7 @@ from dsv4_serving.gateway.lifecycle import Admission, Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.openapi import openapi_document
 from dsv4_serving.gateway.policies import DPLB, Choice, RouteRequest, make_policy
-from dsv4_serving.gateway.prompt import MAX_HASHED_TOKENS, load_encoder, prompt_tokens
+from dsv4_serving.gateway.prompt import load_encoder, route_request
 from dsv4_serving.gateway.proxy import Opened, Proxy, RelayResponse, UpstreamFailed, decode_body
 from dsv4_serving.gateway.scorers import cached_tokens, parse_weights
 from dsv4_serving.gateway.stream_state import FIELD, wants_state, with_state
@@ -128,10 +127,7 @@ class Gateway:
         stream = bool(body.get("stream"))
         if wants_state(body):  # a stream of one choice: continued elsewhere if its engine fails
             body = with_state(body)
-        ids = prompt_tokens(body, chat, self.encode)
-        head = ids[:MAX_HASHED_TOKENS]
-        bs = self.feeds.block_size or self.cfg.block_size
-        req = RouteRequest(len(ids), block_hashes(head, bs), bs, token_ids=head)
+        req = route_request(body, chat, self.encode, self.feeds.block_size or self.cfg.block_size)
         try:
             return await self._dispatch(path, body, chat, rid, ticket, req, stream)
         finally:

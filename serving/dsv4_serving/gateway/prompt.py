@@ -21,6 +21,7 @@ from typing import Any
 from dsv4_serving.chat.registry import ChatFormat
 from dsv4_serving.chat.request import chat_format_of, render_chat
 from dsv4_serving.engine.core.prefix_hash import block_hashes
+from dsv4_serving.gateway.scorers import RouteRequest
 
 Encoder = Callable[[str], list[int]]
 
@@ -111,9 +112,11 @@ def prompt_tokens(body: dict[str, Any], chat: bool, encode: PromptEncoder | Enco
     return []
 
 
-def routing_key(
+def route_request(
     body: dict[str, Any], chat: bool, encode: PromptEncoder | Encoder, block_size: int
-) -> tuple[int, list[bytes]]:
-    """(prompt token count, prefix block hashes)."""
+) -> RouteRequest:
+    """What routing sees of a request: its token count and the hashes of its first blocks
+    (the engine's hash of the engine's ids), with those ids for snapshot look-ups."""
     ids = prompt_tokens(body, chat, encode)
-    return len(ids), block_hashes(ids[:MAX_HASHED_TOKENS], block_size)
+    head = ids[:MAX_HASHED_TOKENS]
+    return RouteRequest(len(ids), block_hashes(head, block_size), block_size, token_ids=head)

@@ -17,7 +17,12 @@ from dsv4_serving.engine.core.prefix_hash import block_hashes
 from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 from dsv4_serving.entrypoints.chat_prompt import ChatRenderer, chat_format_of
 from dsv4_serving.entrypoints.protocol import ChatCompletionRequest
-from dsv4_serving.gateway.prompt import _text_of_messages, load_encoder, prompt_tokens, routing_key
+from dsv4_serving.gateway.prompt import (
+    _text_of_messages,
+    load_encoder,
+    prompt_tokens,
+    route_request,
+)
 from dsv4_serving.presets import write_preset
 
 pytestmark = pytest.mark.unit
@@ -145,13 +150,13 @@ def test_chats_sharing_system_prompt_and_tools_share_their_leading_blocks() -> N
     ia, ib = prompt_tokens(a, True, GW), prompt_tokens(b, True, GW)
     common = next(i for i, (x, y) in enumerate(zip(ia, ib, strict=False)) if x != y)
     assert common > 400  # the tools block is rendered into the system part
-    _, ha = routing_key(a, True, GW, 16)
-    _, hb = routing_key(b, True, GW, 16)
+    ha = list(route_request(a, True, GW, 16).block_hashes)
+    hb = list(route_request(b, True, GW, 16).block_hashes)
     full = common // 16  # whole blocks before the first difference
     assert ha[:full] == hb[:full] and ha[full] != hb[full]
     assert ha == block_hashes(engine_ids(a), 16)
     # the text join knows no tools: the same two chats share only the system prompt's blocks
-    _, fa = routing_key(a, True, load_encoder(None), 16)
-    _, fb = routing_key(b, True, load_encoder(None), 16)
+    fa = list(route_request(a, True, load_encoder(None), 16).block_hashes)
+    fb = list(route_request(b, True, load_encoder(None), 16).block_hashes)
     shared = sum(1 for x, y in zip(fa, fb, strict=False) if x == y)
     assert shared < full

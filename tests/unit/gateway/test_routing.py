@@ -19,7 +19,7 @@ from dsv4_serving.gateway.discovery import (
 from dsv4_serving.gateway.health import apply_scrape
 from dsv4_serving.gateway.instances import Instance, InstancePool, PrefixIndex
 from dsv4_serving.gateway.policies import RouteRequest, make_policy
-from dsv4_serving.gateway.prompt import routing_key
+from dsv4_serving.gateway.prompt import route_request
 
 
 def _pool(n: int, role: str = "prefill", dp: int = 1) -> list[Instance]:
@@ -232,12 +232,14 @@ def test_an_endpoint_is_routable_when_serving_and_not_terminating(
     assert members_from_slices([s])["decode"] == ({"http://10.0.0.9:8000"} if expected else set())
 
 
-def test_routing_key_hashes_token_prompts_with_the_engine_hash() -> None:
-    n, hashes = routing_key({"prompt": list(range(40))}, False, lambda s: [], 16)
+def test_route_request_hashes_token_prompts_with_the_engine_hash() -> None:
+    r = route_request({"prompt": list(range(40))}, False, lambda s: [], 16)
+    n, hashes = r.prompt_tokens, list(r.block_hashes)
     assert n == 40 and hashes == block_hashes(list(range(40)), 16)
-    n, hashes = routing_key(
+    r = route_request(
         {"messages": [{"role": "user", "content": "x" * 100}]}, True, lambda s: list(s.encode()), 16
     )
+    n, hashes = r.prompt_tokens, list(r.block_hashes)
     assert n == len("user\n" + "x" * 100 + "\n") and len(hashes) == n // 16
 
 
