@@ -48,7 +48,7 @@ class IntegrityError(ValueError):
 
 
 def _digest(obj: object, n: int = 32) -> str:
-    raw = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    raw = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(raw).hexdigest()[:n]
 
 
