@@ -81,7 +81,7 @@ def _fingerprint(body: Mapping[str, Any]) -> Fingerprint | None:
         return None
     try:
         return Fingerprint.from_dict(v)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise _bad(
             "fingerprint", f"is not a KV layout fingerprint: {e}", "bad_fingerprint"
         ) from None

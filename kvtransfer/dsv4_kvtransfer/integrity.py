@@ -102,6 +102,11 @@ def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _version(d: Mapping[str, Any]) -> bool:
+    v = d.get("v")
+    return _int(v) and v == VERSION
+
+
 @dataclass(frozen=True, slots=True)
 class Fingerprint:
     """An engine's KV layout, as a puller compares it with its own."""
@@ -148,7 +153,7 @@ class Fingerprint:
     @classmethod
     def from_dict(cls, d: object) -> Fingerprint:
         """``ValueError`` for anything but a fingerprint of this version."""
-        if not isinstance(d, Mapping) or d.get("v") != VERSION:
+        if not isinstance(d, Mapping) or not _version(d):
             raise ValueError(f"not a version-{VERSION} fingerprint")
         missing = [f for f in cls.FIELDS if f not in d]
         if missing:
@@ -207,7 +212,7 @@ class IntegrityRecord:
         if d is None:
             return None
         try:
-            if not isinstance(d, Mapping) or d.get("v") != VERSION or d.get("algo") != ALGO:
+            if not isinstance(d, Mapping) or not _version(d) or d.get("algo") != ALGO:
                 raise ValueError(f"not a version-{VERSION} {ALGO} record")
             sums = d.get("checksums")
             if not isinstance(sums, Mapping) or not all(
@@ -216,7 +221,7 @@ class IntegrityRecord:
                 raise ValueError("checksums must map buffer names to 8 hex digits")
             raw = d.get("fingerprint")
             fp = Fingerprint.from_dict(raw) if raw is not None else None
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise IntegrityError(CHECKSUM_MISMATCH, f"the export's integrity record: {e}") from e
         return cls(dict(sums), fp)
 

@@ -102,6 +102,7 @@ def test_fingerprint_check() -> None:
     [
         {},
         {"v": 2},
+        {**fp().to_dict(), "v": True},
         {**fp().to_dict(), "digest": "0" * 32},  # fields changed behind the digest
         {k: v for k, v in fp().to_dict().items() if k != "revision"},
         {**fp().to_dict(), "block_size": 0},
