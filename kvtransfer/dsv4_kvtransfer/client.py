@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 from dsv4_common.tracing import TRACEPARENT
 from dsv4_kvtransfer.buffers import BufferSpec
+from dsv4_kvtransfer.integrity import Fingerprint
 from dsv4_kvtransfer.local_pull import FastConnection, Landed, LocalPuller
 from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams, shm_source
 from dsv4_kvtransfer.staging import StagingRegion
@@ -349,9 +350,12 @@ class SidecarClient:
         lease_seconds: float | None = None,
         params_extra: Mapping[str, Any] | None = None,
         traceparent: str | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> Reservation:
         """An extent for ``buffers``. ``params_extra``: fields to add to the ``kv_transfer_params``
-        that ``commit_export`` returns (what the decode side checks before it pulls)."""
+        that ``commit_export`` returns (what the decode side checks before it pulls).
+        ``fingerprint``: the writer's KV layout, in the manifest beside the checksums the
+        sidecar computes at the commit (``dsv4_kvtransfer.integrity``)."""
         body: dict[str, Any] = {
             "request_id": request_id,
             "buffers": [b.to_dict() for b in buffers],
@@ -367,6 +371,8 @@ class SidecarClient:
             body["lease_seconds"] = lease_seconds
         if params_extra:
             body["params_extra"] = dict(params_extra)
+        if fingerprint is not None:
+            body["fingerprint"] = fingerprint.to_dict()
         r = self.request("POST", "/v1/exports", body, traceparent=traceparent)
         self.region(str(r["shm_tag"]))
         return Reservation(
@@ -391,14 +397,18 @@ class SidecarClient:
         timeout_s: float | None = None,
         wait_s: float = 0.0,
         traceparent: str | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> PullStatus:
         """Start pulling the KV the params name, and wait up to ``wait_s`` for it in the same
         request (one round trip fewer for small KV). ``PullFailed`` if it failed already. The
         sidecar runs a small pull asked with a wait during the request itself, so the answer
-        may take up to the pull's ``timeout_s`` (never longer: its deadline ends it)."""
+        may take up to the pull's ``timeout_s`` (never longer: its deadline ends it).
+        ``fingerprint``: this engine's KV layout; an export of another one fails the pull
+        (``fingerprint_mismatch``), as do bytes that are not what was written
+        (``checksum_mismatch``): ``dsv4_kvtransfer.integrity``."""
         local = self._in_place() if wait_s > 0 and self.in_place else None
         if local is not None:
-            landed = self._pull_here(local, kv_transfer_params, traceparent)
+            landed = self._pull_here(local, kv_transfer_params, traceparent, fingerprint)
             if landed is not None:
                 return landed
         params = (
@@ -409,6 +419,8 @@ class SidecarClient:
         body: dict[str, Any] = {"kv_transfer_params": params, "wait_s": wait_s}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
+        if fingerprint is not None:
+            body["fingerprint"] = fingerprint.to_dict()
         patience = self.timeout_s + wait_s + (timeout_s or 0.0)
         st = self._typed(
             self.request("POST", "/v1/pulls", body, timeout=patience, traceparent=traceparent)
@@ -434,6 +446,7 @@ class SidecarClient:
         local: LocalPuller,
         p: RemotePrefillParams | Mapping[str, Any],
         traceparent: str | None,
+        fingerprint: Fingerprint | None,
     ) -> PullStatus | None:
         """The pull copied by this process (``local_pull``); None: the sidecar makes it."""
         if not isinstance(p, RemotePrefillParams):
@@ -445,7 +458,9 @@ class SidecarClient:
         if src is None:
             return None
         n = p.remote_total_bytes
-        got = local.pull(p.remote_transfer_id, n, p.remote_host, p.remote_port, src, traceparent)
+        got = local.pull(
+            p.remote_transfer_id, n, p.remote_host, p.remote_port, src, traceparent, fingerprint
+        )
         if got is None:
             return None
         kv = PulledKV(got.pull_id, self._placed_at(got), got.meta, got.lease_expires_at)

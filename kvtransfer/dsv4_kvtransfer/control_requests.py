@@ -15,6 +15,7 @@ from typing import Any
 
 from dsv4_kvtransfer.buffers import BufferSpec, Layout, LayoutError
 from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.integrity import Fingerprint
 from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams
 
 # the manifest (layout + engine meta) travels in one frame header; keep it well under the limit
@@ -74,6 +75,18 @@ def _seconds(body: Mapping[str, Any], key: str, hi: float) -> float | None:
     return float(v)
 
 
+def _fingerprint(body: Mapping[str, Any]) -> Fingerprint | None:
+    v = body.get("fingerprint")
+    if v is None:
+        return None
+    try:
+        return Fingerprint.from_dict(v)
+    except (ValueError, TypeError) as e:
+        raise _bad(
+            "fingerprint", f"is not a KV layout fingerprint: {e}", "bad_fingerprint"
+        ) from None
+
+
 def _object(body: Mapping[str, Any], key: str, max_json: int) -> dict[str, Any]:
     v = body.get(key) or {}
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
@@ -103,6 +116,8 @@ class ExportRequest:
     never one of the protocol's own fields."""
     lease_seconds: float | None = None
     """The export's lease (None: the sidecar's ``lease_seconds``)."""
+    fingerprint: Fingerprint | None = None
+    """The writer's KV layout (``integrity``), carried in the manifest for pullers to check."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> ExportRequest:
@@ -142,6 +157,7 @@ class ExportRequest:
             engine_meta=_object(body, "engine_meta", MAX_ENGINE_META_JSON),
             params_extra=extra,
             lease_seconds=_seconds(body, "lease_seconds", MAX_LEASE_S),
+            fingerprint=_fingerprint(body),
         )
 
 
@@ -154,6 +170,8 @@ class PullRequest:
     """The pull's deadline from now (None: the sidecar's ``pull_timeout_s``)."""
     wait_s: float = 0.0
     """Answer once the pull is over or this much time has passed (a long poll; capped)."""
+    fingerprint: Fingerprint | None = None
+    """The puller's KV layout: an export of another is refused (``fingerprint_mismatch``)."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PullRequest:
@@ -170,6 +188,7 @@ class PullRequest:
             params=params,
             timeout_s=_seconds(body, "timeout_s", MAX_LEASE_S),
             wait_s=parse_wait(body.get("wait_s"), "wait_s"),
+            fingerprint=_fingerprint(body),
         )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from dsv4_kvtransfer.config import SidecarConfig
 from dsv4_kvtransfer.control_requests import ExportRequest
 from dsv4_kvtransfer.errors import ApiError
+from dsv4_kvtransfer.integrity import META_KEY, IntegrityRecord, buffer_checksums
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
 from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams
@@ -43,6 +44,8 @@ class Exports:
             "engine_meta": dict(req.engine_meta),
             "params_extra": dict(req.params_extra),
             "lease_seconds": ttl,
+            # zeros until the commit computes the checksums (same length: the trailer's size)
+            META_KEY: IntegrityRecord.placeholder(req.layout, req.fingerprint).to_dict(),
         }
         tid = secrets.token_hex(12)
         try:
@@ -66,8 +69,9 @@ class Exports:
 
     def commit(self, tid: str) -> dict[str, Any]:
         exp = self._get(tid)
+        record = self._integrity(exp)
         try:
-            exp = self.store.commit_export(tid, float(exp.meta["lease_seconds"]))
+            exp = self.store.commit_export(tid, float(exp.meta["lease_seconds"]), record)
         except LedgerError as e:
             status = 404 if e.code == "unknown_transfer" else 409
             raise ApiError(status, e.code, str(e)) from None
@@ -91,6 +95,16 @@ class Exports:
             extra=extra,
         )
         return {"transfer_id": tid, "kv_transfer_params": params.to_dict()}
+
+    def _integrity(self, exp: ExportView) -> dict[str, Any] | None:
+        """The export's record with the checksums of the bytes the engine wrote (read outside
+        the store's lock: a reserved extent is its writer's until the commit)."""
+        if exp.state != "reserved":
+            return None  # (the commit refuses it)
+        with self.store.region.view(exp.offset, exp.layout.total_bytes) as extent:
+            sums = buffer_checksums(exp.layout, extent)
+        rec = IntegrityRecord.from_meta(exp.meta)
+        return IntegrityRecord(sums, rec.fingerprint if rec else None).to_dict()
 
     def abort(self, tid: str) -> dict[str, Any]:
         try:

@@ -35,6 +35,12 @@ from typing import Any
 
 from dsv4_kvtransfer.buffers import Layout, LayoutCache
 from dsv4_kvtransfer.control_requests import FAST_REPLY, FAST_REQUEST, MAX_GRANT_BYTES
+from dsv4_kvtransfer.integrity import (
+    Fingerprint,
+    IntegrityError,
+    IntegrityRecord,
+    check_fingerprint,
+)
 from dsv4_kvtransfer.pd_protocol import ShmSource
 from dsv4_kvtransfer.staging import HEADER_BYTES, StagingError, StagingRegion
 from dsv4_kvtransfer.transports.parallel_copy import ParallelCopy
@@ -159,10 +165,19 @@ class LocalPuller:
     # ---- one pull ----------------------------------------------------------------------------
 
     def pull(
-        self, tid: str, n: int, host: str, port: int, src: ShmSource, trace: str | None
+        self,
+        tid: str,
+        n: int,
+        host: str,
+        port: int,
+        src: ShmSource,
+        trace: str | None,
+        expect: Fingerprint | None = None,
     ) -> Landed | None:
         """Copy the export in place into a grant; None: not done (nothing held), ask the
-        sidecar."""
+        sidecar. Integrity (``expect``: this engine's fingerprint) as the sidecar checks it; a
+        mismatch is left to the sidecar too, which fails the pull with its reason and counts
+        it."""
         t0 = time.perf_counter()
         if not 0 < n <= MAX_GRANT_BYTES or self._ask_after == math.inf:
             return None
@@ -180,6 +195,11 @@ class LocalPuller:
             return None
         if layout.total_bytes != n or not isinstance(meta, dict):
             return None
+        try:
+            record = IntegrityRecord.from_meta(meta)
+            check_fingerprint(record, expect)
+        except IntegrityError:
+            return None
         grant = self._take(n)
         if grant is None:
             return None
@@ -190,8 +210,8 @@ class LocalPuller:
             t_copy = time.perf_counter()
             with dest.view(grant.offset, n) as d, region.view(src.offset, n) as s:
                 self._copy.copy(d, s)
-            data_s = time.perf_counter() - t_copy
-            landed = trailer.intact()
+                data_s = time.perf_counter() - t_copy
+                landed = trailer.intact() and _verified(record, layout, d)
         except Exception as e:  # (a restarted sidecar: the grant's region is gone)
             log.warning("in-place pull of %s: %s; the sidecar makes it", tid, e)
             broken = True
@@ -418,3 +438,14 @@ class LocalPuller:
         if drop is not None:
             drop.close()
         return keep
+
+
+def _verified(record: IntegrityRecord | None, layout: Layout, copied: memoryview) -> bool:
+    if record is None:
+        return True
+    try:
+        record.verify(layout, copied)
+    except IntegrityError as e:
+        log.warning("in-place pull: %s; the sidecar makes it", e)
+        return False
+    return True

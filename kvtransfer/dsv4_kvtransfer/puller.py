@@ -31,6 +31,12 @@ from dsv4_kvtransfer.config import SidecarConfig
 from dsv4_kvtransfer.control_requests import PullRequest
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.frames import FrameError, FrameLimits, PeerClosed
+from dsv4_kvtransfer.integrity import (
+    Fingerprint,
+    IntegrityError,
+    IntegrityRecord,
+    check_fingerprint,
+)
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
 from dsv4_kvtransfer.metrics import SidecarMetrics
@@ -67,12 +73,15 @@ class Pull:
     started_ns: int = 0
     timing: tuple[float, float] = (0.0, 0.0)  # a landed pull's start and data seconds
     peer: PeerConnection | None = None  # a landed pull's connection, until RELEASE went out
+    expect: Fingerprint | None = None  # the puller's KV layout (None: any)
 
 
 def classify(e: BaseException) -> str:
     """A short, bounded label for the failure metric."""
     if isinstance(e, AuthError):
         return "auth"
+    if isinstance(e, IntegrityError):
+        return e.reason
     if isinstance(e, RemoteError):
         return e.code if e.code in ("unknown_transfer", "auth_failed", "unsupported") else "remote"
     if isinstance(e, TimeoutError):
@@ -143,6 +152,7 @@ class Puller:
         and competing with the answer for the CPU."""
         timeout = req.timeout_s or self.cfg.pull_timeout_s
         pull = Pull(secrets.token_hex(12), req.params, time.monotonic() + timeout)
+        pull.expect = req.fingerprint
         if self.spans is not None:
             pull.traceparent, pull.started_ns = traceparent, time.time_ns()
         pull.total_bytes = req.params.remote_total_bytes
@@ -388,6 +398,7 @@ class Puller:
                 return True
             conn, manifest, requested = self._manifest(pull)
             layout = Layout.from_dict(manifest.get("layout"))
+            record = _record(manifest.get("meta"), pull.expect)  # before a byte moves
             if layout.total_bytes != p.remote_total_bytes:
                 raise TransferFailed(
                     "protocol",
@@ -414,7 +425,9 @@ class Puller:
                         requested=requested,
                     )
                 )
-            data_s = max(time.monotonic() - t_data, 1e-9)
+                data_s = max(time.monotonic() - t_data, 1e-9)
+                if record is not None:  # before anyone may read them
+                    record.verify(layout, dest)
         except BaseException as e:
             if conn is not None:
                 conn.close()
@@ -442,6 +455,7 @@ class Puller:
             return False
         if layout.total_bytes != p.remote_total_bytes:
             return False
+        record = _record(meta, pull.expect)  # a mismatch fails the pull (the peer has no other)
         with self._cond:  # (the gauges follow in _record, after the answer)
             imp = self.store.reserve_import(pull.pull_id, layout.total_bytes, gauges=False)
             pull.offset = imp.offset
@@ -450,8 +464,12 @@ class Puller:
             t_data = time.monotonic()
             with self.store.region.view(imp.offset, layout.total_bytes) as dest:
                 src.copy_into(dest, pull.deadline)
-            data_s = max(time.monotonic() - t_data, 1e-9)
-            landed = trailer.intact()
+                data_s = max(time.monotonic() - t_data, 1e-9)
+                landed = trailer.intact()
+                if landed and record is not None:
+                    landed = False  # (until verified: dropped if not)
+                    record.verify(layout, dest)
+                    landed = True
         finally:
             if not landed:
                 with self._cond:
@@ -557,3 +575,10 @@ class Puller:
             self.spans.transfer(
                 pull.traceparent, pull.started_ns, pull.bytes_done, None, remote, message, reason
             )
+
+
+def _record(meta: object, expect: Fingerprint | None) -> IntegrityRecord | None:
+    """An export's integrity record, its fingerprint checked (``IntegrityError``)."""
+    record = IntegrityRecord.from_meta(meta if isinstance(meta, dict) else {})
+    check_fingerprint(record, expect)
+    return record

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_kvtransfer.buffers import Layout
+from dsv4_kvtransfer.integrity import META_KEY
 from dsv4_kvtransfer.kv_spans import SidecarSpans
-from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger
+from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger, LedgerError
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.staging import TRAILER, StagingRegion
 
@@ -152,11 +153,26 @@ class StagingStore:
         self._gauges()
         return view
 
-    def commit_export(self, transfer_id: str, ttl: float) -> ExportView:
-        """The engine wrote the buffers: the export is ready and its lease starts again."""
+    def commit_export(
+        self, transfer_id: str, ttl: float, integrity: dict[str, Any] | None = None
+    ) -> ExportView:
+        """The engine wrote the buffers: the export is ready and its lease starts again.
+        ``integrity``: its record with the checksums (``integrity.IntegrityRecord``), in place
+        of the reservation's placeholder, as long (fixed-width sums): its trailer's room."""
         with self._lock:
+            exp = self.ledger.exports.get(transfer_id)
+            manifest = self._manifests.get(transfer_id)
+            if exp is not None and integrity is not None and exp.state == "reserved":
+                meta = {**exp.meta, META_KEY: integrity}
+                if manifest is not None:
+                    new = manifest_bytes(exp.layout, meta)
+                    if len(new) != len(manifest):
+                        raise LedgerError("bad_integrity", "the record changed the manifest's size")
+                    manifest = new
             exp = self.ledger.commit_export(transfer_id, self.clock(), ttl)
-            manifest = self._manifests.pop(transfer_id, None)
+            if integrity is not None:
+                exp.meta[META_KEY] = integrity
+            self._manifests.pop(transfer_id, None)
             if manifest is not None:
                 self.region.publish(exp.offset + exp.layout.total_bytes, transfer_id, manifest)
             return _view(exp)

@@ -44,6 +44,10 @@ class EngineConfig:
     kv_pull_timeout: float = 30.0
     """Seconds a decode request waits for its KV before the failure policy applies."""
     kv_sidecar_wait: float = 10.0
+    revision: str | None = None
+    """The weights' revision, part of the KV layout fingerprint every export carries: a decode
+    engine uses pulled KV only from a prefill engine of the same revision (else it recomputes
+    the prompt). None = a hash of the model's config."""
     """Seconds to wait at start-up for the sidecar to answer before giving up."""
     device: str = "auto"
     """cpu | cuda | npu | auto."""

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, assert_never
 
 from dsv4_common import tracing
+from dsv4_kvtransfer.integrity import config_hash
 from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
 from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import EngineConfig
@@ -130,7 +131,13 @@ class EngineCore:
         if config.kv_sidecar and self.kv_scheduler is not None:
             self.kv_worker = SidecarConnectorWorker(
                 config.kv_sidecar,
-                KVCompat(lm.hf_config["architectures"][0], lm.block_size, k, kv_dtype),
+                KVCompat(
+                    lm.hf_config["architectures"][0],
+                    lm.block_size,
+                    k,
+                    kv_dtype,
+                    config_hash(lm.hf_config) if config.revision is None else config.revision,
+                ),
                 self.kv_scheduler.stats,
                 config.kv_pull_timeout,
             )

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from dsv4_kvtransfer.integrity import Fingerprint, ParallelLayout, cache_group_digests
 
 PREFIX = "dsv4_"
 
@@ -35,6 +37,23 @@ class KVCompat:
     block_size: int
     num_speculative_tokens: int
     kv_dtype: str
+    revision: str = ""
+    """The weights' (``--revision``); only in the fingerprint, which the pull checks."""
+
+    def fingerprint(
+        self, rows: Iterable[tuple[str, str, str, tuple[int, ...]]], parallel: ParallelLayout
+    ) -> Fingerprint:
+        """This engine's KV layout as exports carry it and pulls check it
+        (``dsv4_kvtransfer.integrity``): these fields, the cache tensors' ``(name, group,
+        dtype, row shape)`` and the slice of the KV this engine exports."""
+        return Fingerprint(
+            self.architecture,
+            self.kv_dtype,
+            self.block_size,
+            cache_group_digests(rows),
+            parallel,
+            self.revision,
+        )
 
     def params_extra(self, prompt_token_ids: Sequence[int]) -> dict[str, Any]:
         return {

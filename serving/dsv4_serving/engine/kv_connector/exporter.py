@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from dsv4_kvtransfer.buffers import LayoutError
 from dsv4_kvtransfer.client import SidecarClient, SidecarError
+from dsv4_kvtransfer.integrity import Fingerprint
 from dsv4_kvtransfer.pd_protocol import KVParamsError, RemotePrefillParams
 from dsv4_serving.engine.kv_connector.compat import KVCompat
 from dsv4_serving.engine.kv_connector.kv_layout import KVLayout
@@ -56,6 +57,7 @@ class KVExporter:
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._done: queue.SimpleQueue[SaveResult] = queue.SimpleQueue()
         self._in_flight = 0  # touched by the engine's thread only
+        self.fingerprint: Fingerprint | None = None  # set with the layout (the worker's)
         self._closed = False
 
     @property
@@ -116,6 +118,7 @@ class KVExporter:
             engine_meta={**extra, "first_token": s.first_token},
             params_extra=extra,
             traceparent=traceparent,
+            fingerprint=self.fingerprint,
         )
         try:
             if self._closed:

@@ -17,6 +17,7 @@ import torch
 
 from dsv4_kvtransfer.buffers import BufferSpec
 from dsv4_kvtransfer.client import PlacedView, SidecarClient
+from dsv4_kvtransfer.integrity import ParallelLayout
 from dsv4_serving.engine.kv_connector.compat import KVIncompatible
 
 
@@ -29,6 +30,17 @@ class KVLayout:
         self.paged: list[tuple[str, str, torch.Tensor]] = cache.named_paged_tensors()
         self.state: list[tuple[str, str, torch.Tensor]] = cache.named_state_tensors()
         self.block_size = int(cache.block_size)
+        # the slice of the KV an export holds: the whole cache. V4's and V3's KV is replicated
+        # over TP (one shared KV head; TP rank 0 exports, imports are copied to the others)
+        # and every CP rank writes the same cache
+        self.parallel = ParallelLayout()
+
+    def rows(self) -> list[tuple[str, str, str, tuple[int, ...]]]:
+        """``(name, group, dtype, one block's or slot's shape)`` per cache tensor."""
+        return [
+            (name, group, dtype_name(t.dtype), tuple(t.shape[1:]))
+            for name, group, t in (*self.paged, *self.state)
+        ]
 
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

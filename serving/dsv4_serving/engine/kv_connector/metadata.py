@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsv4_kvtransfer.integrity import CHECKSUM_MISMATCH, FINGERPRINT_MISMATCH
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+
+INTEGRITY_REASONS = frozenset({FINGERPRINT_MISMATCH, CHECKSUM_MISMATCH})
 
 
 @dataclass(slots=True)
@@ -41,13 +44,21 @@ class KVConnectorMetadata:
 class KVTransferFailure:
     """Why a pull (decode) or an export (prefill) failed."""
 
-    reason: str  # auth, timeout, unknown_transfer, connection, incompatible, export_failed, ...
+    reason: str  # auth, timeout, unknown_transfer, connection, incompatible, export_failed,
+    # fingerprint_mismatch, checksum_mismatch (``dsv4_kvtransfer.integrity``), ...
     message: str
 
     @property
     def always_fails(self) -> bool:
         """A layout mismatch is a deployment error: never recomputed around silently."""
         return self.reason == "incompatible"
+
+    @property
+    def always_recomputes(self) -> bool:
+        """KV refused by its integrity check (another layout or revision, bytes changed on
+        the way): the request itself is fine, so its prompt is recomputed whatever the
+        failure policy (counted by reason like every failed pull)."""
+        return self.reason in INTEGRITY_REASONS
 
 
 @dataclass(slots=True)

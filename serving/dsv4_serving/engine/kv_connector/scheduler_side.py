@@ -73,7 +73,9 @@ class SidecarConnectorScheduler(KVConnectorScheduler):
         self.stats.num_waiting_for_remote_kv = len(self._loading)
 
     def on_load_failed(self, req: Request, failure: KVTransferFailure) -> bool:
-        if self.failure_policy == "recompute" and not failure.always_fails:
+        if (
+            self.failure_policy == "recompute" or failure.always_recomputes
+        ) and not failure.always_fails:
             req.kv_load_failed = True
             self.stats.recomputes += 1
             return True

@@ -22,6 +22,7 @@ from typing import Any
 
 from dsv4_kvtransfer.buffers import LayoutError
 from dsv4_kvtransfer.client import PulledKV, PullFailed, SidecarClient, SidecarError
+from dsv4_kvtransfer.integrity import Fingerprint
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.kv_connector.base import KVConnectorWorker
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible
@@ -61,6 +62,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
         self.stats = stats  # export counters (the scheduler side counts the pulls)
         self.pull_timeout_s = pull_timeout_s
         self.layout: KVLayout | None = None
+        self.fingerprint: Fingerprint | None = None
         self._pulls: dict[str, _Pull] = {}
         self._done: queue.SimpleQueue[tuple[_Pull, str | None, PulledKV | KVTransferFailure]] = (
             queue.SimpleQueue()
@@ -73,6 +75,11 @@ class SidecarConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, cache: Any) -> None:
         self.layout = KVLayout(cache)
+        # exports carry it, pulls refuse KV of another (``fingerprint_mismatch``), and bytes
+        # that are not what was exported (``checksum_mismatch``): the sidecar and its client
+        # check both before the KV is handed to us; the failure policy recomputes
+        self.fingerprint = self.compat.fingerprint(self.layout.rows(), self.layout.parallel)
+        self.exporter.fingerprint = self.fingerprint
 
     # ---- decode: pulls -------------------------------------------------------------------
 
@@ -102,6 +109,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
                 timeout_s=self.pull_timeout_s,
                 wait_s=POLL_S,
                 traceparent=p.traceparent,
+                fingerprint=self.fingerprint,
             )
             pull_id = st.pull_id
             while True:
