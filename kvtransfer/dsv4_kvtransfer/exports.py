@@ -12,7 +12,7 @@ from dsv4_kvtransfer.control_requests import ExportRequest
 from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
-from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams, prefix_transfer_id
 from dsv4_kvtransfer.store import ExportView, StagingStore, wall_time
 
 
@@ -44,11 +44,13 @@ class Exports:
             "params_extra": dict(req.params_extra),
             "lease_seconds": ttl,
         }
-        tid = secrets.token_hex(12)
+        cached = req.prefix_key is not None
+        tid = prefix_transfer_id(req.prefix_key) if req.prefix_key else secrets.token_hex(12)
         try:
-            exp = self.store.reserve_export(tid, req.layout, meta, ttl)
+            exp = self.store.reserve_export(tid, req.layout, meta, ttl, cached)
         except LedgerError as e:
-            raise ApiError(507, e.code, str(e)) from None
+            status = {"duplicate": 409, "no_host_tier": 409}.get(e.code, 507)
+            raise ApiError(status, e.code, str(e)) from None
         if self.spans is not None:
             self.spans.export_reserved(tid, traceparent, exp.layout.total_bytes, req.request_id)
         region = self.store.region
