@@ -83,7 +83,7 @@ def test_the_local_hit_is_shared_and_only_the_blocks_after_it_are_pulled() -> No
     (x,) = s.schedule().scheduled
     assert (x.context_len, x.token_ids) == (12, PROMPT[12:])
     assert s.requests["r"].kv_transfer_params == PrefillRequestParams()  # still a PD prefill
-    assert conn.stats.prefix_pulled_tokens == 12
+    assert conn.stats.prefix_pulled_tokens == 8  # blocks 1 and 2: block 0 was local
 
 
 def test_a_pull_of_another_prompt_or_covered_locally_is_dropped_and_counted() -> None:

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from dsv4_common.kv_events import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
     BlockStored,
     KVCacheEvent,
     snapshot_hash,
@@ -87,6 +89,7 @@ class KVCacheManager:
         self._pending_keys: set[BoundaryKey] = set()
         # snapshots taken out of the LRU while an offer copies them (request id -> key, slot)
         self._offering: dict[str, tuple[BoundaryKey, int | None]] = {}
+        self._offer_keys: dict[str, BoundaryKey] = {}  # every offer's, for its event
 
     @property
     def num_slots(self) -> int:
@@ -115,9 +118,12 @@ class KVCacheManager:
         """KV events since the last call, in order (empty when events are off)."""
         return self.pool.take_events()
 
-    def _record_snapshot(self, key: BoundaryKey, stored: bool) -> None:
+    def _record_snapshot(self, key: BoundaryKey, stored: bool, medium: str = MEDIUM_DEVICE) -> None:
         if self.pool.events is not None:  # events off: not even the key's hash
-            ev = snapshot_stored(*key, self.block_size) if stored else snapshot_removed(*key)
+            if stored:
+                ev = snapshot_stored(*key, self.block_size, medium)
+            else:
+                ev = snapshot_removed(*key, medium)
             self.pool.events.append(ev)
 
     def _stored(self, req: Request, stored: list[int]) -> None:
@@ -252,13 +258,22 @@ class KVCacheManager:
             if not self.has_state:
                 if self._needs_boundary() and key not in self._boundaries:
                     continue
+                self._offer_keys[req.request_id] = key
                 return Offer(b, None, snapshot_hash(*key).hex())
             slot = self._boundaries.get(key)
             if slot is not None:
                 del self._boundaries[key]
                 self._offering[req.request_id] = (key, slot)
+                self._offer_keys[req.request_id] = key
                 return Offer(b, slot, snapshot_hash(*key).hex())
         return None
+
+    def offer_stored(self, req: Request) -> None:
+        """``req``'s offer is in the host tier: announce its key with medium ``"CPU"`` (the
+        tier evicts on its own, unannounced: a pull of an evicted entry is computed)."""
+        key = self._offer_keys.get(req.request_id)
+        if key is not None:
+            self._record_snapshot(key, stored=True, medium=MEDIUM_HOST)
 
     # ---- after a step --------------------------------------------------------------------
 
@@ -336,6 +351,7 @@ class KVCacheManager:
         return out
 
     def free(self, req: Request) -> None:
+        self._offer_keys.pop(req.request_id, None)
         offered = self._offering.pop(req.request_id, None)
         if offered is not None:  # back into the LRU, most recently used
             key, slot = offered

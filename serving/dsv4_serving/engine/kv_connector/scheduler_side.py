@@ -74,7 +74,9 @@ class SidecarConnectorScheduler(KVConnectorScheduler):
         self._loading.add(rid)
         pull = prefix_pull_of(params)
         if pull is not None:
-            self._prefix_loading[rid] = pull.num_tokens
+            # tokens loaded: the pulled blocks' share of the prefix (the local hit's are not)
+            loaded = pull.num_tokens * len(block_ids) // (first_block + len(block_ids))
+            self._prefix_loading[rid] = loaded
             self._meta.loads.append(
                 LoadSpec(
                     rid,

@@ -262,6 +262,8 @@ class Scheduler:
         for rid, res in results.items():
             req = self._saving.pop(rid, None)
             if req is not None:
+                if not isinstance(res, KVTransferFailure):
+                    self.kv.offer_stored(req)  # an offer's event (nothing for a PD export)
                 self.kv.free(req)
             o = self._held.pop(rid, None)
             if o is None:
