@@ -8,6 +8,9 @@ import pytest
 
 from dsv4_kvtransfer.allocator import ExtentAllocator
 from dsv4_kvtransfer.buffers import BufferSpec, Layout
+from dsv4_kvtransfer.config import SidecarConfig
+from dsv4_kvtransfer.control_requests import ExportRequest
+from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.ledger import Freed, Ledger, LedgerError
 
 UNIT = 4096
@@ -107,3 +110,17 @@ def test_exports_and_imports_take_the_tiers_room_when_the_region_is_full() -> No
     with pytest.raises(LedgerError) as e:  # nothing left to evict
         lg.reserve_import("p2", 2 * UNIT)
     assert e.value.code == "staging_full"
+
+
+def test_the_tier_fits_the_region_and_an_offer_names_a_well_formed_key() -> None:
+    with pytest.raises(ValueError, match="kv_host_bytes must be in"):
+        SidecarConfig(token=b"t", staging_bytes=1 << 20, kv_host_bytes=2 << 20)
+    buf = {"name": "x", "dtype": "uint8", "shape": [16]}
+    key = "ab" * 32
+    assert (
+        ExportRequest.from_body({"request_id": "r", "buffers": [buf], "prefix_key": key}).prefix_key
+        == key
+    )
+    with pytest.raises(ApiError) as e:
+        ExportRequest.from_body({"request_id": "r", "buffers": [buf], "prefix_key": "AB" * 32})
+    assert e.value.param == "prefix_key"
