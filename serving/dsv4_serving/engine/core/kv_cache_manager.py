@@ -120,6 +120,7 @@ class KVCacheManager:
 
     def _record_snapshot(self, key: BoundaryKey, stored: bool, medium: str = MEDIUM_DEVICE) -> None:
         if self.pool.events is not None:  # events off: not even the key's hash
+            ev: KVCacheEvent
             if stored:
                 ev = snapshot_stored(*key, self.block_size, medium)
             else:
