@@ -36,6 +36,7 @@ import msgspec
 SNAPSHOT_GROUP = 1
 SNAPSHOT_KIND = "dsv4_state_snapshot"
 MEDIUM_DEVICE = "GPU"  # vLLM's name for accelerator memory, whatever the accelerator
+MEDIUM_HOST = "CPU"  # the sidecar's host tier (vLLM's connectors' name for host memory)
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 
 BlockHash = bytes

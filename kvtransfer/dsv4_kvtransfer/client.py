@@ -351,11 +351,15 @@ class SidecarClient:
         params_extra: Mapping[str, Any] | None = None,
         traceparent: str | None = None,
         fingerprint: Fingerprint | None = None,
+        prefix_key: str | None = None,
     ) -> Reservation:
         """An extent for ``buffers``. ``params_extra``: fields to add to the ``kv_transfer_params``
         that ``commit_export`` returns (what the decode side checks before it pulls).
         ``fingerprint``: the writer's KV layout, in the manifest beside the checksums the
-        sidecar computes at the commit (``dsv4_kvtransfer.integrity``)."""
+        sidecar computes at the commit (``dsv4_kvtransfer.integrity``).
+        ``prefix_key``: an offer to the host tier, kept under that key's transfer id
+        (``SidecarError`` 409 ``duplicate`` if the tier has it, ``no_host_tier`` if it has none
+        or the entry is larger than it)."""
         body: dict[str, Any] = {
             "request_id": request_id,
             "buffers": [b.to_dict() for b in buffers],
@@ -373,6 +377,8 @@ class SidecarClient:
             body["params_extra"] = dict(params_extra)
         if fingerprint is not None:
             body["fingerprint"] = fingerprint.to_dict()
+        if prefix_key is not None:
+            body["prefix_key"] = prefix_key
         r = self.request("POST", "/v1/exports", body, traceparent=traceparent)
         self.region(str(r["shm_tag"]))
         return Reservation(

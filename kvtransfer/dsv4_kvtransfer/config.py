@@ -71,6 +71,11 @@ class SidecarConfig:
     """How long an export waits for its pull, and pulled KV for the engine to take it."""
     staging_bytes: int = field(default=1 << 30, metadata=_SIZE_FLAG)
     """Size of the staging region shared with the engine (e.g. 1G)."""
+    kv_host_bytes: int = field(default=0, metadata=_SIZE_FLAG)
+    """The host tier: at most this many bytes of the staging region keep prefixes the engine
+    offered (finished requests' blocks and boundary state), pullable by id by this engine and
+    its peers, evicted least recently used and whenever an export or a pull needs the room
+    (0: off)."""
     shm_name: str = "dsv4-kv"
     """Name of the staging region; the command line's default is dsv4-kv-PORT."""
     shm_dir: str = "/dev/shm"
@@ -132,6 +137,11 @@ class SidecarConfig:
         check_endpoint(self.otlp_traces_endpoint)
         if self.send_rate < 0 or self.min_stream_bytes < 1:
             raise ValueError("send_rate must be >= 0 and min_stream_bytes >= 1")
+        if not 0 <= self.kv_host_bytes <= self.staging_bytes:
+            raise ValueError(
+                f"kv_host_bytes must be in [0, staging_bytes={self.staging_bytes}], "
+                f"not {self.kv_host_bytes}"
+            )
         if self.copy_threads < 0:
             raise ValueError(f"copy_threads must be >= 0, not {self.copy_threads}")
         for name in ("port", "control_port", "metrics_port"):

@@ -393,7 +393,8 @@ class FastControlServer:
         if len(grants) >= MAX_GRANTS:
             raise ApiError(409, "too_many_grants", f"{MAX_GRANTS} grants held already")
         u = sc.store.usage()
-        if u.free_bytes - n < u.staging_bytes // 4:  # the sidecar's own pulls come first
+        # the sidecar's own pulls come first (the host tier's entries give way to either)
+        if u.free_bytes + u.cached_bytes - n < u.staging_bytes // 4:
             raise ApiError(507, "staging_full", f"no grant of {n} bytes: the region is busy")
         gid = secrets.token_hex(12)
         try:

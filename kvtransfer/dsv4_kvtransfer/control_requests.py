@@ -8,6 +8,7 @@ says what to fix. What passes is typed; nothing past this module looks into the 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ def _object(body: Mapping[str, Any], key: str, max_json: int) -> dict[str, Any]:
     return v
 
 
+_PREFIX_KEY = re.compile(r"^[0-9a-f]{64}$")
+
+
 @dataclass(frozen=True, slots=True)
 class ExportRequest:
     """``POST /v1/exports``: reserve an extent for one request's KV buffers."""
@@ -118,6 +122,9 @@ class ExportRequest:
     """The export's lease (None: the sidecar's ``lease_seconds``)."""
     fingerprint: Fingerprint | None = None
     """The writer's KV layout (``integrity``), carried in the manifest for pullers to check."""
+    prefix_key: str | None = None
+    """An offer to the host tier: the prefix's key (64 hex digits, ``PrefixPullParams``); the
+    export is kept under ``prefix_transfer_id(prefix_key)`` until evicted."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> ExportRequest:
@@ -158,7 +165,17 @@ class ExportRequest:
             params_extra=extra,
             lease_seconds=_seconds(body, "lease_seconds", MAX_LEASE_S),
             fingerprint=_fingerprint(body),
+            prefix_key=_prefix_key(body),
         )
+
+
+def _prefix_key(body: Mapping[str, Any]) -> str | None:
+    v = body.get("prefix_key")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not _PREFIX_KEY.match(v):
+        raise _bad("prefix_key", "must be 64 lowercase hex digits")
+    return v
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from dsv4_kvtransfer.errors import ApiError
 from dsv4_kvtransfer.integrity import META_KEY, IntegrityRecord, buffer_checksums
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import LedgerError
-from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import SHM_SOURCE, RemotePrefillParams, prefix_transfer_id
 from dsv4_kvtransfer.store import ExportView, StagingStore, wall_time
 
 
@@ -47,11 +47,13 @@ class Exports:
             # zeros until the commit computes the checksums (same length: the trailer's size)
             META_KEY: IntegrityRecord.placeholder(req.layout, req.fingerprint).to_dict(),
         }
-        tid = secrets.token_hex(12)
+        cached = req.prefix_key is not None
+        tid = prefix_transfer_id(req.prefix_key) if req.prefix_key else secrets.token_hex(12)
         try:
-            exp = self.store.reserve_export(tid, req.layout, meta, ttl)
+            exp = self.store.reserve_export(tid, req.layout, meta, ttl, cached)
         except LedgerError as e:
-            raise ApiError(507, e.code, str(e)) from None
+            status = {"duplicate": 409, "no_host_tier": 409}.get(e.code, 507)
+            raise ApiError(status, e.code, str(e)) from None
         if self.spans is not None:
             self.spans.export_reserved(tid, traceparent, exp.layout.total_bytes, req.request_id)
         region = self.store.region

@@ -72,6 +72,12 @@ class SidecarMetrics:
         )
         self.active_exports = Gauge("dsv4_kv_active_exports", "Exports held", registry=r)
         self.active_imports = Gauge("dsv4_kv_active_imports", "Pulled extents held", registry=r)
+        self.host_tier_bytes = Gauge(
+            "dsv4_kv_host_tier_bytes", "Bytes of the host tier's cached prefixes", registry=r
+        )
+        self.host_tier_entries = Gauge(
+            "dsv4_kv_host_tier_entries", "Cached prefixes in the host tier", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -118,13 +118,73 @@ def _str(d: Mapping[str, Any], key: str, max_len: int = 256) -> str:
     return v
 
 
+PREFIX_PULL = "dsv4_prefix_pull"
+"""The ``kv_transfer_params`` field of a prefix pull (``PrefixPullParams``): an extension
+field, so vLLM's routers pass it through unknown."""
+_PREFIX_KEY = re.compile(r"^[0-9a-f]{64}$")
+
+
+def prefix_transfer_id(prefix_key: str) -> str:
+    """The transfer id a sidecar's host tier keeps a prefix under: the first 96 bits of its
+    key (the same size as an export's random id), so a puller names it without asking."""
+    return prefix_key[:24]
+
+
 @dataclass(frozen=True, slots=True)
-class PrefillRequestParams:
-    """What the gateway puts into the prefill request: compute, then keep the KV for a remote
-    decode."""
+class PrefixPullParams:
+    """Pull the KV of a prompt's first ``num_tokens`` tokens (whole blocks, and the state
+    snapshot at their end) from the host tier of the sidecar at ``remote_host:remote_port``,
+    then compute the rest locally. ``prefix_key`` is the snapshot key of that boundary
+    (``dsv4_common.kv_events.snapshot_hash``, hex): it names the tier's entry and commits to
+    every token before it, so the engine checks it against its own prompt before it pulls."""
+
+    remote_host: str
+    remote_port: int
+    num_tokens: int
+    prefix_key: str
+
+    @property
+    def transfer_id(self) -> str:
+        return prefix_transfer_id(self.prefix_key)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "num_tokens": self.num_tokens,
+            "prefix_key": self.prefix_key,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object) -> PrefixPullParams:
+        if not isinstance(value, Mapping):
+            raise KVParamsError(PREFIX_PULL, f"must be an object, got {type(value).__name__}")
+        f = f"{PREFIX_PULL}."
+        try:
+            host = _str(value, "remote_host", 253)
+            port = _int(value, "remote_port", 1, 65535)
+            num_tokens = _int(value, "num_tokens", 1, 1 << 40)
+            key = _str(value, "prefix_key", 64)
+        except KVParamsError as e:
+            raise KVParamsError(f + e.field, str(e).split(": ", 1)[1]) from None
+        if not _PREFIX_KEY.match(key):
+            raise KVParamsError(f + "prefix_key", "must be 64 lowercase hex digits")
+        unknown = sorted(set(value) - {"remote_host", "remote_port", "num_tokens", "prefix_key"})
+        if unknown:
+            raise KVParamsError(f + unknown[0], "is not a field of a prefix pull")
+        assert port is not None and num_tokens is not None
+        return cls(host, port, num_tokens, key)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequestParams:
+    """What the gateway puts into the prefill request: compute, then keep the KV for a remote
+    decode. ``prefix_pull``: a prefix of the prompt to pull from a host tier first."""
+
+    prefix_pull: PrefixPullParams | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "remote_engine_id": None,
@@ -132,6 +192,9 @@ class PrefillRequestParams:
             "remote_host": None,
             "remote_port": None,
         }
+        if self.prefix_pull is not None:
+            out[PREFIX_PULL] = self.prefix_pull.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PrefillRequestParams:
@@ -142,7 +205,28 @@ class PrefillRequestParams:
         for key in _NULL_IN_PREFILL_REQUEST:
             if d.get(key) is not None:
                 raise KVParamsError(key, "must be null in a prefill request")
-        return cls()
+        pull = d.get(PREFIX_PULL)
+        return cls(PrefixPullParams.from_dict(pull) if pull is not None else None)
+
+
+def prefix_pull_of(params: object) -> PrefixPullParams | None:
+    """The prefix pull a request's typed params ask for, if any."""
+    if isinstance(params, PrefixPullParams):
+        return params
+    if isinstance(params, PrefillRequestParams):
+        return params.prefix_pull
+    return None
+
+
+def without_prefix_pull(
+    params: PrefillRequestParams | RemotePrefillParams | PrefixPullParams | None,
+) -> PrefillRequestParams | RemotePrefillParams | None:
+    """The params once the prefix is in (or was given up): what else the request asked."""
+    if isinstance(params, PrefixPullParams):
+        return None
+    if isinstance(params, PrefillRequestParams):
+        return PrefillRequestParams()
+    return params
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,9 +359,10 @@ class RemotePrefillParams:
 
 def parse_kv_transfer_params(
     value: object,
-) -> PrefillRequestParams | RemotePrefillParams | None:
+) -> PrefillRequestParams | RemotePrefillParams | PrefixPullParams | None:
     """Classify a request's ``kv_transfer_params``: ``None`` for an ordinary request (absent, or
-    neither flag set), a prefill request, or a decode request; ``KVParamsError`` if malformed."""
+    neither flag set), a prefill request (which may carry a prefix pull), a decode request, or
+    an ordinary request with a prefix pull; ``KVParamsError`` if malformed."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
@@ -289,8 +374,11 @@ def parse_kv_transfer_params(
     if decode:
         return PrefillRequestParams.from_dict(value)
     if prefill:
+        if value.get(PREFIX_PULL) is not None:  # its whole prompt's KV comes anyway
+            raise KVParamsError(PREFIX_PULL, "cannot go with do_remote_prefill")
         return RemotePrefillParams.from_dict(value)
-    return None
+    pull = value.get(PREFIX_PULL)
+    return PrefixPullParams.from_dict(pull) if pull is not None else None
 
 
 def prefill_overrides(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,7 @@ class Sidecar:
             assert isinstance(self.transport, RdmaTransport)
             rdma_session = self.transport.bind(region).session
         ledger = Ledger(ExtentAllocator(HEADER_BYTES, cfg.staging_bytes - HEADER_BYTES))
+        ledger.host_bytes = cfg.kv_host_bytes
         # exports published in the region (a trailer each): a same-host shm pull of them
         # needs no round trip to this sidecar before its copy
         self.store = StagingStore(region, ledger, self.metrics, rdma_session, publish=True)
@@ -176,6 +177,9 @@ class Sidecar:
             "largest_free": u.largest_free,
             "exports": u.exports,
             "imports": u.imports,
+            "host_bytes": self.cfg.kv_host_bytes,
+            "host_tier_bytes": u.cached_bytes,
+            "host_tier_entries": u.cached_entries,
             "pulls": self.puller.count(),
             "lease_seconds": self.cfg.lease_seconds,
             "max_frame_bytes": self.cfg.max_frame_bytes,

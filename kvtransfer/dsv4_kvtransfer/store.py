@@ -49,6 +49,9 @@ class Usage:
     imports: int
     granted_bytes: int = 0
     """Held by engines' clients to copy into (``grant``), counted in ``used_bytes``."""
+    cached_entries: int = 0
+    """Host-tier entries (cached exports: not in ``exports``, which a drain waits for)."""
+    cached_bytes: int = 0
 
 
 def wall_time(mono: float) -> float:
@@ -108,6 +111,8 @@ class StagingStore:
 
     def _settle(self, freed: list[Freed]) -> None:
         """Count what was freed and bring the gauges up to date (called without the lock)."""
+        with self._lock:
+            freed = freed + self.ledger.take_evicted()
         for f in freed:
             self.metrics.releases.labels(f.kind, f.reason).inc()
             if f.reason == "expired":
@@ -121,6 +126,8 @@ class StagingStore:
         self.metrics.staging_free.set(u.free_bytes)
         self.metrics.active_exports.set(u.exports)
         self.metrics.active_imports.set(u.imports)
+        self.metrics.host_tier_bytes.set(u.cached_bytes)
+        self.metrics.host_tier_entries.set(u.cached_entries)
 
     def usage(self) -> Usage:
         with self._lock:
@@ -131,26 +138,36 @@ class StagingStore:
                 a.free_bytes,
                 a.used_bytes,
                 a.largest_free,
-                len(led.exports),
+                len(led.exports) - len(led.cached),
                 len(led.imports) - len(granted),
                 sum(granted),
+                len(led.cached),
+                led.cached_bytes,
             )
 
     # ---- exports: the engine's side ---------------------------------------------------------
 
     def reserve_export(
-        self, transfer_id: str, layout: Layout, meta: dict[str, Any], ttl: float
+        self,
+        transfer_id: str,
+        layout: Layout,
+        meta: dict[str, Any],
+        ttl: float,
+        cached: bool = False,
     ) -> ExportView:
-        """Raises ``LedgerError`` (``staging_full``, ``duplicate``)."""
+        """Raises ``LedgerError`` (``staging_full``, ``duplicate``; ``no_host_tier`` for a
+        cached export that cannot fit the tier)."""
         manifest = manifest_bytes(layout, meta) if self.publish else b""
         trailer = TRAILER.size + len(manifest) if manifest else 0
         with self._lock:
-            exp = self.ledger.reserve_export(transfer_id, layout, meta, self.clock(), ttl, trailer)
+            exp = self.ledger.reserve_export(
+                transfer_id, layout, meta, self.clock(), ttl, trailer, cached
+            )
             if trailer:
                 self._manifests[transfer_id] = manifest
             view = _view(exp)
         self.metrics.exports.inc()
-        self._gauges()
+        self._settle([])
         return view
 
     def commit_export(
@@ -226,8 +243,9 @@ class StagingStore:
         caller brings them up to date later (``update_gauges``), off its critical path."""
         with self._lock:
             imp = self.ledger.reserve_import(pull_id, nbytes)
-        if gauges:
-            self._gauges()
+            evicted = bool(self.ledger.evicted)
+        if gauges or evicted:
+            self._settle([])
         return imp
 
     # ---- grants: extents an engine's client copies same-host pulls into itself -----------------
@@ -238,7 +256,7 @@ class StagingStore:
         with self._lock:
             imp = self.ledger.reserve_import(grant_id, nbytes)
             imp.granted = True
-        self._gauges()
+        self._settle([])
         return imp
 
     def drop_grant(self, grant_id: str) -> bool:

@@ -337,6 +337,29 @@ class RoleSpec:
         return self.parallelism.ranks // self.nodes_per_instance
 
 
+@crd_object(
+    defaulted=True,
+    rules=[
+        (
+            "isQuantity(self.hostBytes)",
+            "kvCache.hostBytes must be a Kubernetes quantity such as 4Gi (0: off)",
+        )
+    ],
+)
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    host_bytes: str = prop(
+        string(
+            "The KV sidecar's host tier: how much of its staging region keeps prefixes "
+            "finished requests offered, for this engine and its peers to pull instead of "
+            "recomputing (evicted least recently used; 0: off). At most the staging region "
+            "(shmSize minus 256Mi).",
+            default="0",
+            max_length=32,
+        )
+    )
+
+
 @crd_object(defaulted=True)
 @dataclass(frozen=True, kw_only=True)
 class KVTransferSpec:
@@ -479,6 +502,7 @@ class DeploymentSpec:
     prefill: RoleSpec = section(RoleSpec, ctx="prefill")
     decode: RoleSpec = section(RoleSpec, ctx="decode")
     kv: KVTransferSpec = section(KVTransferSpec, key="kvTransfer")
+    kv_cache: KVCacheSpec = section(KVCacheSpec, key="kvCache")
     gateway: GatewaySpec = section(GatewaySpec)
     autoscaling: AutoscalingSpec = section(AutoscalingSpec)
     scheduling: SchedulingSpec = section(SchedulingSpec)

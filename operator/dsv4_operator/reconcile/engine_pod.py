@@ -15,7 +15,7 @@ from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.cpu_ranks import rank_threads
 from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
 from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
-from dsv4_operator.reconcile.shm import staging_bytes
+from dsv4_operator.reconcile.shm import host_tier_bytes, staging_bytes
 from dsv4_operator.reconcile.shutdown import role_shutdown
 from dsv4_operator.reconcile.tracing import tracing_args
 
@@ -120,6 +120,8 @@ def sidecar_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         # the staging region shares the pod's /dev/shm with the engine (reconcile/shm.py)
         "--staging-bytes",
         str(staging_bytes(role.role, role.shm_size)),
+        "--kv-host-bytes",
+        str(host_tier_bytes(role.role, spec.kv_cache.host_bytes, role.shm_size)),
         "--shutdown-timeout",
         str(role_shutdown(role).drain_s),
         *tracing_args(spec),

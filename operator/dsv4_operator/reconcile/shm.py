@@ -63,3 +63,16 @@ def staging_bytes(role: str, shm_size: str) -> int:
             f"the engine's own 256Mi of shared memory: set it to at least 320Mi"
         )
     return total - ENGINE_SHM_RESERVE
+
+
+def host_tier_bytes(role: str, host_bytes: str, shm_size: str) -> int:
+    """The sidecar's ``--kv-host-bytes``: ``kvCache.hostBytes``, which must fit its staging
+    region (the sidecar refuses more at start; said here, in the resource's terms)."""
+    n = quantity_bytes(host_bytes)
+    staging = staging_bytes(role, shm_size)
+    if n > staging:
+        raise ReconcileError(
+            f"kvCache.hostBytes {host_bytes} exceeds the {role} KV sidecar's staging region "
+            f"({staging} bytes: {role}.shmSize {shm_size} minus 256Mi for the engine)"
+        )
+    return n

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, PrefixPullParams, RemotePrefillParams
 from dsv4_serving.engine.core.prefix_hash import BlockHash, hash_block_tokens
 from dsv4_serving.engine.kv_connector.metadata import KVTransferFailure
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
-    kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None
+    kv_transfer_params: PrefillRequestParams | RemotePrefillParams | PrefixPullParams | None = None
     """vLLM's PD protocol, parsed and checked once at the API edge (the core only asserts)."""
     data_parallel_rank: int | None = None
     """The DP rank to run on (the ``X-data-parallel-rank`` header); None = least loaded."""

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from dsv4_kvtransfer.pd_protocol import (
     KVParamsError,
     PrefillRequestParams,
+    PrefixPullParams,
     RemotePrefillParams,
     parse_kv_transfer_params,
 )
 
-KVParams = PrefillRequestParams | RemotePrefillParams
+KVParams = PrefillRequestParams | RemotePrefillParams | PrefixPullParams
 
 
 class BadRequest(ValueError):

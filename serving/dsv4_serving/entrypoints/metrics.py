@@ -82,6 +82,16 @@ class EngineMetrics:
         self.kv_recomputes = c(
             "dsv4_kv_recomputes", "Decode requests prefilled locally after a failed KV pull."
         )
+        self.kv_prefix_tokens = Counter(
+            "dsv4_kv_prefix_tokens",
+            "Prompt tokens of prefix pulls: loaded from a host tier (pulled) or computed here "
+            "after all (recomputed: the pull failed or was refused).",
+            ["model_name", "outcome"],
+            registry=r,
+        )
+        self.kv_prefix_offers = c(
+            "dsv4_kv_prefix_offers", "Finished requests' prefixes offered to the host tier."
+        )
         self.kv_transfers = Counter(
             "dsv4_kv_engine_transfers",
             "KV exports (prefill) and pulls (decode) that finished.",
@@ -200,6 +210,13 @@ class EngineMetrics:
             if d > 0:
                 self.kv_pull_failures.labels(reason=reason, **lab).inc(d)
         self.kv_recomputes.inc(max(0, k.recomputes - last.recomputes))
+        self.kv_prefix_offers.inc(max(0, k.prefix_offers - last.prefix_offers))
+        for outcome, now, before in (
+            ("pulled", k.prefix_pulled_tokens, last.prefix_pulled_tokens),
+            ("recomputed", k.prefix_recomputed_tokens, last.prefix_recomputed_tokens),
+        ):
+            if now > before:
+                self.kv_prefix_tokens.labels(outcome=outcome, **lab).inc(now - before)
         for direction, outcome, now, before in (
             ("pull", "ok", k.pulls_ok, last.pulls_ok),
             ("pull", "failed", sum(k.pull_failures.values()), sum(last.pull_failures.values())),

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, PrefixPullParams, RemotePrefillParams
 from dsv4_serving.chat.dsml import THINK_CLOSE
 from dsv4_serving.engine.engine.async_llm import AsyncLLM, RequestOutput
 from dsv4_serving.engine.engine.tokenizer import Tokenizer
@@ -143,7 +143,10 @@ class CompletionGenerator:
         stream: bool,
         include_usage: bool,
         chat: bool,
-        kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
+        kv_transfer_params: PrefillRequestParams
+        | RemotePrefillParams
+        | PrefixPullParams
+        | None = None,
         return_token_ids: bool = False,
         data_parallel_rank: int | None = None,
         n: int = 1,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dsv4_common.kv_events import (
+    MEDIUM_HOST,
     SNAPSHOT_GROUP,
     AllBlocksCleared,
     BlockRemoved,
@@ -65,6 +66,8 @@ class RankCache:
 
     blocks: set[bytes] = field(default_factory=set)
     snapshots: set[bytes] = field(default_factory=set)
+    host: set[bytes] = field(default_factory=set)
+    """Snapshot keys of prefixes in the rank's sidecar host tier (medium ``"CPU"``)."""
     snapshot_bounded: bool = False
     block_size: int | None = None
     expected: int | None = None  # the sequence number of the next batch to apply
@@ -76,6 +79,7 @@ class RankCache:
     def clear(self) -> None:
         self.blocks.clear()
         self.snapshots.clear()
+        self.host.clear()
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         if seq == 0:
@@ -83,6 +87,8 @@ class RankCache:
         self.snapshot_bounded = batch.snapshot_bounded
         for ev in batch.events:
             target = self.snapshots if _group(ev) == SNAPSHOT_GROUP else self.blocks
+            if getattr(ev, "medium", None) == MEDIUM_HOST:
+                target = self.host
             if isinstance(ev, BlockStored):
                 target.update(ev.block_hashes)
                 if target is self.blocks:
@@ -125,6 +131,22 @@ class RankCache:
             while n and not self._has_snapshot(hashes[n - 1], token_ids[n * bs]):
                 n -= 1
         return n * bs
+
+    def host_prefix(
+        self, hashes: Sequence[bytes], token_ids: Sequence[int], bs: int
+    ) -> tuple[int, bytes] | None:
+        """The deepest prefix of the prompt the rank's host tier holds (one prompt token left
+        to compute): its tokens and key; None if none (or the rank's block size differs)."""
+        if self.block_size not in (None, bs) or not token_ids or not self.host:
+            return None
+        for n in range(min(len(hashes), (len(token_ids) - 1) // bs), 0, -1):
+            for key in (
+                snapshot_hash(hashes[n - 1]),
+                snapshot_hash(hashes[n - 1], token_ids[n * bs]),
+            ):
+                if key in self.host:
+                    return n * bs, key
+        return None
 
     def _has_snapshot(self, block_hash: bytes, next_token: int) -> bool:
         return (

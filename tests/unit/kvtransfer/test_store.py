@@ -122,3 +122,22 @@ def test_aborting_an_export_frees_it_and_an_unknown_one_is_refused(store: Stagin
     with pytest.raises(LedgerError) as e:
         store.abort_export("t1")
     assert e.value.code == "unknown_transfer"
+
+
+def test_host_tier_entries_are_not_exports_and_their_evictions_are_counted(
+    store: StagingStore,
+) -> None:
+    store.ledger.host_bytes = 3 * UNIT
+    for tid in ("a", "b"):
+        store.reserve_export(tid, layout(UNIT), {}, ttl=30.0, cached=True)
+        store.commit_export(tid, ttl=30.0)
+    store.reserve_export("pd", layout(UNIT), {}, ttl=30.0)
+    u = store.usage()
+    assert (u.exports, u.cached_entries, u.cached_bytes) == (1, 2, 2 * UNIT)
+    assert sample(store, "dsv4_kv_active_exports") == 1
+    assert sample(store, "dsv4_kv_host_tier_bytes") == 2 * UNIT
+    store.reserve_export("c", layout(2 * UNIT), {}, ttl=30.0, cached=True)  # a goes
+    assert sample(store, "dsv4_kv_released_total", kind="export", reason="evicted") == 1
+    assert list(store.ledger.cached) == ["b", "c"]
+    store.release_export("b")  # a pull's RELEASE: the tier keeps it
+    assert store.usage().cached_entries == 2

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from dsv4_operator.reconcile.errors import ReconcileError
-from dsv4_operator.reconcile.shm import ENGINE_SHM_RESERVE, quantity_bytes, staging_bytes
+from dsv4_operator.reconcile.shm import (
+    ENGINE_SHM_RESERVE,
+    host_tier_bytes,
+    quantity_bytes,
+    staging_bytes,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -42,3 +47,11 @@ def test_staging_is_the_volume_less_the_engines_share() -> None:
 def test_a_volume_too_small_for_both_is_refused_with_the_minimum() -> None:
     with pytest.raises(ReconcileError, match=r"decode\.shmSize 256Mi .* at least 320Mi"):
         staging_bytes("decode", "256Mi")
+
+
+def test_the_host_tier_is_rendered_in_bytes_within_the_staging_region() -> None:
+    assert host_tier_bytes("decode", "0", "1Gi") == 0
+    assert host_tier_bytes("decode", "512Mi", "1Gi") == 512 << 20
+    assert host_tier_bytes("prefill", "768Mi", "1Gi") == 768 << 20  # all of the staging region
+    with pytest.raises(ReconcileError, match=r"kvCache\.hostBytes 1Gi exceeds the decode"):
+        host_tier_bytes("decode", "1Gi", "1Gi")

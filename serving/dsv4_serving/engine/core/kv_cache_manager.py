@@ -20,7 +20,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from dsv4_common.kv_events import BlockStored, KVCacheEvent, snapshot_removed, snapshot_stored
+from dsv4_common.kv_events import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    BlockStored,
+    KVCacheEvent,
+    snapshot_hash,
+    snapshot_removed,
+    snapshot_stored,
+)
 from dsv4_serving.engine.core.block_pool import BlockPool, KVBlock
 from dsv4_serving.engine.core.prefix_hash import BlockHash
 from dsv4_serving.engine.request import Request
@@ -35,6 +43,16 @@ class ComputedPrefix:
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
     restore_slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A finished request's prefix to offer to the host tier: its first ``num_blocks`` blocks
+    and the snapshot slot of the state at their end (None: the model has no state)."""
+
+    num_blocks: int
+    slot: int | None
+    key: str  # ``prefix_key``: the boundary's snapshot key, hex
 
 
 class KVCacheManager:
@@ -69,6 +87,9 @@ class KVCacheManager:
         # boundaries being snapshotted by the step in flight: published after it ran
         self._pending: dict[str, list[tuple[BoundaryKey, int | None]]] = {}
         self._pending_keys: set[BoundaryKey] = set()
+        # snapshots taken out of the LRU while an offer copies them (request id -> key, slot)
+        self._offering: dict[str, tuple[BoundaryKey, int | None]] = {}
+        self._offer_keys: dict[str, BoundaryKey] = {}  # every offer's, for its event
 
     @property
     def num_slots(self) -> int:
@@ -97,9 +118,13 @@ class KVCacheManager:
         """KV events since the last call, in order (empty when events are off)."""
         return self.pool.take_events()
 
-    def _record_snapshot(self, key: BoundaryKey, stored: bool) -> None:
+    def _record_snapshot(self, key: BoundaryKey, stored: bool, medium: str = MEDIUM_DEVICE) -> None:
         if self.pool.events is not None:  # events off: not even the key's hash
-            ev = snapshot_stored(*key, self.block_size) if stored else snapshot_removed(*key)
+            ev: KVCacheEvent
+            if stored:
+                ev = snapshot_stored(*key, self.block_size, medium)
+            else:
+                ev = snapshot_removed(*key, medium)
             self.pool.events.append(ev)
 
     def _stored(self, req: Request, stored: list[int]) -> None:
@@ -209,6 +234,48 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def prefix_key(self, req: Request, num_blocks: int) -> str | None:
+        """The host tier's key of ``req``'s first ``num_blocks`` blocks (None: the boundary
+        is not keyable yet: MTP keys need the token after it)."""
+        hashes = req.update_block_hashes(self.block_size)
+        if not 0 < num_blocks <= len(hashes):
+            return None
+        key = self._key(req, num_blocks)
+        return snapshot_hash(*key).hex() if key is not None else None
+
+    def begin_offer(self, req: Request) -> Offer | None:
+        """The deepest prefix of finished ``req`` usable elsewhere: whole computed blocks up to
+        a boundary with a snapshot (any boundary for a model without state). Its snapshot slot
+        leaves the LRU until ``free(req)``, so no other request's snapshot overwrites it while
+        the offer copies it."""
+        if not self.enable_caching or req.request_id in self._offering:
+            return None
+        hashes = req.update_block_hashes(self.block_size)
+        held = len(self.req_blocks.get(req.request_id, ()))
+        for b in range(min(req.num_computed_tokens // self.block_size, len(hashes), held), 0, -1):
+            key = self._key(req, b)
+            if key is None:
+                continue
+            if not self.has_state:
+                if self._needs_boundary() and key not in self._boundaries:
+                    continue
+                self._offer_keys[req.request_id] = key
+                return Offer(b, None, snapshot_hash(*key).hex())
+            slot = self._boundaries.get(key)
+            if slot is not None:
+                del self._boundaries[key]
+                self._offering[req.request_id] = (key, slot)
+                self._offer_keys[req.request_id] = key
+                return Offer(b, slot, snapshot_hash(*key).hex())
+        return None
+
+    def offer_stored(self, req: Request) -> None:
+        """``req``'s offer is in the host tier: announce its key with medium ``"CPU"`` (the
+        tier evicts on its own, unannounced: a pull of an evicted entry is computed)."""
+        key = self._offer_keys.get(req.request_id)
+        if key is not None:
+            self._record_snapshot(key, stored=True, medium=MEDIUM_HOST)
+
     # ---- after a step --------------------------------------------------------------------
 
     def plan_snapshots(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
@@ -285,6 +352,15 @@ class KVCacheManager:
         return out
 
     def free(self, req: Request) -> None:
+        self._offer_keys.pop(req.request_id, None)
+        offered = self._offering.pop(req.request_id, None)
+        if offered is not None:  # back into the LRU, most recently used
+            key, slot = offered
+            if key in self._boundaries or key in self._pending_keys:  # snapshotted again since
+                if slot is not None:
+                    self._free_snapshots.append(slot)
+            else:
+                self._boundaries[key] = slot
         for key, slot in self._pending.pop(req.request_id, []):
             self._pending_keys.discard(key)
             if slot is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
 from dsv4_common.process import free_port_below_ephemeral
-from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import PrefillRequestParams, PrefixPullParams, RemotePrefillParams
 from dsv4_serving.distributed.launcher import LocalRanks
 from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
@@ -226,7 +226,10 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        kv_transfer_params: PrefillRequestParams | RemotePrefillParams | None = None,
+        kv_transfer_params: PrefillRequestParams
+        | RemotePrefillParams
+        | PrefixPullParams
+        | None = None,
         data_parallel_rank: int | None = None,
         traceparent: str | None = None,
         continued: Sequence[int] = (),

@@ -142,6 +142,7 @@ class EngineCore:
                 config.kv_pull_timeout,
             )
             self.kv_worker.register_kv_caches(self.runner.cache)
+            self.kv_scheduler.offers_prefixes = self.kv_worker.has_host_tier()
         # tracing off: None, and each step tests only that
         self.tracing: CoreTracing | None = None
         tracer = tracing.setup(config.otlp_traces_endpoint, f"dsv4-engine-{config.role}")

@@ -18,6 +18,8 @@ from dsv4_serving.engine.request import Request, RequestStatus
 
 class KVConnectorScheduler(ABC):
     stats: KVConnectorStats
+    offers_prefixes: bool
+    """Finished requests' prefixes go to our sidecar's host tier (``offer``)."""
 
     @abstractmethod
     def get_num_new_matched_tokens(self, req: Request) -> int | None:
@@ -25,8 +27,11 @@ class KVConnectorScheduler(ABC):
         asynchronously: the request waits, parked, until it has); None for a local request."""
 
     @abstractmethod
-    def update_state_after_alloc(self, req: Request, block_ids: list[int], slot: int) -> None:
-        """Blocks and slot were allocated for a request that loads remote KV: load into them."""
+    def update_state_after_alloc(
+        self, req: Request, block_ids: list[int], slot: int, first_block: int = 0
+    ) -> None:
+        """Blocks and slot were allocated for a request that loads remote KV: load into them
+        (a prefix pull: into ``block_ids``, its blocks after the ``first_block`` cached ones)."""
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -46,6 +51,16 @@ class KVConnectorScheduler(ABC):
     ) -> bool:
         """``req`` finished: True to keep its blocks and slot until its KV was saved
         (``take_saves`` / the worker's ``start_save_kv``), False to free them now."""
+
+    @abstractmethod
+    def prefix_not_pulled(self, num_tokens: int) -> None:
+        """A prefix pull's tokens are computed here after all (refused or failed)."""
+
+    @abstractmethod
+    def offer(
+        self, req: Request, block_ids: list[int], slot: int | None, num_tokens: int, key: str
+    ) -> None:
+        """Save finished ``req``'s first ``num_tokens`` tokens to our host tier under ``key``."""
 
     @abstractmethod
     def take_saves(self) -> list[SaveSpec]:

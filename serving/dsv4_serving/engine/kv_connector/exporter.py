@@ -40,6 +40,7 @@ class SaveResult:
     outcome: RemotePrefillParams | KVTransferFailure
     seconds: float  # submit to commit (queueing included)
     nbytes: int  # exported bytes (0 on failure)
+    offer: bool = False  # an offer to the host tier (``SaveSpec.prefix_key``), not a PD export
 
 
 class KVExporter:
@@ -93,13 +94,19 @@ class KVExporter:
         outcome: RemotePrefillParams | KVTransferFailure
         try:
             outcome, nbytes = self._save(s, traceparent)
-        except (SidecarError, LayoutError, KVParamsError) as e:
+        except SidecarError as e:
+            if s.prefix_key is None or e.code not in ("duplicate", "no_host_tier"):
+                log.warning("request %s: KV export failed: %s", s.request_id, e)
+            outcome = KVTransferFailure("export_failed", f"KV export failed: {e}")
+        except (LayoutError, KVParamsError) as e:
             log.warning("request %s: KV export failed: %s", s.request_id, e)
             outcome = KVTransferFailure("export_failed", f"KV export failed: {e}")
         except Exception as e:  # a bug here must fail the request, not leave it hanging
             log.exception("KV export of %s", s.request_id)
             outcome = KVTransferFailure("export_failed", f"KV export failed: {e}")
-        self._done.put(SaveResult(s.request_id, outcome, time.monotonic() - submitted, nbytes))
+        elapsed = time.monotonic() - submitted
+        offer = s.prefix_key is not None
+        self._done.put(SaveResult(s.request_id, outcome, elapsed, nbytes, offer))
         self._on_done()
 
     def _save(self, s: SaveSpec, traceparent: str | None) -> tuple[RemotePrefillParams, int]:
@@ -119,6 +126,7 @@ class KVExporter:
             params_extra=extra,
             traceparent=traceparent,
             fingerprint=self.fingerprint,
+            prefix_key=s.prefix_key,
         )
         try:
             if self._closed:

@@ -112,11 +112,13 @@ class KVLayout:
         buffers: Mapping[str, PlacedView],
         block_ids: list[int],
         slot: int,
+        first: int = 0,
     ) -> int:
-        """Copy pulled buffers into the blocks and the slot; -> bytes copied."""
+        """Copy pulled buffers into the blocks and the slot; -> bytes copied. ``first``: the
+        pulled blocks before it are skipped (the cache holds them already)."""
         n = 0
         for name, _, t in self.paged:
-            src = self._tensor(client, buffers[name])
+            src = self._tensor(client, buffers[name])[first : first + len(block_ids)]
             idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
             t.index_copy_(0, idx, src.to(t.device))
             n += src.numel() * src.element_size()

@@ -6,20 +6,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsv4_kvtransfer.integrity import CHECKSUM_MISMATCH, FINGERPRINT_MISMATCH
-from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import PrefixPullParams, RemotePrefillParams
 
 INTEGRITY_REASONS = frozenset({FINGERPRINT_MISMATCH, CHECKSUM_MISMATCH})
 
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Pull the KV named by ``params`` into ``block_ids`` / ``state_slot`` of a decode request."""
+    """Pull the KV named by ``params`` into ``block_ids`` / ``state_slot`` of a decode request;
+    or, for a prefix pull (``prefix``), the host tier's entry of the prompt's first
+    ``num_tokens`` tokens into the blocks after the ``first_block`` the local cache had."""
 
     request_id: str
-    params: RemotePrefillParams
-    block_ids: list[int]  # allocated for the whole prompt (+ lookahead)
+    params: RemotePrefillParams | None  # None: a prefix pull (params built from ``prefix``)
+    block_ids: list[int]  # allocated for the whole prompt (+ lookahead); a prefix pull's: to load
     state_slot: int
-    num_tokens: int  # tokens of KV to import (the prompt's)
+    num_tokens: int  # tokens of KV to import (the prompt's, or the prefix's)
+    prefix: PrefixPullParams | None = None
+    first_block: int = 0  # a prefix pull: blocks the local cache had (not loaded again)
+    token_ids: list[int] = field(default_factory=list)  # a prefix pull: the prefix's tokens
 
 
 @dataclass(slots=True)
@@ -32,6 +37,7 @@ class SaveSpec:
     num_tokens: int
     prompt_token_ids: list[int]
     first_token: int | None
+    prefix_key: str | None = None  # an offer to the host tier under this key (no response)
 
 
 @dataclass(slots=True)
@@ -86,6 +92,12 @@ class KVConnectorStats:
     export_failures: int = 0
     bytes_pulled: int = 0
     bytes_exported: int = 0
+    # prefix pulls from a host tier: prompt tokens loaded instead of computed, and tokens a
+    # failed or refused pull left to compute; offers of finished prefixes to our host tier
+    prefix_pulls_ok: int = 0
+    prefix_pulled_tokens: int = 0
+    prefix_recomputed_tokens: int = 0
+    prefix_offers: int = 0
     # observations since the last take() (histograms)
     pull_seconds: list[float] = field(default_factory=list)
     export_seconds: list[float] = field(default_factory=list)
@@ -101,6 +113,10 @@ class KVConnectorStats:
             export_failures=self.export_failures,
             bytes_pulled=self.bytes_pulled,
             bytes_exported=self.bytes_exported,
+            prefix_pulls_ok=self.prefix_pulls_ok,
+            prefix_pulled_tokens=self.prefix_pulled_tokens,
+            prefix_recomputed_tokens=self.prefix_recomputed_tokens,
+            prefix_offers=self.prefix_offers,
             pull_seconds=self.pull_seconds,
             export_seconds=self.export_seconds,
         )

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4_kvtransfer.buffers import LayoutError
+from dsv4_kvtransfer.buffers import Layout, LayoutError
 from dsv4_kvtransfer.client import PulledKV, PullFailed, SidecarClient, SidecarError
 from dsv4_kvtransfer.integrity import Fingerprint
 from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.kv_connector.base import KVConnectorWorker
-from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible
+from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.kv_connector.exporter import KVExporter
 from dsv4_serving.engine.kv_connector.kv_layout import KVLayout
 from dsv4_serving.engine.kv_connector.metadata import (
@@ -81,6 +81,34 @@ class SidecarConnectorWorker(KVConnectorWorker):
         self.fingerprint = self.compat.fingerprint(self.layout.rows(), self.layout.parallel)
         self.exporter.fingerprint = self.fingerprint
 
+    def has_host_tier(self) -> bool:
+        """Whether our sidecar keeps offered prefixes (``--kv-host-bytes``)."""
+        try:
+            return int(self.client.info().get("host_bytes") or 0) > 0
+        except (SidecarError, OSError) as e:
+            log.warning("KV sidecar unreachable, no prefix offers: %s", e)
+            return False
+
+    def _prefix_params(self, spec: LoadSpec) -> RemotePrefillParams:
+        """The pull of a host tier's entry as an ordinary pull: its id comes from its key, its
+        size and groups from our own layout (an entry of another layout fails the pull's size
+        check, or the import's)."""
+        assert self.layout is not None and spec.prefix is not None
+        n = self.layout.num_blocks(spec.num_tokens)
+        pull = spec.prefix
+        return RemotePrefillParams(
+            remote_engine_id="host-tier",
+            remote_request_id=pull.transfer_id,
+            remote_block_ids=(),
+            remote_host=pull.remote_host,
+            remote_port=pull.remote_port,
+            remote_transfer_id=pull.transfer_id,
+            remote_lease_expires_at=time.time() + self.pull_timeout_s,
+            remote_num_tokens=spec.num_tokens,
+            remote_total_bytes=Layout.plan(self.layout.specs(n)).total_bytes,
+            remote_cache_groups=self.layout.cache_groups(n),
+        )
+
     # ---- decode: pulls -------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
@@ -104,8 +132,9 @@ class SidecarConnectorWorker(KVConnectorWorker):
         # the sidecar gives up at pull_timeout_s; this bounds us if it stops answering
         deadline = p.started + self.pull_timeout_s + 5.0
         try:
+            params = p.spec.params or self._prefix_params(p.spec)
             st = c.start_pull(
-                p.spec.params,
+                params,
                 timeout_s=self.pull_timeout_s,
                 wait_s=POLL_S,
                 traceparent=p.traceparent,
@@ -167,7 +196,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
                 out.bytes_pulled += self._import(p.spec, result)
                 out.loaded.append(rid)
                 n = self.layout.num_blocks(p.spec.num_tokens) if self.layout else 0
-                out.loaded_kv.append((p.spec.block_ids[:n], p.spec.state_slot))
+                loaded = p.spec.block_ids if p.spec.prefix else p.spec.block_ids[:n]
+                out.loaded_kv.append((loaded, p.spec.state_slot))
                 out.pull_seconds.append(time.monotonic() - p.started)
             except KVIncompatible as e:
                 log.error("request %s: %s", rid, e)
@@ -188,9 +218,27 @@ class SidecarConnectorWorker(KVConnectorWorker):
             )
         n = self.layout.num_blocks(spec.num_tokens)
         self.layout.check(kv.buffers, n)
+        if spec.prefix is not None:
+            self._verify_prefix(spec, kv)
         if time.time() > kv.lease_expires_at - 0.5:  # the sidecar may reuse the extent
             raise SidecarError(0, "expired", "the pulled KV's lease ran out before the import")
+        if spec.prefix is not None:
+            return self.layout.load(
+                self.client, kv.buffers, spec.block_ids, spec.state_slot, spec.first_block
+            )
         return self.layout.load(self.client, kv.buffers, spec.block_ids[:n], spec.state_slot)
+
+    def _verify_prefix(self, spec: LoadSpec, kv: PulledKV) -> None:
+        """The one check of a host tier's entry before it is used: the offering engine's layout
+        and the hash of the tokens it computed (``KVIncompatible`` / ``KVPromptMismatch``
+        either way: the prefix is computed here instead). Transfer checksums go here too."""
+        meta = kv.remote_meta.get("engine_meta")
+        if not isinstance(meta, dict):
+            raise KVIncompatible("the host tier's entry carries no engine metadata")
+        try:
+            self.compat.check(meta, spec.token_ids)
+        except KVPromptMismatch as e:
+            raise KVIncompatible(f"the host tier's entry is of other tokens: {e}") from None
 
     def wait_for_event(self, timeout_s: float) -> None:
         """Until a pull or a save ends (both set the event) or ``timeout_s`` passes."""
@@ -208,7 +256,10 @@ class SidecarConnectorWorker(KVConnectorWorker):
         for r in self.exporter.finished():
             out[r.request_id] = r.outcome
             # the stats are the engine thread's: counted here, not on the exporter's thread
-            if isinstance(r.outcome, KVTransferFailure):
+            if r.offer:  # the host tier's: not a PD export (a duplicate offer is no failure)
+                if not isinstance(r.outcome, KVTransferFailure):
+                    self.stats.bytes_exported += r.nbytes
+            elif isinstance(r.outcome, KVTransferFailure):
                 self.stats.export_failures += 1
             else:
                 self.stats.exports_ok += 1

@@ -19,9 +19,19 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
+from dsv4_kvtransfer.pd_protocol import (
+    PrefillRequestParams,
+    RemotePrefillParams,
+    prefix_pull_of,
+    without_prefix_pull,
+)
 from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.core.sched.prefill_order import Prompt, StepCostModel, prefill_order
+from dsv4_serving.engine.core.sched.prefix_pull import (
+    offer_finished,
+    park_for_prefix,
+    prefix_loaded,
+)
 from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorOutput,
@@ -168,10 +178,17 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         rid = req.request_id
-        if self.connector is not None and self.connector.request_finished(
+        c = self.connector
+        if c is not None and c.request_finished(
             req, status, self.kv.block_ids(rid), self.kv.req_slot.get(rid)
         ):
             self._saving[rid] = req  # freed by saves_done, once the export ended
+        elif (
+            c is not None
+            and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            and offer_finished(self.kv, c, req)
+        ):
+            self._saving[rid] = req  # its offer to the host tier: freed the same way
         else:
             self.kv.free(req)
         del self.requests[rid]
@@ -189,12 +206,15 @@ class Scheduler:
             req = self.waiting_for_remote_kv.pop(rid, None)
             if req is None:
                 continue
-            # every prompt token's KV is there; the last one is computed again for its logits
-            req.num_computed_tokens = req.num_prompt_tokens - 1
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = 0
+            if prefix_pull_of(req.kv_transfer_params) is not None:
+                prefix_loaded(req)  # the rest of its prompt is computed here
+            else:
+                # every prompt token's KV is there; the last one is computed again (logits)
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = 0
+                req.kv_transfer_params = None  # a local request from now on (e.g. preempted)
             req.status = RequestStatus.RUNNING
-            req.kv_transfer_params = None  # a local request from now on (e.g. if preempted)
             self.running.append(req)
             self.kv.cache_blocks(req)
         for rid, failure in out.failed.items():
@@ -206,6 +226,7 @@ class Scheduler:
         assert self.connector is not None
         if self.connector.on_load_failed(req, failure):
             # prefill it here instead: nothing was written to its blocks, start from scratch
+            req.kv_transfer_params = without_prefix_pull(req.kv_transfer_params)
             self.kv.free(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
@@ -221,7 +242,10 @@ class Scheduler:
         each goes out with its ``kv_transfer_params`` (or the error) once the export ended."""
         keep = []
         for o in outputs:
-            if o.request_id in self._saving and o.finish_reason is not None:
+            saving = self._saving.get(o.request_id)
+            # an offer to the host tier holds nothing back: only a PD export's params do
+            pd = saving is not None and isinstance(saving.kv_transfer_params, PrefillRequestParams)
+            if pd and o.finish_reason is not None:
                 self._held[o.request_id] = o
             else:
                 keep.append(o)
@@ -238,6 +262,8 @@ class Scheduler:
         for rid, res in results.items():
             req = self._saving.pop(rid, None)
             if req is not None:
+                if not isinstance(res, KVTransferFailure):
+                    self.kv.offer_stored(req)  # an offer's event (nothing for a PD export)
                 self.kv.free(req)
             o = self._held.pop(rid, None)
             if o is None:
@@ -470,6 +496,15 @@ class Scheduler:
         assert self.connector is not None
         if self.connector.get_num_new_matched_tokens(req) is None:
             return RemoteKV.LOCAL
+        if prefix_pull_of(req.kv_transfer_params) is not None:
+            k = self.config.num_speculative_tokens
+            parked = park_for_prefix(self.kv, self.connector, req, k)
+            if parked is None:
+                return RemoteKV.NO_BLOCKS
+            if not parked:
+                return RemoteKV.LOCAL
+            self.waiting_for_remote_kv[req.request_id] = req
+            return RemoteKV.PARKED
         if not self.kv.allocate_slots(
             req, req.num_tokens, None, self.config.num_speculative_tokens
         ):
