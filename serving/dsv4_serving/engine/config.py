@@ -336,11 +336,6 @@ class EngineConfig:
                 topo.check_model(model_config)
             except TopologyError as exc:
                 raise ConfigError(str(exc)) from None
-            if self.context_parallel_size > 1 and not hasattr(model_config, "hc_mult"):
-                raise ConfigError(
-                    f"--context-parallel-size {self.context_parallel_size} needs a DeepSeek V4 "
-                    "model: V3's MLA has no context-parallel forward yet"
-                )
             experts = getattr(model_config, "n_routed_experts", 0)
             slots = experts + self.eplb_redundant_experts
             if self.enable_eplb and slots % self.expert_parallel_size:
