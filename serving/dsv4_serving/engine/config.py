@@ -101,7 +101,7 @@ class EngineConfig:
     context_parallel_size: int = 1
     """Ranks a prefill chunk's tokens are split over (zig-zag, ``cp_plan.split_chunk``); each
     is a process like a TP rank and holds the whole (replicated) cache; decode steps run on
-    every CP rank unsplit. V4 models; world = tp x cp x dp. Alias ``-cp``."""
+    every CP rank unsplit. V4 and V3 models; world = tp x cp x dp. Alias ``-cp``."""
     exact_moe: bool = False
     """Expert parallelism sums each (token, expert choice)'s row over the EP ranks and adds the
     k choices locally in the single-process order: EP outputs are bitwise those of one process
