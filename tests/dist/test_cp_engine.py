@@ -37,16 +37,16 @@ LONG = "dsv4-tiny-long"
 
 
 def _work(model: str) -> tuple[Work, int]:
-    """Two waves of two requests, and how many tokens of wave 2's long prompt are a prefix
-    of wave 1's."""
+    """Two waves (two requests, then the rest), and how many tokens of wave 2's long prompt
+    are a prefix of wave 1's."""
     rng = random.Random(29)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(256) for _ in range(n)]
 
-    if model == LONG:  # 16K in 4 chunks; wave 2: 8K of it again + 1K, and 4K alone
+    if model == LONG:  # 16K in 4 chunks beside a short one; wave 2: 8K of it again + 500
         a, d = prompt(16384), prompt(20)
-        return [(a, 4), (d, 6), (a[:8192] + prompt(1000), 4), (prompt(4000), 4)], 8192
+        return [(a, 4), (d, 6), (a[:8192] + prompt(500), 4)], 8192
     a, b, d = prompt(1100), prompt(3000), prompt(20)
     return [(a, 5), (b, 4), (a[:1024] + prompt(700), 5), (d, 6)], 1024
 
