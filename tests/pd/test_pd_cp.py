@@ -15,15 +15,20 @@ the prefill instance's cache, so the export carries blocks CP computed in an ear
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 
+from dsv4_serving.engine.worker.worker import PROFILE_ENV
+from tests.helpers import wait_for
 from tests.pd.engines import EngineProc, start_engine
 from tests.pd.sidecars import SidecarFactory
 from tests.pd.test_pd_engine import Pair, assert_all_free, body, run_pd, tokens
@@ -49,6 +54,7 @@ def _items() -> list[tuple[list[int], int]]:
 class Stack:
     ref: EngineProc
     pair: Pair
+    profiles: Path  # the prefill ranks' profiles, written when they exit
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +71,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             return e
 
         ref = eng("ref")
-        pre = eng("pcp2", "--role", "prefill", "-cp", "2", "--kv-sidecar", sp.control_url)
+        os.environ[PROFILE_ENV] = str(tmp / "profiles")  # the prefill's ranks only
+        try:
+            pre = eng("pcp2", "--role", "prefill", "-cp", "2", "--kv-sidecar", sp.control_url)
+        finally:
+            del os.environ[PROFILE_ENV]
         dec = eng("dec", "--role", "decode", "--kv-sidecar", sd.control_url)
         for e in engines:
             e.wait_ready(300)  # 4 processes starting on 2 shared cores
-        yield Stack(ref, Pair(pre, dec, sp, sd, "dsv4-tiny"))
+        yield Stack(ref, Pair(pre, dec, sp, sd, "dsv4-tiny"), tmp / "profiles")
     except BaseException:
         for e in engines:
             print(f"--- engine {e.name} ---\n{e.tail()}")
@@ -106,3 +116,9 @@ def test_cp2_prefill_to_tp1_decode_equals_one_process(stack: Stack) -> None:
     assert dec.metric("dsv4_kv_recomputes_total") == 0
     assert pair.prefill.metric("vllm:prefix_cache_hits_total") >= 512  # b reused a's blocks
     assert_all_free([pair.prefill, dec], [pair.sp, pair.sd])
+    pair.prefill.stop()  # its ranks write their profiles as they exit
+    files = [stack.profiles / f"rank-{r}.json" for r in range(2)]
+    wait_for("the prefill ranks' profiles", lambda: all(f.exists() for f in files), 30)
+    split = [json.loads(f.read_text())["cp_split_steps"] for f in files]
+    print(f"prefill ranks split {split} steps")
+    assert split[0] == split[1] >= 4, split  # CP really split the prompts' chunks
