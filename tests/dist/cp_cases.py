@@ -1,13 +1,13 @@
 """Rank bodies of the context-parallel dist tests (module-level, so spawned ranks can import
-them): dsv4-tiny prefill and decode steps with a step's rows split over the CP group
-(``attention/v4_cp.py:CPShare``) against the same model in one process."""
+them): dsv4-tiny's and dsv3-small's (MLA) prefill and decode steps with a step's rows split
+over the CP group (``attention/v4_cp.py:CPShare``) against the same model in one process."""
 
 from __future__ import annotations
 
 import torch
 
 from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
-from dsv4_serving.attention.v4_cp import CPShare
+from dsv4_serving.attention.v4_cp import CPShare, CPStats
 from dsv4_serving.distributed.groups import ModelParallel
 from dsv4_serving.distributed.parallel_state import destroy_distributed, get_world_group
 from dsv4_serving.distributed.topology import Topology
@@ -30,7 +30,7 @@ def _meta(step: list[tuple[int, int]]) -> AttentionMetadata:
     return AttentionMetadata.build(chunks, BLOCK)
 
 
-def _run(model: torch.nn.Module, cp: bool) -> list[torch.Tensor]:
+def _run(model: torch.nn.Module, cp: CPStats | None) -> list[torch.Tensor]:
     """Every row's logits per step (CP: each rank's rows gathered back to flat order)."""
     g = torch.Generator().manual_seed(11)
     ids = [torch.randint(0, 264, (n,), generator=g) for n in LENGTHS]
@@ -41,26 +41,33 @@ def _run(model: torch.nn.Module, cp: bool) -> list[torch.Tensor]:
         for step in STEPS:
             meta = _meta(step)
             tokens = torch.cat([ids[i][c : c + n] for i, (c, n) in enumerate(step)])
-            if not cp:
+            if cp is None:
                 out.append(model.compute_logits(model(tokens, meta, cache)))  # type: ignore[operator]
                 continue
-            share = CPShare.build(meta, get_world_group(), align=BLOCK)
+            share = CPShare.build(meta, get_world_group(), align=BLOCK, stats=cp)
             streams = model(tokens, meta, cache, cp=share)  # type: ignore[operator]
             (flat,) = share.gather([streams.flatten(1)])
             out.append(model.compute_logits(flat.view(-1, *streams.shape[1:])))  # type: ignore[operator]
     return out
 
 
-def v4_cp(rank: int, world: int, port: int) -> dict[str, float]:
-    """max|diff| / (1e-4 x logit scale) of every row's logits per step; <= 1 passes."""
+def cp_logits(rank: int, world: int, port: int, preset: str) -> dict[str, float]:
+    """max|diff| / (1e-4 x logit scale) of every row's logits per step (<= 1 passes), and
+    what the rank's gathers counted (``CPStats``)."""
     join(rank, port, Topology(dp=world), timeout_s=600.0)  # the reference run first, unevenly
     try:
-        model = build_model("dsv4-tiny", ModelParallel())
-        want = _run(model, cp=False)
-        got = _run(model, cp=True)
+        model = build_model(preset, ModelParallel())
+        want = _run(model, cp=None)
+        stats = CPStats()
+        got = _run(model, cp=stats)
         return {
             f"step{i}": float((a - b).abs().max() / (1e-4 * b.abs().max()))
             for i, (a, b) in enumerate(zip(got, want, strict=True))
-        } | {"bitwise": float(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))}
+        } | {
+            "bitwise": float(all(torch.equal(a, b) for a, b in zip(got, want, strict=True))),
+            "gathers": stats.gathers,
+            "bytes_sent": stats.bytes_sent,
+            "bytes_received": stats.bytes_received,
+        }
     finally:
         destroy_distributed()

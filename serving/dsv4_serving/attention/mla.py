@@ -12,6 +12,7 @@ from torch import nn
 
 from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.attention.mla_step import MLAStep
+from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm
@@ -93,33 +94,48 @@ class MLAttention(nn.Module):
         return k, F.linear(lat, w_uv.view(h * self.v_dim, self.kv_lora)).view(n, h, self.v_dim)
 
     def project(
-        self, x: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[T, h, nope]`` and ``[T, h, rope]`` (rotated), and the latent row each new
-        token stores ``[T, kv_lora + rope]``: ``[kv_norm(c_kv) | rope(k_pe)]``."""
+        token stores ``[T, kv_lora + rope]``: ``[kv_norm(c_kv) | rope(k_pe)]``. ``rows``: the
+        step's rows ``x`` holds (context parallel), else every row."""
         t, h = x.shape[0], self.n_heads
         q = self.wq(x) if self.q_lora is None else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(t, h, self.nope + self.rope_dim)
         cos, sin = meta.cos_sin(self.rotary)
+        if rows is not None:
+            cos, sin = cos[rows], sin[rows]
         q_nope, q_pe = q[..., : self.nope], self._rope(q[..., self.nope :], cos, sin)
         kv_a = self.wkv_a(x)
         c = self.kv_norm(kv_a[:, : self.kv_lora])
         k_pe = self._rope(kv_a[:, self.kv_lora :], cos, sin)
         return q_nope, q_pe, torch.cat((c, k_pe), dim=-1)
 
-    def forward(self, x: torch.Tensor, step: MLAStep, latent_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: MLAStep,
+        latent_cache: torch.Tensor,
+        cp: CPShare | None = None,
+    ) -> torch.Tensor:
         """``step``: this step's plan from the attention backend
         (``attention/backends/mla_torch.py``), built once per step; the backend stores the
-        latents and runs the attention."""
+        latents and runs the attention. ``cp``: context parallel; ``x`` holds this rank's rows
+        (``CPShare.rows``): their latents are all-gathered so every rank writes the whole
+        step's latents (a replicated cache), and attention runs for its rows only."""
         backend = step.backend
-        t, h = x.shape[0], self.n_heads
-        q_nope, q_pe, latent = self.project(x, step.meta)
+        q_nope, q_pe, latent = self.project(x, step.meta, None if cp is None else cp.rows)
+        if cp is not None:
+            (latent,) = cp.gather([latent])
+            q_nope, q_pe = cp.scatter(q_nope), cp.scatter(q_pe)
+        t, h = latent.shape[0], self.n_heads
         backend.write(step, latent_cache, latent)
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
         if step.decode_rows is not None:
             # absorbed form (as vLLM's MLA decode): fold wkv_b's key half into the query and
             # its value half after the softmax, so attention runs over the cached latents
             # directly instead of re-expanding every cached token through wkv_b at every step
+            # (decode rows are replicated: every CP rank computes them)
             rows = step.decode_rows
             w_uk, w_uv = self._absorb_weights()
             q_lat = self._absorb(q_nope[rows], q_pe[rows], w_uk)
@@ -127,8 +143,18 @@ class MLAttention(nn.Module):
             out[rows] = torch.einsum("thl,hvl->thv", o_lat, w_uv).to(x.dtype)
         for seq in step.prefill:
             a, b = seq.start, seq.start + seq.num_new
-            o = backend.prefill(self, step, seq, q_nope[a:b], q_pe[a:b], latent[a:b], latent_cache)
-            out[a:b] = o.to(x.dtype)
+            mine = None if cp is None else cp.chunk_rows(a, b)
+            if mine is None:
+                o = backend.prefill(
+                    self, step, seq, q_nope[a:b], q_pe[a:b], latent[a:b], latent_cache
+                )
+                out[a:b] = o.to(x.dtype)
+            elif mine.numel():  # this rank's queries of a split chunk, the chunk's keys
+                q_n, q_p = q_nope[a:b][mine], q_pe[a:b][mine]
+                o = backend.prefill(self, step, seq, q_n, q_p, latent[a:b], latent_cache, mine)
+                out[a + mine] = o.to(x.dtype)
+        if cp is not None:
+            out = out[cp.rows]
         return self.wo(out.flatten(1))
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""One context-parallel rank's share of a step's flat batch, and the per-layer exchange.
+"""One context-parallel rank's share of a step's flat batch, and the per-layer exchange
+(V4's attention and V3's MLA both use it).
 
 Each prefill chunk is split by ``distributed/cp_plan.py:split_chunk`` (zig-zag over the CP
 group); a chunk too short to split and every decode row are computed by every rank
@@ -9,7 +10,8 @@ replicated rows from rank 0, restored to flat order. Then every rank writes the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +19,27 @@ from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.distributed import comm
 from dsv4_serving.distributed.cp_plan import split_chunk
 from dsv4_serving.distributed.groups import Group
+
+
+@dataclass(slots=True)
+class CPStats:
+    """What a rank's per-layer gathers cost, counted where they run (``CPShare.gather``):
+    calls (one per attention layer of a split step), bytes this rank sent (its rows) and
+    received (every other rank's), and seconds inside the collective (waiting for a slower
+    peer included)."""
+
+    gathers: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "cp_gathers": self.gathers,
+            "cp_bytes_sent": self.bytes_sent,
+            "cp_bytes_received": self.bytes_received,
+            "cp_gather_s": self.seconds,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +50,12 @@ class CPShare:
     own: torch.Tensor  # [m] indices into ``rows`` of what this rank contributes to a gather
     sizes: list[int]  # every rank's contribution
     restore: torch.Tensor  # [T] flat row -> its row in the gathered concatenation
+    stats: CPStats = field(default_factory=CPStats)  # the caller's, to count over many steps
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, group: Group, align: int) -> CPShare:
+    def build(
+        cls, meta: AttentionMetadata, group: Group, align: int, stats: CPStats | None = None
+    ) -> CPShare:
         qsl, cp = meta.query_start_loc, group.size
         split: list[list[int]] = [[] for _ in range(cp)]
         replicated: list[int] = []
@@ -58,6 +84,7 @@ class CPShare:
             own.to(dev),
             [len(o) for o in owned],
             restore.to(dev),
+            stats or CPStats(),
         )
 
     def gather(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -65,8 +92,24 @@ class CPShare:
         packed all-gather."""
         widths = [t.shape[-1] for t in local]
         packed = torch.cat(local, dim=-1)[self.own].contiguous()
-        full = comm.all_gatherv(packed, self.sizes, self.group)[self.restore]
+        start = time.perf_counter()
+        gathered = comm.all_gatherv(packed, self.sizes, self.group)
+        st = self.stats
+        st.seconds += time.perf_counter() - start
+        st.gathers += 1
+        row = packed.element_size() * sum(widths)
+        st.bytes_sent += row * packed.shape[0]
+        st.bytes_received += row * (sum(self.sizes) - packed.shape[0])
+        full = gathered[self.restore]
         return [t.contiguous() for t in full.split(widths, dim=-1)]
+
+    def chunk_rows(self, a: int, b: int) -> torch.Tensor | None:
+        """This rank's rows of the chunk at flat rows ``[a, b)`` as offsets into it
+        (ascending), or None when it computes the whole chunk (a replicated chunk)."""
+        mine = self.mask[a:b]
+        if bool(mine.all()):
+            return None
+        return mine.nonzero().squeeze(1)
 
     def scatter(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows in a zero ``[T, ...]`` tensor (the query side reads its rows)."""

@@ -105,7 +105,7 @@ class EngineConfig:
     context_parallel_size: int = 1
     """Ranks a prefill chunk's tokens are split over (zig-zag, ``cp_plan.split_chunk``); each
     is a process like a TP rank and holds the whole (replicated) cache; decode steps run on
-    every CP rank unsplit. V4 models; world = tp x cp x dp. Alias ``-cp``."""
+    every CP rank unsplit. V4 and V3 models; world = tp x cp x dp. Alias ``-cp``."""
     exact_moe: bool = False
     """Expert parallelism sums each (token, expert choice)'s row over the EP ranks and adds the
     k choices locally in the single-process order: EP outputs are bitwise those of one process
@@ -340,11 +340,6 @@ class EngineConfig:
                 topo.check_model(model_config)
             except TopologyError as exc:
                 raise ConfigError(str(exc)) from None
-            if self.context_parallel_size > 1 and not hasattr(model_config, "hc_mult"):
-                raise ConfigError(
-                    f"--context-parallel-size {self.context_parallel_size} needs a DeepSeek V4 "
-                    "model: V3's MLA has no context-parallel forward yet"
-                )
             experts = getattr(model_config, "n_routed_experts", 0)
             slots = experts + self.eplb_redundant_experts
             if self.enable_eplb and slots % self.expert_parallel_size:

@@ -113,7 +113,8 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def check_cp_model(model: str) -> None:
-    """``--context-parallel-size`` needs a V4 model: refused here, before any rank starts."""
+    """``--context-parallel-size`` needs a model with a CP forward (V4, V3's MLA): refused
+    here, before any rank starts."""
     from dsv4_serving.models.config import architecture_of, read_config_json
     from dsv4_serving.presets.configs import PRESETS, preset_config
 
@@ -123,10 +124,9 @@ def check_cp_model(model: str) -> None:
         )
     except ValueError as exc:
         raise ConfigError(f"{model}: {exc}") from None
-    if arch != "DeepseekV4ForCausalLM":
+    if arch not in ("DeepseekV4ForCausalLM", "DeepseekV3ForCausalLM"):
         raise ConfigError(
-            f"--context-parallel-size needs a DeepSeek V4 model; {model} is {arch} (V3's MLA "
-            "has no context-parallel forward yet)"
+            f"--context-parallel-size needs a DeepSeek V4 or V3 model; {model} is {arch}"
         )
 
 

@@ -12,6 +12,7 @@ from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.attention.mla import MLAttention
 from dsv4_serving.attention.mla_step import MLAStep
 from dsv4_serving.attention.selector import DeviceBackend
+from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.moe import SwiGLU, V3MoE
 from dsv4_serving.layers.norm import RMSNorm
@@ -56,8 +57,10 @@ class V3Block(nn.Module):
                 q,
             )
 
-    def forward(self, x: torch.Tensor, step: MLAStep, cache: MLAKVCache) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), step, cache.layer(self.layer))
+    def forward(
+        self, x: torch.Tensor, step: MLAStep, cache: MLAKVCache, cp: CPShare | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), step, cache.layer(self.layer), cp=cp)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -130,12 +133,20 @@ class DeepseekV3ForCausalLM(nn.Module):
         return cache
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: MLAKVCache
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: MLAKVCache,
+        cp: CPShare | None = None,
     ) -> torch.Tensor:
+        """``cp``: context parallel; this rank runs its rows (``CPShare.rows``) of
+        ``input_ids`` (every row's) and returns their hidden states."""
+        if cp is not None:
+            input_ids = input_ids[cp.rows]
         x = self.embed(input_ids)
         step = self.attention_backend(x.device).plan(meta, cache.block_size)
         for block in self.layers:
-            x = block(x, step, cache)
+            x = block(x, step, cache, cp)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

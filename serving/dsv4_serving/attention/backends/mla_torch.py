@@ -75,14 +75,19 @@ class MLATorch(AttentionBackend[MLAStep]):
         q_pe: torch.Tensor,
         latent: torch.Tensor,
         pool: Any,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One prefill chunk -> ``[n, h, v_head_dim]`` float32, in the MHA form (vLLM's MLA
         prefill): the chunk's and its cached context's latents expanded through ``wkv_b`` into
         per-head keys and values, then causal SDPA. For a chunk attending to about as many keys
         as it has queries this is about a quarter of the absorbed form's FLOPs (head dim
-        nope + rope and v against kv_lora + rope twice)."""
+        nope + rope and v against kv_lora + rope twice). ``rows``: the chunk offsets
+        (ascending) of the queries given, a context-parallel rank's share; ``latent`` is still
+        the whole chunk's, and each query sees exactly the keys up to its own position."""
         ctx, n = seq.context_len, seq.num_new
         lat = latent.float()
+        if rows is not None:  # keys past the last query are masked for every query: not read
+            lat = lat[: int(rows[-1]) + 1]
         if ctx:
             prefix = self.latents(pool, step.meta.block_tables[seq.seq], ctx).float()
             lat = torch.cat((prefix, lat), dim=0)
@@ -95,15 +100,16 @@ class MLATorch(AttentionBackend[MLAStep]):
             # the CPU flash kernel wants one head dim for q, k and v (vLLM pads likewise)
             v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
         mask = None
-        if ctx:  # queries sit after the context: causal with an offset, as an explicit mask
+        if ctx or rows is not None:  # causal with an offset (or a row subset): an explicit mask
             kpos = torch.arange(keys, device=lat.device)
-            mask = kpos[None, :] <= (ctx + torch.arange(n, device=lat.device))[:, None]
+            qpos = torch.arange(n, device=lat.device) if rows is None else rows
+            mask = kpos[None, :] <= (ctx + qpos)[:, None]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
             attn_mask=mask,
-            is_causal=not ctx,
+            is_causal=mask is None,
             scale=layer.scale,
         )
         return o[0].transpose(0, 1)[..., :dv]

@@ -13,10 +13,12 @@ split gives to CP rank 0, the rank that samples (``ModelRunner.samples``).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from dsv4_serving.attention.metadata import AttentionMetadata
-from dsv4_serving.attention.v4_cp import CPShare
+from dsv4_serving.attention.v4_cp import CPShare, CPStats
 from dsv4_serving.distributed.cp_plan import split_chunk
 from dsv4_serving.distributed.groups import Group
 
@@ -32,12 +34,13 @@ class CPForward:
     """Called as the model: ``(input_ids, meta, cache) -> hidden`` of every row."""
 
     def __init__(self, model: torch.nn.Module, group: Group, align: int) -> None:
-        if not hasattr(model, "attention_backend") or not hasattr(model.config, "hc_mult"):
+        if "cp" not in inspect.signature(model.forward).parameters:
             raise TypeError(f"{type(model).__name__} has no context-parallel forward")
         self.model = model
         self.group = group
         self.align = align
         self.split_steps = 0  # steps that ran split (tests: CP really ran)
+        self.stats = CPStats()  # the per-layer gathers of every split step
 
     def __call__(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: object
@@ -45,6 +48,10 @@ class CPForward:
         if not splits(meta, self.group.size, self.align):
             return self.model(input_ids, meta, cache)  # type: ignore[no-any-return]
         self.split_steps += 1
-        share = CPShare.build(meta, self.group, self.align)
+        share = CPShare.build(meta, self.group, self.align, self.stats)
         local = self.model(input_ids, meta, cache, cp=share)
         return share.scatter(local)
+
+    def profile(self) -> dict[str, float]:
+        """What the rank's profile (``DSV4_COMM_PROFILE``) records of CP."""
+        return {"cp_split_steps": self.split_steps, **self.stats.as_dict()}

@@ -91,20 +91,23 @@ def rank_main(config: EngineConfig, rank: int, placement: Placement, in_q: Any, 
     finally:
         destroy_distributed()
     if PROFILE_ENV in os.environ and runner is not None:
-        split = getattr(runner.forward, "split_steps", 0)
-        write_comm_profile(Path(os.environ[PROFILE_ENV]), rank, runner.forwards, split)
+        cp = getattr(runner.forward, "profile", dict)()  # CPForward's counts
+        write_comm_profile(Path(os.environ[PROFILE_ENV]), rank, runner.forwards, cp)
 
 
-def write_comm_profile(folder: Path, rank: int, forwards: int, cp_split_steps: int = 0) -> None:
-    """This rank's time in collectives, its forward steps and those that ran split over the
-    CP group, as ``rank-N.json``."""
+def write_comm_profile(
+    folder: Path, rank: int, forwards: int, cp: dict[str, float] | None = None
+) -> None:
+    """This rank's time in collectives, its forward steps and, under CP, those that ran split
+    and what their gathers cost (``CPForward.profile``), as ``rank-N.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     body = {
         "rank": rank,
         "comm_s": COMM.seconds,
         "comm_calls": COMM.calls,
         "steps": forwards,
-        "cp_split_steps": cp_split_steps,
+        "cp_split_steps": 0,
+        **(cp or {}),
     }
     (folder / f"rank-{rank}.json").write_text(json.dumps(body))
 
