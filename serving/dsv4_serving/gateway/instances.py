@@ -128,9 +128,12 @@ class InstancePool:
         for url in [u for u, i in self._by_url.items() if i.role == role and u not in wanted]:
             del self._by_url[url]
         for url in sorted(wanted):
-            if url not in self._by_url:
-                self._by_url[url] = Instance(url=url, role=role, dp_size=dp_size)
-            self._by_url[url].revision = (revisions or {}).get(url, "")
+            revision = (revisions or {}).get(url, "")
+            known = self._by_url.get(url)
+            # another revision at a known address is another engine: a fresh Instance, and the
+            # requests already routed keep the revision they were paired under
+            if known is None or known.revision != revision:
+                self._by_url[url] = Instance(url=url, role=role, dp_size=dp_size, revision=revision)
 
     def all(self) -> list[Instance]:
         return list(self._by_url.values())

@@ -106,10 +106,12 @@ def test_the_proxy_pairs_a_decode_of_its_prefills_revision_only() -> None:
     assert pairs == 4
 
 
-def test_set_members_keeps_state_and_updates_revisions() -> None:
+def test_another_revision_at_a_known_address_is_another_instance() -> None:
     pool = InstancePool()
     pool.set_members("decode", ["http://d:1"], revisions={"http://d:1": "a"})
     inst = pool.all()[0]
-    inst.routed = 7
+    pool.set_members("decode", ["http://d:1"], revisions={"http://d:1": "a"})
+    assert pool.all()[0] is inst  # same revision: its state is kept
     pool.set_members("decode", ["http://d:1"], revisions={"http://d:1": "b"})
-    assert pool.all()[0] is inst and inst.revision == "b" and inst.routed == 7
+    # a request paired under the old revision still sees "a" on the instance it holds
+    assert inst.revision == "a" and pool.all()[0].revision == "b"
