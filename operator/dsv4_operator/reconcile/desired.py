@@ -45,14 +45,28 @@ class Facts:
     """Instances the autoscaler is draining: left as they are until it deletes them."""
 
 
-def rollout_plans(spec: DeploymentSpec, facts: Facts) -> dict[Role, RolePlan]:
-    """Per role, the instances rendered at the spec's revision and those kept as they are."""
-    rev = revision(spec)
-    # until the new revision has a ready instance of every role, it cannot serve a request:
-    # the old one keeps all its ready instances (rollout/plan.py)
+def _holds(spec: DeploymentSpec, facts: Facts, rev: str) -> dict[Role, bool]:
+    """Per role, whether its ready old instances must stay this sync (rollout/plan.py)."""
+    # until the new revision has a ready instance of every role it cannot serve a request, so
+    # the old one keeps all its ready instances
     complete = all(
         new_revision_serves(facts.slots.get(r, ()), rev) for r in ROLES if spec.role(r).instances
     )
+    # prefill first: a request prefilled on an old instance is decoded on an old one, so old
+    # decodes stay until every prefill instance is a ready one of the new revision (the old
+    # pods are gone then: a StatefulSet starts a pod's successor after it ended)
+    prefill_done = all(s.revision == rev and s.ready for s in facts.slots.get("prefill", ()))
+    # with no surge a role's new instances come only from replacing old ones: never held
+    return {
+        "prefill": not complete and spec.prefill.rollout.max_surge > 0,
+        "decode": (not complete or not prefill_done) and spec.decode.rollout.max_surge > 0,
+    }
+
+
+def rollout_plans(spec: DeploymentSpec, facts: Facts) -> dict[Role, RolePlan]:
+    """Per role, the instances rendered at the spec's revision and those kept as they are."""
+    rev = revision(spec)
+    holds = _holds(spec, facts, rev)
     plans: dict[Role, RolePlan] = {}
     for r in ROLES:
         role = spec.role(r)
@@ -62,7 +76,7 @@ def rollout_plans(spec: DeploymentSpec, facts: Facts) -> dict[Role, RolePlan]:
             rev,
             role.rollout.max_surge,
             role.rollout.max_unavailable,
-            hold_old=not complete and role.rollout.max_surge > 0,
+            hold_old=holds[r],
             pinned=facts.pinned.get(r, frozenset()),
         )
     return plans

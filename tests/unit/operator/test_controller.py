@@ -386,24 +386,32 @@ def test_a_spec_change_rolls_one_instance_at_a_time_new_ones_first(cpu_cr: dict[
     _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-prefill-2", "v4-decode-0"})
     ctl.sync("ml", "v4")
     assert _revisions(kube, "prefill")["v4-prefill-0"] == a
-    # both new instances ready: one old instance per role is replaced
+    # both new instances ready: an old prefill instance is replaced; the old decode waits for
+    # the old prefills (a request prefilled there is decoded on an old decode)
     _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-prefill-2", "v4-decode-0", "v4-decode-1"})
     ctl.sync("ml", "v4")
     assert _revisions(kube, "prefill") == {"v4-prefill-0": b, "v4-prefill-1": a, "v4-prefill-2": b}
-    assert _revisions(kube, "decode") == {"v4-decode-0": b, "v4-decode-1": b}
-    # while they restart, nothing more goes
-    _settle(kube, {"v4-prefill-1", "v4-prefill-2", "v4-decode-1"})
+    assert _revisions(kube, "decode") == {"v4-decode-0": a, "v4-decode-1": b}
+    # while it restarts, nothing more goes
+    _settle(kube, {"v4-prefill-1", "v4-prefill-2", "v4-decode-0", "v4-decode-1"})
     ctl.sync("ml", "v4")
     assert _revisions(kube, "prefill")["v4-prefill-1"] == a
-    assert set(_revisions(kube, "decode")) == {"v4-decode-0", "v4-decode-1"}
     every = {"v4-prefill-0", "v4-prefill-1", "v4-prefill-2", "v4-decode-0", "v4-decode-1"}
     _settle(kube, every)
     ctl.sync("ml", "v4")
     assert _revisions(kube, "prefill") == {"v4-prefill-0": b, "v4-prefill-1": b, "v4-prefill-2": b}
-    assert _revisions(kube, "decode") == {"v4-decode-0": b}  # the surge decode is gone
+    assert _revisions(kube, "decode")["v4-decode-0"] == a  # prefill-1 is not ready yet
+    # every prefill ready at the new revision: the old decode goes, and the prefill surge
+    # (each role's surge goes once that role is rolled out)
     _settle(kube, every)
     ctl.sync("ml", "v4")
     assert _revisions(kube, "prefill") == {"v4-prefill-0": b, "v4-prefill-1": b}
+    assert _revisions(kube, "decode") == {"v4-decode-0": b, "v4-decode-1": b}
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-decode-0", "v4-decode-1"})
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "decode") == {"v4-decode-0": b}  # the surge decode is gone
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-decode-0"})
+    ctl.sync("ml", "v4")
     status = _status(kube)
     rolled = next(c for c in status["conditions"] if c["type"] == "RolledOut")
     assert rolled["status"] == "True" and status["revision"] == b and status["updated"] == "3/3"
