@@ -7,7 +7,9 @@ instance is replaced (its StatefulSet's template changes, its pod drains on SIGT
 at the new revision) only while the ready instances of the role stay at least the count minus
 ``maxUnavailable``, and not before the new revision has a ready instance of every role (the
 gateway pairs prefill and decode of one revision only: until then the old revision must keep
-serving whole). Surge instances are removed once every instance runs the new revision and is
+serving whole); old decode instances also wait until every prefill instance is a ready one of
+the new revision (``hold_old``, reconcile/desired.py: a request prefilled on an old instance is
+decoded on an old one). Surge instances are removed once every instance runs the new revision and is
 ready. An instance the autoscaler is draining is left alone.
 """
 
