@@ -117,7 +117,9 @@ def test_counts_ready_starting_blocked_draining() -> None:
         _sts("v4-prefill-2", "prefill", 2, False),
         _sts("v4-decode-0", "decode", 0, True),
         _sts("v4-decode-1", "decode", 1, True),
+        _sts("v4-decode-2", "decode", 2, True),
     ]
+    workloads[-1]["metadata"]["labels"]["serving.dsv4.io/surge"] = "true"  # a rollout's
     # 2026-01-01T00:00:00Z is 1767225600
     pods = [
         _pod("prefill", 1, "2026-01-01T00:00:00Z"),  # refused 61 s ago: blocked
