@@ -144,7 +144,9 @@ def _revisions(cluster: Any, ns: str) -> dict[str, str]:
     }
 
 
-def test_an_engine_flag_change_rolls_out_new_instances_first(tiny: tuple[Any, str]) -> None:
+def test_an_engine_flag_change_rolls_out_new_instances_first(
+    tiny: tuple[Any, str], operator: OperatorService
+) -> None:
     cluster, ns = tiny
     before = _status(cluster, ns, "tiny")["revision"]
     assert set(_revisions(cluster, ns).values()) == {before}
@@ -175,6 +177,13 @@ def test_an_engine_flag_change_rolls_out_new_instances_first(tiny: tuple[Any, st
     for surge in ("StatefulSet tiny-prefill-1", "StatefulSet tiny-decode-1"):
         assert f"created {surge}" in said or f", {surge}" in said, said
         assert "deleted " in said and surge in said
+    # and then it rests: no write once rolled out
+    time.sleep(3)
+    writes = {v: operator.metric("dsv4_operator_api_requests_total", verb=v) for v in ("apply",)}
+    time.sleep(5)
+    assert writes == {
+        v: operator.metric("dsv4_operator_api_requests_total", verb=v) for v in ("apply",)
+    }
 
 
 def test_a_hand_edit_of_a_child_is_reverted(tiny: tuple[Any, str]) -> None:
