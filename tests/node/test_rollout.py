@@ -12,6 +12,7 @@ import time
 import urllib.request
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.node.conftest import RealClusterHandle, deployment, operator_release
@@ -76,6 +77,7 @@ class Load:
         return sum(1 for r in self.results if r[0] > t and r[2] == "ok")
 
 
+@pytest.mark.timeout(1200)  # two pod starts per role after the deployment's own
 def test_a_rolling_update_under_streaming_load_fails_no_request(
     real_cluster: Any, real_handle: RealClusterHandle, app_images: dict[str, str]
 ) -> None:
