@@ -142,11 +142,13 @@ def apply_children(
     live: Live,
     uid: str,
     may_exist: Callable[[str, str, str], bool] = lambda kind, namespace, name: True,
+    keep: frozenset[Key] = frozenset(),
 ) -> ApplyResult:
     """Apply (server-side, forced) each desired child that differs from its live copy, then
     delete live children that are not desired. An unchanged child costs no request; one missing
     from ``live`` is read first (it may be someone else's, or ``live`` may lag) unless
-    ``may_exist`` says its name is free.
+    ``may_exist`` says its name is free. A child in ``keep`` is neither applied nor deleted
+    (an instance a rollout has not replaced yet).
 
     The changed children are first applied as a dry run, all of them: one the API server refuses
     leaves every child as it was (no half-built deployment, nothing pruned). A single change is
@@ -193,7 +195,7 @@ def apply_children(
             UPDATED.labels(key[0]).inc()
     if result.refused:
         return result  # pruning waits for a desired set that applies whole
-    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired} | keep
     for kind, name in sorted(set(live) - wanted):
         obj = live[(kind, name)]
         kube.delete(kind, obj["metadata"]["namespace"], name)

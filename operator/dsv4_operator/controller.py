@@ -10,16 +10,18 @@ the queue, which logs it and retries with back-off.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import Counter, Histogram
 
 from dsv4_operator.api import KIND
-from dsv4_operator.api.spec import DeploymentSpec, parse
+from dsv4_operator.api.spec import ROLES, DeploymentSpec, parse
 from dsv4_operator.autoscaling.plan import (
     PlanBook,
     ScalePlan,
     effective_spec,
+    instance_index,
     role_scales,
     routing_configmap,
 )
@@ -36,7 +38,9 @@ from dsv4_operator.kube import KubeApi
 from dsv4_operator.observe import LWS_CRD, observe
 from dsv4_operator.queue import Retry
 from dsv4_operator.reconcile import ReconcileError, desired_children, names
+from dsv4_operator.reconcile.desired import Facts, instance_revisions, kept_children
 from dsv4_operator.reconcile.host_access import HostAccess, check_host_access
+from dsv4_operator.reconcile.revision import revision
 from dsv4_operator.reconcile.status import Observed, compute_status
 
 SYNCS = Counter("dsv4_operator_syncs", "Syncs of a DeepSeekV4Deployment", ["result"])
@@ -57,6 +61,17 @@ def _inputs(body: dict[str, Any]) -> tuple[Any, ...]:
     """What a sync reads of the deployment besides its status."""
     meta = body["metadata"]
     return meta.get("generation"), meta.get("labels"), meta.get("deletionTimestamp")
+
+
+def _pinned(spec: DeploymentSpec, facts: Facts, plan: ScalePlan | None) -> Facts:
+    """``facts`` with the instances the autoscaler drains (a rollout leaves them alone)."""
+    if plan is None:
+        return facts
+    pinned = {
+        r: frozenset(i for d in plan.draining[r] if (i := instance_index(spec, r, d)) is not None)
+        for r in ROLES
+    }
+    return replace(facts, pinned=pinned)
 
 
 def _names(keys: list[tuple[str, str]]) -> str:
@@ -173,16 +188,20 @@ class Controller:
         refused: list[str] = []
         try:
             check_host_access(spec, self.host_access)
-            desired = desired_children(spec, seen.facts)
-            if plan is not None:
-                desired.append(routing_configmap(spec, plan))
-                if spec.autoscaling.mode == "External":
-                    desired += role_scales(spec)
+            facts = _pinned(spec, seen.facts, plan)
+            desired = desired_children(spec, facts)
+            # every gateway reads it: the draining instances, and each instance's revision
+            revisions = instance_revisions(spec, facts)
+            desired.append(routing_configmap(spec, plan, revision(spec), revisions))
+            if plan is not None and spec.autoscaling.mode == "External":
+                desired += role_scales(spec)
         except ReconcileError as e:
             # nothing is applied or pruned while the spec cannot be built
             observed = observed.with_problems([str(e)], e.reason)
         else:
-            result = apply_children(self.kube, desired, live, spec.uid, self.view.may_exist)
+            result = apply_children(
+                self.kube, desired, live, spec.uid, self.view.may_exist, kept_children(spec, facts)
+            )
             self.view.remember(result)
             announce(self.kube, body, result)
             if result.seen or result.deleted:

@@ -15,6 +15,7 @@ from dsv4_operator.reconcile.desired import Facts
 from dsv4_operator.reconcile.identity import LWS_GROUP_INDEX, LWS_WORKER_INDEX, STS_POD_INDEX
 from dsv4_operator.reconcile.ranktable import PodPlacement
 from dsv4_operator.reconcile.status import Observed
+from dsv4_operator.rollout.plan import Slot
 
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 _BAD_WAITING = {
@@ -94,6 +95,20 @@ def workload_ready(obj: dict[str, Any]) -> bool:
     )
 
 
+def _slot(obj: dict[str, Any]) -> Slot | None:
+    """A StatefulSet as an instance of the rollout: its index, revision and readiness."""
+    labels = obj["metadata"].get("labels") or {}
+    index = labels.get(names.INSTANCE_LABEL, "")
+    if not index.isdigit():
+        return None
+    return Slot(
+        int(index),
+        labels.get(names.REVISION_LABEL, ""),
+        workload_ready(obj),
+        surge=labels.get(names.SURGE_LABEL) == "true",
+    )
+
+
 def _role_of(obj: dict[str, Any]) -> str | None:
     role: str | None = (obj["metadata"].get("labels") or {}).get(names.ROLE_LABEL)
     return role
@@ -118,14 +133,18 @@ def observe(
             problems.append(problem)
 
     ready: dict[Role, int] = {r: 0 for r in ROLES}
+    slots: dict[Role, list[Slot]] = {r: [] for r in ROLES}
     for (kind, _), obj in live.items():
         role = _role_of(obj)
         if role not in ROLES:
             continue
         if kind == "LeaderWorkerSet" and spec.scheduling.use_lws:
             ready[role] = int((obj.get("status") or {}).get("readyReplicas") or 0)
-        elif kind == "StatefulSet" and not spec.scheduling.use_lws and workload_ready(obj):
-            ready[role] += 1
+        elif kind == "StatefulSet" and not spec.scheduling.use_lws:
+            slot = _slot(obj)
+            if slot is not None:
+                slots[role].append(slot)
+            ready[role] += workload_ready(obj)
 
     gw = live.get(("Deployment", names.gateway_name(spec)))
     gateway_ready = int(((gw or {}).get("status") or {}).get("readyReplicas") or 0)
@@ -135,6 +154,7 @@ def observe(
         kv_token=token or secrets.token_urlsafe(32),
         placements=placements,
         lws_available=lws_available,
+        slots={r: tuple(sorted(v, key=lambda x: x.index)) for r, v in slots.items()},
     )
     problems.sort(key=lambda p: p[1])
     observed = Observed(
@@ -142,5 +162,6 @@ def observe(
         gateway_ready=gateway_ready,
         problems=[m for _, m in problems],
         problem_reason=problems[0][0] if problems else "",
+        slots=facts.slots,
     )
     return Observation(facts=facts, observed=observed)

@@ -135,6 +135,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.decode.terminationGracePeriodSeconds in body should be greater than or equal to 10",
     ),
     (
+        "a rollout that could replace no instance",
+        _cr(decode={"rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
+        "rollout: maxSurge and maxUnavailable cannot both be 0",
+    ),
+    (
         "environment variable name Kubernetes refuses",
         _cr(prefill={"env": {"1BAD": "x"}}),
         "prefill.env: variable names must be letters, digits",

@@ -36,6 +36,7 @@ from dsv4_operator.api.fields import (
 )
 from dsv4_operator.api.observability_spec import ObservabilitySpec
 from dsv4_operator.api.parallelism_spec import RANKS_CEL, Parallelism, cp_rules
+from dsv4_operator.api.rollout_spec import RolloutSpec
 from dsv4_operator.api.scheduling_spec import SchedulingSpec
 from dsv4_operator.api.schema import (
     Schema,
@@ -86,6 +87,7 @@ OWNED_ENGINE_FLAGS = (
     "--quantization",
     "--rank-table",
     "--rendezvous-timeout",
+    "--revision",
     "--role",
     "--served-model-name",
     "--shutdown-timeout",
@@ -325,6 +327,7 @@ class RoleSpec:
         ),
         key="terminationGracePeriodSeconds",
     )
+    rollout: RolloutSpec = section(RolloutSpec)
 
     @property
     def on_npu(self) -> bool:

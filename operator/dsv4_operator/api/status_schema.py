@@ -19,6 +19,8 @@ def _role_status() -> Schema:
             "desired": integer("Instances wanted."),
             "ready": integer("Instances whose every pod is ready."),
             "summary": string("ready/desired, for kubectl get."),
+            "updated": integer("Ready instances running the current revision."),
+            "old": integer("Instances still running an earlier revision (a rollout is on)."),
             "draining": string_list(
                 "Instances being drained before deletion (autoscaler scale-down): the gateway "
                 "routes them no new requests."
@@ -30,7 +32,9 @@ def _role_status() -> Schema:
 def status_schema() -> Schema:
     condition = obj(
         {
-            "type": string("Ready, Progressing or Degraded."),
+            "type": string(
+                "Ready, Progressing, Degraded, RolledOut, AutoscalingActive or ScalingLimited."
+            ),
             "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
             "reason": string("CamelCase reason."),
             "message": string("Human-readable detail."),
@@ -43,6 +47,13 @@ def status_schema() -> Schema:
         {
             "observedGeneration": {"type": "integer", "format": "int64"},
             "phase": string("Pending, Progressing, Ready or Degraded."),
+            "revision": string(
+                "The spec's revision: the hash of what engine pods run (model, image, engine "
+                "flags); pods carry it as serving.dsv4.io/revision."
+            ),
+            "updated": string(
+                "Ready instances at the current revision / instances wanted, both roles."
+            ),
             "prefill": _role_status(),
             "decode": _role_status(),
             "gateway": obj(
@@ -89,6 +100,19 @@ def printer_columns() -> list[dict[str, Any]]:
             "description": "ready/desired decode instances",
         },
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {
+            "name": "Updated",
+            "type": "string",
+            "jsonPath": ".status.updated",
+            "description": "ready instances at the current revision / instances wanted",
+        },
+        {
+            "name": "Revision",
+            "type": "string",
+            "jsonPath": ".status.revision",
+            "description": "the revision engine pods are rolled to",
+            "priority": 1,
+        },
         {
             "name": "TTFT",
             "type": "string",

@@ -3,7 +3,8 @@
 An instance is one engine StatefulSet. It is ready when every pod is (``observe``'s rule), else
 starting; a starting instance with a pod the scheduler has refused for longer than
 ``blocked_after_s`` is blocked (capacity that will not come).
-Instances being drained are counted apart: they are neither capacity nor on their way.
+Instances being drained are counted apart: they are neither capacity nor on their way. A
+rollout's surge instances are not counted (they go when the rollout ends).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def role_counts(
         for w in workloads:
             meta = w["metadata"]
             labels = meta.get("labels") or {}
-            if labels.get(names.ROLE_LABEL) != role:
+            # a rollout's surge instance is there only until the rollout ends: not capacity
+            if labels.get(names.ROLE_LABEL) != role or labels.get(names.SURGE_LABEL) == "true":
                 continue
             if meta["name"] in draining.get(role, ()):
                 drained += 1

@@ -24,7 +24,8 @@ from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.identity import STS_POD_INDEX
 
 ROUTING_KEY = "routing.json"
-"""Key of the routing ConfigMap ``<name>-routing``: ``{"draining": [instance names]}``."""
+"""Key of the routing ConfigMap ``<name>-routing``: ``{"draining": [instance names],
+"revision": newest, "revisions": {instance: revision}}``."""
 
 ConditionTuple = tuple[str, str, str, str]
 
@@ -95,16 +96,26 @@ def effective_spec(spec: DeploymentSpec, plan: ScalePlan | None) -> DeploymentSp
     )
 
 
-def routing_configmap(spec: DeploymentSpec, plan: ScalePlan | None) -> dict[str, Any]:
-    """What every gateway replica reads to stop routing new requests to draining instances."""
+def routing_configmap(
+    spec: DeploymentSpec,
+    plan: ScalePlan | None,
+    revision: str = "",
+    revisions: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """What every gateway replica reads to stop routing new requests to draining instances,
+    and to pair prefill and decode of one revision only (``revision``: the newest, preferred;
+    ``revisions``: each instance's)."""
     draining = sorted(d for r in ROLES for d in (plan.draining[r] if plan else ()))
+    doc: dict[str, Any] = {"draining": draining}
+    if revision:
+        doc |= {"revision": revision, "revisions": dict(sorted((revisions or {}).items()))}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": names.metadata(
             spec, names.routing_name(spec), names.base_labels(spec, "routing")
         ),
-        "data": {ROUTING_KEY: json.dumps({"draining": draining})},
+        "data": {ROUTING_KEY: json.dumps(doc)},
     }
 
 

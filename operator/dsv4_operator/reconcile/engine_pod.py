@@ -50,9 +50,12 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def engine_command(role: RoleSpec, prompt_deadline_s: float | None = None) -> list[str]:
+def engine_command(
+    role: RoleSpec, prompt_deadline_s: float | None = None, revision: str = ""
+) -> list[str]:
     """The per-role flags; the deployment-wide settings are in engine.json (``--config``).
-    ``prompt_deadline_s``: the SLO-aware prompt order (``autoscaling.prefill``), prefill only."""
+    ``prompt_deadline_s``: the SLO-aware prompt order (``autoscaling.prefill``), prefill only;
+    ``revision``: the deployment revision the engine runs as (reconcile/revision.py)."""
     par = role.parallelism
     cmd = [
         "dsv4",
@@ -93,6 +96,8 @@ def engine_command(role: RoleSpec, prompt_deadline_s: float | None = None) -> li
     if prompt_deadline_s is not None and role.role == "prefill":
         # the decode role computes no prompts (their KV is pulled), so it keeps FCFS
         cmd += ["--prompt-deadline", f"{prompt_deadline_s:g}"]
+    if revision:
+        cmd += ["--revision", revision]
     return cmd + role.engine_args
 
 
@@ -193,9 +198,12 @@ def _volumes(
     return volumes, mounts
 
 
-def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> dict[str, Any]:
+def pod_template(
+    spec: DeploymentSpec, role: RoleSpec, identity: Identity, revision: str = ""
+) -> dict[str, Any]:
     """Pod template of ``role``'s engine pods; ``identity`` says how a pod learns its instance
-    and node rank (the workload kind decides)."""
+    and node rank (the workload kind decides); ``revision``: labelled and passed to the engine
+    (empty: neither, which is how the revision itself is computed)."""
     volumes, mounts = _volumes(spec, role, identity)
     shutdown = role_shutdown(role)
     env = [
@@ -212,7 +220,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "name": "engine",
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": engine_command(role, spec.autoscaling.prefill.prompt_deadline_s),
+        "command": engine_command(role, spec.autoscaling.prefill.prompt_deadline_s, revision),
         "env": env,
         "ports": [{"name": names.METRICS_PORT_NAME, "containerPort": ENGINE_PORT}],
         "resources": _engine_resources(spec, role),
@@ -267,4 +275,7 @@ def pod_template(spec: DeploymentSpec, role: RoleSpec, identity: Identity) -> di
         "imagePullSecrets": [{"name": s} for s in spec.engine.image_pull_secrets],
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
-    return {"metadata": {"labels": identity.labels(spec, role)}, "spec": pod_spec}
+    labels = identity.labels(spec, role)
+    if revision:
+        labels = {**labels, names.REVISION_LABEL: revision}
+    return {"metadata": {"labels": labels}, "spec": pod_spec}

@@ -11,6 +11,12 @@ from dsv4_operator.api.spec import DeploymentSpec, Role
 MANAGER = "dsv4-operator"
 ROLE_LABEL = "serving.dsv4.io/role"
 INSTANCE_LABEL = "serving.dsv4.io/instance"
+# What an engine instance runs (reconcile/revision.py): on its StatefulSet and its pods; never in
+# a selector (a selector is immutable, the revision changes)
+REVISION_LABEL = "serving.dsv4.io/revision"
+# On a StatefulSet a rollout started above the instance count (deleted when the rollout ends);
+# not on its pods, so the mark comes and goes without a restart
+SURGE_LABEL = "serving.dsv4.io/surge"
 DEPLOYMENT_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Set by the Ascend device plugin on each pod: the NPUs it got and their RoCE IPs.

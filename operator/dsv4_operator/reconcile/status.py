@@ -8,6 +8,8 @@ from typing import Any
 from dsv4_operator.api.spec import ROLES, DeploymentSpec, Role
 from dsv4_operator.autoscaling.plan import ConditionTuple, ScalePlan, status_conditions
 from dsv4_operator.reconcile import names
+from dsv4_operator.reconcile.revision import revision
+from dsv4_operator.rollout.plan import Slot, progress
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,8 @@ class Observed:
     """Why the deployment cannot make progress (unschedulable pods, crash loops, bad spec)."""
     problem_reason: str = ""
     """CamelCase reason for the first problem, e.g. Unschedulable."""
+    slots: dict[Role, tuple[Slot, ...]] = field(default_factory=dict)
+    """The live instances per role with their revision (StatefulSet mode)."""
 
     def with_problems(self, problems: list[str], reason: str) -> Observed:
         """These problems first (they explain the others), under their reason."""
@@ -67,6 +71,7 @@ def compute_status(
         status[r] = _role_status(spec, r, observed, plan)
         # a draining instance is on its way out: the role is not done until it is gone
         all_ready &= status[r]["ready"] == status[r]["desired"] and not status[r].get("draining")
+    rolled_out, rollout_msg = _rollout(spec, observed, status)
     gw_desired = spec.gateway.replicas
     gw_ready = min(observed.gateway_ready, gw_desired)
     all_ready &= gw_ready == gw_desired
@@ -75,7 +80,9 @@ def compute_status(
         "endpoint": f"http://{names.gateway_name(spec)}.{spec.namespace}.svc:{spec.gateway.port}",
     }
     degraded = bool(observed.problems)
-    status["phase"] = "Degraded" if degraded else ("Ready" if all_ready else "Progressing")
+    status["phase"] = (
+        "Degraded" if degraded else ("Ready" if all_ready and rolled_out else "Progressing")
+    )
     waiting = ", ".join(
         f"{r} {status[r]['summary']}" for r in ROLES if status[r]["ready"] < status[r]["desired"]
     )
@@ -87,6 +94,12 @@ def compute_status(
         for t, st, reason, msg in (
             *_own_conditions(observed, all_ready, waiting),
             *status_conditions(plan),
+            (
+                "RolledOut",
+                _flag(rolled_out),
+                "RolledOut" if rolled_out else "RollingUpdate",
+                rollout_msg,
+            ),
         )
     ]
     if plan is not None:
@@ -95,6 +108,27 @@ def compute_status(
         if plan.metrics:
             status["metrics"] = plan.metrics
     return status
+
+
+def _rollout(spec: DeploymentSpec, observed: Observed, status: dict[str, Any]) -> tuple[bool, str]:
+    """Rollout progress into ``status`` (revision, per role ``updated``/``old``, ``updated``
+    over all roles): whether every instance runs the spec's revision and is ready, and why."""
+    rev = revision(spec)
+    status["revision"] = rev
+    if spec.scheduling.use_lws:  # the LeaderWorkerSet rolls its groups itself
+        return True, "LeaderWorkerSet: rolled by its own rolling update"
+    done, total, ok, parts = 0, 0, True, []
+    for r in ROLES:
+        p = progress(observed.slots.get(r, ()), rev)
+        desired = status[r]["desired"]
+        updated = min(p.updated_ready, desired)
+        status[r]["updated"], status[r]["old"] = updated, p.old
+        done, total = done + updated, total + desired
+        parts.append(f"{r} {updated}/{desired}" + (f" ({p.old} old)" if p.old else ""))
+        # surge instances still there (p.updated > desired): not cleaned up yet
+        ok &= not p.old and updated == desired and p.updated <= desired
+    status["updated"] = f"{done}/{total}"
+    return ok, f"revision {rev}: " + ", ".join(parts)
 
 
 def _role_status(

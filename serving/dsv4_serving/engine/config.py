@@ -31,6 +31,9 @@ class EngineConfig:
     """Checkpoint directory or preset name (presets load dummy weights unless told otherwise)."""
     served_model_name: str | None = None
     """The name clients use in ``model``; defaults to ``model``."""
+    revision: str = ""
+    """The deployment revision this engine runs as (the operator's hash of model, image and
+    engine flags, ``serving.dsv4.io/revision``); empty outside a rollout-managed deployment."""
     role: Role = "both"
     """Prefill/decode disaggregation role: ``prefill`` computes prompts for remote decodes,
     ``decode`` continues from KV pulled from a prefill engine, ``both`` serves whole requests

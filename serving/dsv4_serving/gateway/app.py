@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import hmac
@@ -173,7 +174,7 @@ class Gateway:
     ) -> Response:
         """Prefill, then decode with its KV (``prefilled`` is called between)."""
         try:
-            answer, _ = await self.proxy.prefill(path, body, req, rid)
+            answer, prefiller = await self.proxy.prefill(path, body, req, rid)
             self._observe_cached(req, answer)
             prefilled()
             decode = decode_body(body, answer)
@@ -186,14 +187,22 @@ class Gateway:
                 code="upstream_error",
                 headers={"x-request-id": rid},
             )
-        decode_req = RouteRequest(prompt_tokens=req.prompt_tokens, stage="decode")
+        # the decode pairs with its prefill's revision only (policies.paired_revisions)
+        decode_req = RouteRequest(
+            prompt_tokens=req.prompt_tokens, stage="decode", revision=prefiller.revision
+        )
 
         async def resume(cont: dict[str, Any], tried: set[str]) -> Opened:
             """A continuation is a PD request of its own: prompt + tokens prefilled, then
             decoded on another decode instance."""
-            answer, _ = await self.proxy.prefill(path, cont, req, rid)
+            answer, again = await self.proxy.prefill(path, cont, req, rid)
             return await self.proxy.open(
-                "decode", path, decode_body(cont, answer), decode_req, rid, tried
+                "decode",
+                path,
+                decode_body(cont, answer),
+                dataclasses.replace(decode_req, revision=again.revision),
+                rid,
+                tried,
             )
 
         try:

@@ -2,7 +2,8 @@
 
 EndpointSlices carry the labels of their Service (``serving.dsv4.io/role``); an engine is an
 endpoint that is serving and not terminating, and is node rank 0 of its instance (the pod that
-serves HTTP). ``ready`` says neither: the role Services publish not-ready addresses (peers must
+serves HTTP). The operator's routing ConfigMap says which instances drain and which revision
+each runs (EndpointSlices carry no pod labels). ``ready`` says neither: the role Services publish not-ready addresses (peers must
 find each other before they are ready), which makes ``ready`` always true.
 """
 
@@ -13,7 +14,8 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_serving.gateway.config import GatewayConfig
@@ -49,18 +51,40 @@ def instance_of(pod: str) -> str:
     return pod.rsplit("-", 1)[0]
 
 
-def draining_from_configmap(configmap: dict[str, Any] | None) -> frozenset[str]:
-    """The instances the routing ConfigMap's ``routing.json`` lists as draining; a missing or
-    unreadable ConfigMap drains nothing (routing must not stop on a bad document)."""
+@dataclass(frozen=True)
+class Routing:
+    """The operator's routing ConfigMap (``routing.json``)."""
+
+    draining: frozenset[str] = frozenset()
+    """Instances being drained: no new requests."""
+    revision: str = ""
+    """The revision the operator rolls to (preferred while it has a prefill-decode pair)."""
+    revisions: Mapping[str, str] = field(default_factory=dict)
+    """Each instance's revision (the pairing key)."""
+
+
+def routing_from_configmap(configmap: dict[str, Any] | None) -> Routing:
+    """The routing ConfigMap's ``routing.json``; a missing or unreadable ConfigMap drains
+    nothing and knows no revision (routing must not stop on a bad document)."""
     raw = ((configmap or {}).get("data") or {}).get("routing.json")
     if not raw:
-        return frozenset()
+        return Routing()
     try:
         doc = json.loads(raw)
-        return frozenset(str(x) for x in doc.get("draining") or [])
+        revisions = doc.get("revisions") or {}
+        return Routing(
+            draining=frozenset(str(x) for x in doc.get("draining") or []),
+            revision=str(doc.get("revision") or ""),
+            revisions={str(k): str(v) for k, v in revisions.items()},
+        )
     except (ValueError, AttributeError, TypeError):
         log.warning('routing ConfigMap: routing.json is not {"draining": [...]}: %.200s', raw)
-        return frozenset()
+        return Routing()
+
+
+def draining_from_configmap(configmap: dict[str, Any] | None) -> frozenset[str]:
+    """The instances the routing ConfigMap lists as draining."""
+    return routing_from_configmap(configmap).draining
 
 
 def members_from_slices(
@@ -72,9 +96,28 @@ def members_from_slices(
     ``draining`` instances (their requests in flight finish; only membership changes);
     ``host`` replaces every address (``GatewayConfig.endpoint_host``, tests only)."""
     out: dict[Role, set[str]] = {r: set() for r in _ROLES}
+    for role, pod, url in _engines(slices, host):
+        if instance_of(pod) not in draining:
+            out[role].add(url)
+    return out
+
+
+def url_revisions(
+    slices: list[dict[str, Any]], revisions: Mapping[str, str], host: str | None = None
+) -> dict[str, str]:
+    """Each engine URL's revision, from its pod's instance in ``revisions`` (absent: none)."""
+    return {
+        url: revisions[instance_of(pod)]
+        for _, pod, url in _engines(slices, host)
+        if instance_of(pod) in revisions
+    }
+
+
+def _engines(slices: list[dict[str, Any]], host: str | None) -> Iterator[tuple[Role, str, str]]:
+    """(role, pod, base URL) of every routable node-rank-0 endpoint."""
     for s in slices:
         role = (s.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL)
-        if role not in out:
+        if role not in _ROLES:
             continue
         port = next((p.get("port") for p in s.get("ports") or [] if p.get("name") == "http"), None)
         if port is None:
@@ -83,13 +126,12 @@ def members_from_slices(
             if not routable(ep.get("conditions") or {}):
                 continue
             pod = (ep.get("targetRef") or {}).get("name", "")
-            if _FOLLOWER.search(pod) or instance_of(pod) in draining:
+            if _FOLLOWER.search(pod):
                 continue
             for addr in ep.get("addresses") or []:
                 addr = host or addr
                 name = f"[{addr}]" if ":" in addr else addr
-                out[role].add(f"http://{name}:{port}")  # type: ignore[index]
-    return out
+                yield role, pod, f"http://{name}:{port}"
 
 
 class KubernetesDiscovery:
@@ -102,10 +144,10 @@ class KubernetesDiscovery:
         self.cfg, self.pool, self.loop = cfg, pool, loop
         self._stop = threading.Event()
         self._slices: dict[str, dict[str, Any]] = {}
-        self._draining: frozenset[str] = frozenset()
+        self._routing = Routing()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
-        self._routing = threading.Thread(
+        self._routing_watch = threading.Thread(
             target=self._run_routing, name="routing-configmap-watch", daemon=True
         )
         self.synced = threading.Event()
@@ -113,20 +155,22 @@ class KubernetesDiscovery:
     def start(self) -> None:
         self._thread.start()
         if self.cfg.routing_configmap:
-            self._routing.start()
+            self._routing_watch.start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def _publish(self) -> None:
         with self._lock:
-            members = members_from_slices(
-                list(self._slices.values()), self._draining, self.cfg.endpoint_host
-            )
+            slices, routing = list(self._slices.values()), self._routing
+        host = self.cfg.endpoint_host
+        members = members_from_slices(slices, routing.draining, host)
+        revisions = url_revisions(slices, routing.revisions, host)
 
         def apply() -> None:
+            self.pool.newest_revision = routing.revision
             for role, urls in members.items():
-                self.pool.set_members(role, urls)
+                self.pool.set_members(role, urls, revisions=revisions)
 
         self.loop.call_soon_threadsafe(apply)
 
@@ -157,8 +201,8 @@ class KubernetesDiscovery:
         while not self._stop.is_set():
             try:
                 lst = core.list_namespaced_config_map(self.cfg.namespace, field_selector=field)
-                self._set_draining(
-                    draining_from_configmap(
+                self._set_routing(
+                    routing_from_configmap(
                         api.sanitize_for_serialization(lst.items[0]) if lst.items else None
                     )
                 )
@@ -174,19 +218,21 @@ class KubernetesDiscovery:
                         w.stop()
                         break
                     obj = api.sanitize_for_serialization(ev["object"])
-                    self._set_draining(
-                        frozenset() if ev["type"] == "DELETED" else draining_from_configmap(obj)
+                    self._set_routing(
+                        Routing() if ev["type"] == "DELETED" else routing_from_configmap(obj)
                     )
             except Exception as e:  # a broken watch is re-listed, never fatal
                 log.warning("routing ConfigMap watch restarting: %s", e)
                 self._stop.wait(1.0)
 
-    def _set_draining(self, draining: frozenset[str]) -> None:
+    def _set_routing(self, routing: Routing) -> None:
         with self._lock:
-            changed = draining != self._draining
-            self._draining = draining
-        if changed:
-            log.info("draining instances: %s", ", ".join(sorted(draining)) or "none")
+            previous, self._routing = self._routing, routing
+        if routing.draining != previous.draining:
+            log.info("draining instances: %s", ", ".join(sorted(routing.draining)) or "none")
+        if routing.revision != previous.revision:
+            log.info("newest revision: %s", routing.revision or "none")
+        if routing != previous:
             self._publish()
 
     def _run(self) -> None:

@@ -4,7 +4,7 @@ engine's scraped load, and which prompt prefixes it has recently been given."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -74,6 +74,9 @@ class Instance:
     """The engine's ``--kv-events-endpoint`` (DP rank r: ``rank_endpoints``); None: no events."""
     kv_ranks: list[RankCache] | None = None
     """Per DP rank, what its KV events say it caches (set once its events are subscribed)."""
+    revision: str = ""
+    """The deployment revision it runs (the operator's routing ConfigMap; "" when unknown):
+    prefill and decode are paired within one revision only (``policies.paired_revisions``)."""
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -109,15 +112,28 @@ class InstancePool:
 
     def __init__(self) -> None:
         self._by_url: dict[str, Instance] = {}
+        self.newest_revision = ""
+        """The revision the operator rolls to: preferred while it has a prefill-decode pair."""
 
-    def set_members(self, role: Role, urls: Iterable[str], dp_size: int = 1) -> None:
-        """Make the instances of ``role`` exactly ``urls``, keeping state of those that stay."""
+    def set_members(
+        self,
+        role: Role,
+        urls: Iterable[str],
+        dp_size: int = 1,
+        revisions: Mapping[str, str] | None = None,
+    ) -> None:
+        """Make the instances of ``role`` exactly ``urls``, keeping state of those that stay;
+        ``revisions``: each URL's revision (absent: unknown, "")."""
         wanted = {u.rstrip("/") for u in urls}
         for url in [u for u, i in self._by_url.items() if i.role == role and u not in wanted]:
             del self._by_url[url]
         for url in sorted(wanted):
-            if url not in self._by_url:
-                self._by_url[url] = Instance(url=url, role=role, dp_size=dp_size)
+            revision = (revisions or {}).get(url, "")
+            known = self._by_url.get(url)
+            # another revision at a known address is another engine: a fresh Instance, and the
+            # requests already routed keep the revision they were paired under
+            if known is None or known.revision != revision:
+                self._by_url[url] = Instance(url=url, role=role, dp_size=dp_size, revision=revision)
 
     def all(self) -> list[Instance]:
         return list(self._by_url.values())

@@ -72,6 +72,13 @@ class GatewayMetrics:
             "Requests sent to decode alone (short uncached prompt)",
             registry=r,
         )
+        self.pd_pairs = Counter(
+            "dsv4_gateway_pd_pairs",
+            "Decode choices after a prefill, by the two instances' revisions (rollouts: the two "
+            "are always equal)",
+            ["prefill_revision", "decode_revision"],
+            registry=r,
+        )
 
         # precise prefix routing (docs/cluster-kv.md): what the gateway predicted an engine
         # would find cached, and (PD prefill answers, whose usage the gateway reads) what it did

@@ -4,6 +4,12 @@
 work already queued there and, for prefill, minus the prompt tokens it has cached (from the
 engine's KV events where it publishes them, else the gateway's estimate). Ties rotate, so
 equal instances share load evenly instead of piling onto the first.
+
+Pairing (``paired_revisions``): a prefill and a decode instance exchange KV only within one
+deployment revision (model, image and engine flags; KV layouts may differ across). A request
+goes to the revision the operator rolls to while it has a prefill and a decode instance, else
+to the revision with the most such pairs; its decode is chosen within its prefill's revision.
+No complete revision: no pair (503), never a mismatched one.
 """
 
 from __future__ import annotations
@@ -103,6 +109,23 @@ class DPLB(_Rotating):
         if self.on_choice is not None and req.stage == "prefill":
             self.on_choice(req, choice)
         return choice
+
+
+def paired_revisions(
+    prefill: Sequence[Instance], decode: Sequence[Instance], newest: str
+) -> list[str]:
+    """The revisions with a prefill and a decode instance among these, best first: ``newest``
+    (new instances get traffic as soon as they form a pair), then by pairs (the smaller of the
+    two counts) descending, then by name (a stable order)."""
+    pairs: dict[str, int] = {}
+    for rev in {i.revision for i in prefill}:
+        n = min(
+            sum(1 for i in prefill if i.revision == rev),
+            sum(1 for i in decode if i.revision == rev),
+        )
+        if n:
+            pairs[rev] = n
+    return sorted(pairs, key=lambda rev: (rev != newest, -pairs[rev], rev))
 
 
 def make_policy(name: PolicyName, weights: Mapping[str, float] | None = None) -> Policy:

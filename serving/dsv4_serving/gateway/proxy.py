@@ -35,7 +35,7 @@ from dsv4_serving.gateway.health import mark_failure, mark_success
 from dsv4_serving.gateway.instances import Instance, InstancePool, Role
 from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
-from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest
+from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest, paired_revisions
 from dsv4_serving.gateway.stream_state import StreamState, continuation_body
 from dsv4_serving.gateway.tracing import attempt_span, current_span, routing_under, upstream_status
 from dsv4_serving.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
@@ -109,7 +109,18 @@ class Proxy:
 
     def _choose(self, role: Role, req: RouteRequest, exclude: set[str]) -> Choice | None:
         candidates = [i for i in self.pool.of_role(role) if i.url not in exclude]
-        return self.policy.choose(candidates, req)
+        if role == "prefill":  # PD: within the best revision that has a decode to pair with
+            revs = paired_revisions(
+                candidates, self.pool.of_role("decode"), self.pool.newest_revision
+            )
+            if revs:  # none: the decode stage says which role is missing
+                candidates = [i for i in candidates if i.revision == revs[0]]
+        elif req.revision is not None:  # the decode of a prefill: its revision only
+            candidates = [i for i in candidates if i.revision == req.revision]
+        choice = self.policy.choose(candidates, req)
+        if choice is not None and req.revision is not None:
+            self.metrics.pd_pairs.labels(req.revision, choice.instance.revision).inc()
+        return choice
 
     def _headers(self, request_id: str, choice: Choice, span: Span | None = None) -> dict[str, str]:
         h = {"x-request-id": request_id, "content-type": "application/json"}

@@ -34,6 +34,9 @@ class RouteRequest:
     # the prompt's token ids (their first block_size * len(block_hashes) at least): a
     # snapshot keyed by the token after a boundary is looked up with it
     token_ids: Sequence[int] = ()
+    # decode after a prefill: the prefill instance's revision, the only one it may pair with
+    # (None: any, as for a decode-only request)
+    revision: str | None = None
 
 
 Scorer = Callable[[Instance, int, RouteRequest], float]

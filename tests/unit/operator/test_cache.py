@@ -62,7 +62,7 @@ def test_free_names_are_created_without_reads(cpu_cr: dict[str, Any]) -> None:
     kube, _, _ = _synced(cpu_cr)
     # the LWS CRD and the KV Secret (its token is never made up without a read); no GET of the
     # CR (the watch's copy) nor of any child (the name index says every name is free)
-    assert kube.calls["get"] == 2 and kube.calls["apply"] == 15
+    assert kube.calls["get"] == 2 and kube.calls["apply"] == 16
 
 
 def test_a_sync_of_an_unchanged_deployment_makes_no_request(cpu_cr: dict[str, Any]) -> None:
@@ -88,7 +88,7 @@ def test_a_name_taken_by_anyone_else_is_read_and_refused(cpu_cr: dict[str, Any])
     # a predecessor's child, still being collected: its name is known, it is not ours
     cache.record("ConfigMap", kube.put({"kind": "ConfigMap", **_obj("v4-engine", "1", uid="old")}))
     Controller(kube, cache).sync("ml", "v4")
-    assert kube.calls["get"] == 2 + 1 and kube.calls["apply"] == 14
+    assert kube.calls["get"] == 2 + 1 and kube.calls["apply"] == 15
     status = kube.objects[("DeepSeekV4Deployment", "ml", "v4")]["status"]
     assert "ConfigMap v4-engine already exists" in str(status)
 

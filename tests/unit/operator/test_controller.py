@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from .fake_kube import FakeKube
 
 CHILDREN = {
     ("ConfigMap", "v4-engine"),
+    ("ConfigMap", "v4-routing"),
     ("Secret", "v4-kv-auth"),
     ("Service", "v4-prefill"),
     ("Service", "v4-decode"),
@@ -64,7 +66,7 @@ def test_first_sync_creates_every_child_and_reports_progressing(cpu_cr: dict[str
     kube, ctl = _cluster(cpu_cr)
     ctl.sync("ml", "v4")
     assert _children(kube) == CHILDREN
-    assert kube.calls["apply"] == 15
+    assert kube.calls["apply"] == 16
     assert [e["reason"] for e in kube.events] == ["Created", "Progressing"]
     assert _status(kube)["phase"] == "Progressing"
     sts = kube.objects[("StatefulSet", "ml", "v4-decode-0")]
@@ -114,7 +116,8 @@ def test_scaling_down_deletes_the_extra_instance(cpu_cr: dict[str, Any]) -> None
     kube.events.clear()
     ctl.sync("ml", "v4")
     assert _children(kube) == CHILDREN
-    assert kube.calls["delete"] == 1 and kube.calls["apply"] == 0
+    # the routing ConfigMap's instance revisions lose v4-prefill-1
+    assert kube.calls["delete"] == 1 and kube.calls["apply"] == 1
     assert [e["message"] for e in kube.events] == ["deleted StatefulSet v4-prefill-1"]
 
 
@@ -176,7 +179,7 @@ def test_a_child_the_api_server_refuses_leaves_every_child_as_it_was(
     kube.reject[("StatefulSet", "v4-prefill-0")] = _BAD_TOLERATION
     with pytest.raises(Retry, match="refused"):
         ctl.sync("ml", "v4")
-    assert kube.calls["dry_run"] == 15 and kube.calls["apply"] == 0
+    assert kube.calls["dry_run"] == 16 and kube.calls["apply"] == 0
     assert _children(kube) == set()
     assert _status(kube)["phase"] == "Degraded"
     assert _degraded(kube)["reason"] == "ChildRejected"
@@ -337,3 +340,78 @@ def test_host_access_is_refused_unless_the_operator_was_installed_to_allow_it(
         ]
     else:
         assert pod["containers"][0]["securityContext"] == {"privileged": True}
+
+
+def _revisions(kube: FakeKube, role: str) -> dict[str, str]:
+    return {
+        name: obj["metadata"]["labels"].get("serving.dsv4.io/revision", "")
+        for (kind, _, name), obj in sorted(kube.objects.items())
+        if kind == "StatefulSet" and obj["metadata"]["labels"]["serving.dsv4.io/role"] == role
+    }
+
+
+def _settle(kube: FakeKube, ready: set[str]) -> None:
+    """The StatefulSet controller's part: the named instances ready, every other one not."""
+    for (kind, _, name), obj in kube.objects.items():
+        if kind == "StatefulSet":
+            n = obj["spec"]["replicas"] if name in ready else 0
+            obj["metadata"]["generation"] = 1
+            obj["status"] = {"observedGeneration": 1, "readyReplicas": n, "updatedReplicas": n}
+
+
+def test_a_spec_change_rolls_one_instance_at_a_time_new_ones_first(cpu_cr: dict[str, Any]) -> None:
+    cr = copy.deepcopy(cpu_cr)
+    cr["spec"]["prefill"]["instances"] = 2
+    kube, ctl = _cluster(cr)
+    ctl.sync("ml", "v4")
+    (a,) = set(_revisions(kube, "prefill").values())
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-decode-0"})
+    _edit_spec(kube, prefill={**cr["spec"]["prefill"], "engineArgs": ["--max-num-seqs", "8"]})
+    ctl.sync("ml", "v4")
+    # nothing old restarts: one surge instance per role at the new revision
+    revs = _revisions(kube, "prefill")
+    b = revs["v4-prefill-2"]
+    assert b != a and revs == {"v4-prefill-0": a, "v4-prefill-1": a, "v4-prefill-2": b}
+    assert _revisions(kube, "decode") == {"v4-decode-0": a, "v4-decode-1": b}
+    routing = json.loads(kube.objects[("ConfigMap", "ml", "v4-routing")]["data"]["routing.json"])
+    assert routing["revision"] == b and routing["revisions"]["v4-decode-0"] == a
+    sts = kube.objects[("StatefulSet", "ml", "v4-prefill-2")]
+    assert sts["spec"]["template"]["spec"]["containers"][0]["command"][-4:] == [
+        "--revision",
+        b,
+        "--max-num-seqs",
+        "8",
+    ]
+    # the new prefill is ready, the new decode not: the old revision keeps serving whole
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-prefill-2", "v4-decode-0"})
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "prefill")["v4-prefill-0"] == a
+    # both new instances ready: an old prefill instance is replaced; the old decode waits for
+    # the old prefills (a request prefilled there is decoded on an old decode)
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-prefill-2", "v4-decode-0", "v4-decode-1"})
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "prefill") == {"v4-prefill-0": b, "v4-prefill-1": a, "v4-prefill-2": b}
+    assert _revisions(kube, "decode") == {"v4-decode-0": a, "v4-decode-1": b}
+    # while it restarts, nothing more goes
+    _settle(kube, {"v4-prefill-1", "v4-prefill-2", "v4-decode-0", "v4-decode-1"})
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "prefill")["v4-prefill-1"] == a
+    every = {"v4-prefill-0", "v4-prefill-1", "v4-prefill-2", "v4-decode-0", "v4-decode-1"}
+    _settle(kube, every)
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "prefill") == {"v4-prefill-0": b, "v4-prefill-1": b, "v4-prefill-2": b}
+    assert _revisions(kube, "decode")["v4-decode-0"] == a  # prefill-1 is not ready yet
+    # every prefill ready at the new revision: the old decode goes, and the prefill surge
+    # (each role's surge goes once that role is rolled out)
+    _settle(kube, every)
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "prefill") == {"v4-prefill-0": b, "v4-prefill-1": b}
+    assert _revisions(kube, "decode") == {"v4-decode-0": b, "v4-decode-1": b}
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-decode-0", "v4-decode-1"})
+    ctl.sync("ml", "v4")
+    assert _revisions(kube, "decode") == {"v4-decode-0": b}  # the surge decode is gone
+    _settle(kube, {"v4-prefill-0", "v4-prefill-1", "v4-decode-0"})
+    ctl.sync("ml", "v4")
+    status = _status(kube)
+    rolled = next(c for c in status["conditions"] if c["type"] == "RolledOut")
+    assert rolled["status"] == "True" and status["revision"] == b and status["updated"] == "3/3"
