@@ -31,9 +31,11 @@ class EngineConfig:
     """Checkpoint directory or preset name (presets load dummy weights unless told otherwise)."""
     served_model_name: str | None = None
     """The name clients use in ``model``; defaults to ``model``."""
-    revision: str = ""
-    """The deployment revision this engine runs as (the operator's hash of model, image and
-    engine flags, ``serving.dsv4.io/revision``); empty outside a rollout-managed deployment."""
+    revision: str | None = None
+    """The revision this engine runs as, part of the KV layout fingerprint every export
+    carries: an engine uses pulled KV only from an engine of the same revision (else it
+    recomputes the prompt). The operator passes its deployment revision (a hash of model,
+    image and engine flags, ``serving.dsv4.io/revision``); None = a hash of the model's config."""
     role: Role = "both"
     """Prefill/decode disaggregation role: ``prefill`` computes prompts for remote decodes,
     ``decode`` continues from KV pulled from a prefill engine, ``both`` serves whole requests
@@ -47,10 +49,6 @@ class EngineConfig:
     kv_pull_timeout: float = 30.0
     """Seconds a decode request waits for its KV before the failure policy applies."""
     kv_sidecar_wait: float = 10.0
-    revision: str | None = None
-    """The weights' revision, part of the KV layout fingerprint every export carries: a decode
-    engine uses pulled KV only from a prefill engine of the same revision (else it recomputes
-    the prompt). None = a hash of the model's config."""
     """Seconds to wait at start-up for the sidecar to answer before giving up."""
     device: str = "auto"
     """cpu | cuda | npu | auto."""
