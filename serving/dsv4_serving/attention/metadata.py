@@ -76,8 +76,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu"
+        cls,
+        chunks: Sequence[SeqChunk],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        block_tables: torch.Tensor | None = None,
     ) -> AttentionMetadata:
+        """``block_tables``: the chunks' padded block table when the caller keeps one
+        (``engine/worker/block_table.py``); else it is built from the chunks' lists."""
         if not chunks:
             raise ValueError("a step needs at least one sequence")
         slots = [c.state_slot for c in chunks]
@@ -99,12 +105,14 @@ class AttentionMetadata:
                     raise ValueError(f"snapshot at {boundary} is not inside the chunk")
             qsl.append(qsl[-1] + c.num_new)
             pos.extend(range(c.context_len, c.context_len + c.num_new))
-        width = max(1, max(len(c.block_ids) for c in chunks))
-        # one tensor from padded host rows (not one small tensor per sequence)
-        table = torch.tensor(
-            [[*c.block_ids, *([0] * (width - len(c.block_ids)))] for c in chunks],
-            dtype=torch.long,
-        )
+        table = block_tables
+        if table is None:
+            width = max(1, max(len(c.block_ids) for c in chunks))
+            # one tensor from padded host rows (not one small tensor per sequence)
+            table = torch.tensor(
+                [[*c.block_ids, *([0] * (width - len(c.block_ids)))] for c in chunks],
+                dtype=torch.long,
+            )
         return cls(
             query_start_loc=qsl,
             context_lens=[c.context_len for c in chunks],

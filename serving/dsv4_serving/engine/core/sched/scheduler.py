@@ -96,6 +96,9 @@ class SchedulerStats:
     num_late_prompts: int = 0  # cumulative prompts judged unable to make their prompt deadline
     kv_transfer: KVConnectorStats | None = None  # with a KV connector (PD roles)
     eplb: EplbStats | None = None  # with EPLB (the same on every EP rank)
+    # (schedule, prepare, post-process) seconds of each step since the last stats sent
+    # (``engine/engine/host_times.py``; the engine core fills it)
+    host_spans: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 class RemoteKV(enum.Enum):
