@@ -253,9 +253,15 @@ class KVCacheManager:
         block boundary reached exactly, snapshot its state slot."""
         if not self.enable_caching:
             return
-        for key, slot in self._pending.pop(req.request_id, []):
+        pending = self._pending.pop(req.request_id, None)
+        for key, slot in pending or ():
             self._pending_keys.discard(key)
             self._publish(key, slot)
+        computed, bs = req.num_computed_tokens, self.block_size
+        if computed % bs and computed // bs <= self._num_cached.get(req.request_id, 0):
+            # inside a block past the published ones (most decode steps): no block completed,
+            # no exact boundary; the hashes are extended by whoever reads them next
+            return
         hashes = req.update_block_hashes(self.block_size)
         blocks = self.req_blocks[req.request_id]
         n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
