@@ -91,6 +91,7 @@ class AttentionMetadata:
             raise ValueError("a state slot appears twice in one step")
         qsl = [0]
         pos: list[int] = []
+        any_snapshots = False
         for c in chunks:
             if c.num_new <= 0:
                 raise ValueError("every sequence in a step must add at least one token")
@@ -100,11 +101,16 @@ class AttentionMetadata:
                     f"sequence at slot {c.state_slot} needs {need} blocks of {block_size} tokens "
                     f"for length {c.context_len + c.num_new}, has {len(c.block_ids)}"
                 )
-            for boundary, _ in c.snapshots:
-                if not c.context_len < boundary < c.context_len + c.num_new:
-                    raise ValueError(f"snapshot at {boundary} is not inside the chunk")
+            if c.snapshots:
+                any_snapshots = True
+                for boundary, _ in c.snapshots:
+                    if not c.context_len < boundary < c.context_len + c.num_new:
+                        raise ValueError(f"snapshot at {boundary} is not inside the chunk")
             qsl.append(qsl[-1] + c.num_new)
-            pos.extend(range(c.context_len, c.context_len + c.num_new))
+            if c.num_new == 1:
+                pos.append(c.context_len)  # a decode token: no range object
+            else:
+                pos.extend(range(c.context_len, c.context_len + c.num_new))
         table = block_tables
         if table is None:
             width = max(1, max(len(c.block_ids) for c in chunks))
@@ -120,5 +126,5 @@ class AttentionMetadata:
             block_tables=table.to(device),
             num_blocks=[len(c.block_ids) for c in chunks],
             state_slots=slots,
-            snapshots=[c.snapshots for c in chunks] if any(c.snapshots for c in chunks) else None,
+            snapshots=[c.snapshots for c in chunks] if any_snapshots else None,
         )

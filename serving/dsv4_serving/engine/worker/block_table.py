@@ -39,7 +39,8 @@ class BlockTable:
                 else:
                     self._write(c.state_slot, ids)
             slots.append(c.state_slot)
-            width = max(width, len(ids))
+            if len(ids) > width:
+                width = len(ids)
         return self.table[torch.tensor(slots, dtype=torch.long), :width]
 
     def _write(self, slot: int, ids: Sequence[int]) -> None:
