@@ -1,19 +1,26 @@
 """What the engine's host work costs per step, and what engines sharing a host cost each other.
 
-1. EMULATED steps (``--emulate-step-time 10,0,0 --num-speculative-tokens 0``, dsv4-tiny): a device
-   step of fixed length, so the achieved step rate against the ideal one is the host's overhead,
-   independent of the CPU's speed. For each batch size N, N concurrent non-streamed requests of
-   ``--output-len`` tokens from one async client; the ideal wall time is (output_len + 1) steps
-   (the prompt's step, then one per token; the same count as the measurements page's figures).
-   Reported: achieved / ideal step rate, and host milliseconds per step (wall / steps - step).
+1. EMULATED steps (``--emulate-step-time 10,0,0``, dsv4-tiny): a device step of fixed length,
+   so the achieved step rate against the ideal one is the host's overhead, independent of the
+   CPU's speed. For each ``--scheduling`` mode (``--async-scheduling off``: synchronous, ``on``:
+   async) and each ``--mtp`` value (``--num-speculative-tokens``; the emulated drafts are
+   always accepted, so a step makes k + 1 tokens), and for each batch size N, N concurrent
+   non-streamed requests of ``--output-len`` tokens from one async client. The ideal wall time
+   is ``1 + ceil((output_len - 1) / (k + 1))`` steps (the prompt's step makes the first token,
+   then each step k + 1: 200 steps for 200 tokens without MTP; figures before this benchmark
+   counted 201). Reported: achieved / ideal step rate, host milliseconds per step (wall /
+   ideal steps - step), the steps the engine ran, and the engine's own spans per step (``GET /debug/host_times``, reset before each run): schedule, prepare, post-process and
+   stream, p50 / p99 in ms. Under async scheduling schedule, prepare and post-process overlap
+   the device step; what is not hidden shows in the achieved rate.
 2. ``dsv4 up --decode 2`` (three engines, their sidecars and the gateway on this host) under
    ``dsv4 bench --input-len 200 --output-len 64`` at concurrency 1 and 16, once per
    ``--cpu-budget`` (default ``auto`` and ``off``: the budget and its side-by-side anchor).
 
-Prints both tables, writes them as JSON (``--json``) and a chart of achieved / ideal against
+Prints the tables, writes them as JSON (``--json``) and a chart of achieved / ideal against
 running sequences (``--chart``).
 
-    .venv/bin/python benchmarks/host_overhead.py [--sizes 1,64,128,256] [--budgets auto,off]
+    .venv/bin/python benchmarks/host_overhead.py [--sizes 1,16,64,128,256] [--mtp 0,3]
+        [--scheduling off,on] [--budgets auto,off]
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ from charts import line_chart
 
 from dsv4_common.process import Service, dsv4_argv, free_port
 
+PHASES = ("schedule", "prepare", "post_process", "stream")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--sizes", type=ints, default=[1, 64, 128, 256], help="running sequences")
+    p.add_argument("--sizes", type=ints, default=[1, 16, 64, 128, 256], help="running sequences")
     p.add_argument("--output-len", type=int, default=200, help="tokens per request (emulated)")
     p.add_argument("--step-ms", type=float, default=10.0, help="emulated device step (ms)")
     p.add_argument(
@@ -44,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="off,on",
         help="engine --async-scheduling values for the emulated runs, side by side",
     )
+    p.add_argument("--mtp", type=ints, default=[0, 3], help="--num-speculative-tokens values")
     p.add_argument("--budgets", default="auto,off", help="dsv4 up --cpu-budget values ('' skips)")
     p.add_argument("--concurrency", type=ints, default=[1, 16], help="dsv4 bench concurrencies")
     p.add_argument("--stack-requests", type=int, default=64, help="dsv4 bench requests per run")
@@ -59,22 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- 1. EMULATED steps -----------------------------------------------------------------------
 
 
-def emulated_engine(args: argparse.Namespace, log_dir: Path, scheduling: str) -> Service:
+def emulated_engine(args: argparse.Namespace, log_dir: Path, scheduling: str, k: int) -> Service:
     port = free_port()
     seqs = max(args.sizes)
     argv = dsv4_argv(
         "engine",
         *("--model", "dsv4-tiny", "--load-format", "dummy", "--host", "127.0.0.1"),
         *("--port", str(port), "--emulate-step-time", f"{args.step_ms:g},0,0"),
-        *("--num-speculative-tokens", "0", "--max-num-seqs", str(seqs)),
+        *("--num-speculative-tokens", str(k), "--max-num-seqs", str(seqs)),
         *("--max-model-len", str(args.output_len + 64), "--log-level", "WARNING"),
         *("--async-scheduling", scheduling),
     )
-    return Service("emulated", argv, log_dir / f"emulated-{port}.log", f"http://127.0.0.1:{port}")
+    log = log_dir / f"emulated-{scheduling}-mtp{k}-{port}.log"
+    return Service("emulated", argv, log, f"http://127.0.0.1:{port}")
 
 
-async def wall_time(url: str, n: int, output_len: int) -> float:
-    """Seconds for ``n`` concurrent non-streamed requests of ``output_len`` tokens."""
+async def timed_run(url: str, n: int, output_len: int) -> tuple[float, dict[str, Any]]:
+    """Seconds for ``n`` concurrent non-streamed requests of ``output_len`` tokens, and the
+    engine's host spans over them."""
     body = {"model": "dsv4-tiny", "prompt": "hello world", "max_tokens": output_len}
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
@@ -87,33 +99,54 @@ async def wall_time(url: str, n: int, output_len: int) -> float:
                 raise RuntimeError(f"asked {output_len} tokens, got {got}")
 
         await one()  # warm the connection and the code paths
+        (await client.get(f"{url}/debug/host_times", params={"reset": "true"})).raise_for_status()
         t = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n)))
-        return time.perf_counter() - t
+        wall = time.perf_counter() - t
+        spans = await client.get(f"{url}/debug/host_times")
+        spans.raise_for_status()
+        return wall, spans.json()
 
 
-def overhead_row(n: int, wall_s: float, output_len: int, step_ms: float) -> dict[str, float]:
-    steps = output_len + 1
+def ideal_steps(output_len: int, k: int) -> int:
+    """The prompt's step (its first token), then k + 1 tokens a step."""
+    return 1 + -(-(output_len - 1) // (k + 1))
+
+
+def overhead_row(
+    n: int, wall_s: float, output_len: int, step_ms: float, k: int, spans: dict[str, Any]
+) -> dict[str, float]:
+    steps = ideal_steps(output_len, k)
     ideal_s = steps * step_ms / 1e3
-    return {
+    row = {
         "running_sequences": n,
         "wall_s": wall_s,
         "achieved_over_ideal": ideal_s / wall_s,
         "host_ms_per_step": max(0.0, wall_s * 1e3 / steps - step_ms),
+        "steps_run": float(spans.get("schedule", {}).get("count", 0)),
     }
+    for phase in PHASES:
+        got = spans.get(phase, {})
+        row[f"{phase}_p50_ms"] = float(got.get("p50_ms", 0.0))
+        row[f"{phase}_p99_ms"] = float(got.get("p99_ms", 0.0))
+    return row
 
 
 def run_emulated(
-    args: argparse.Namespace, log_dir: Path, scheduling: str
+    args: argparse.Namespace, log_dir: Path, scheduling: str, k: int
 ) -> list[dict[str, float]]:
-    engine = emulated_engine(args, log_dir, scheduling)
+    engine = emulated_engine(args, log_dir, scheduling, k)
     engine.start(env={"PYTHONUNBUFFERED": "1"})
     try:
-        engine.wait_ready(args.startup_timeout)
+        try:
+            engine.wait_ready(args.startup_timeout)
+        except RuntimeError as exc:  # e.g. async scheduling refused with MTP: say so, go on
+            print(f"  --async-scheduling {scheduling} with MTP {k} did not start: {exc}")
+            return []
         rows = []
         for n in args.sizes:
-            wall = asyncio.run(wall_time(engine.url, n, args.output_len))
-            rows.append(overhead_row(n, wall, args.output_len, args.step_ms))
+            wall, spans = asyncio.run(timed_run(engine.url, n, args.output_len))
+            rows.append(overhead_row(n, wall, args.output_len, args.step_ms, k, spans))
             print(f"  {n} sequences: {wall:.2f} s", flush=True)
         return rows
     finally:
@@ -178,13 +211,22 @@ def run_stack(args: argparse.Namespace, budget: str, log_dir: Path) -> list[dict
 
 
 def overhead_table(rows: list[dict[str, float]]) -> str:
-    head = "| running sequences | " + " | ".join(str(int(r["running_sequences"])) for r in rows)
-    rule = "|---|" + "---|" * len(rows)
-    rate = "| achieved / ideal step rate | " + " | ".join(
-        f"{r['achieved_over_ideal']:.2f}" for r in rows
-    )
-    host = "| host time per step (ms) | " + " | ".join(f"{r['host_ms_per_step']:.1f}" for r in rows)
-    return "\n".join(f"{line} |" if line != rule else line for line in (head, rule, rate, host))
+    def line(name: str, fmt: str, key: str) -> str:
+        return f"| {name} | " + " | ".join(fmt.format(r[key]) for r in rows) + " |"
+
+    lines = [
+        "| running sequences | "
+        + " | ".join(str(int(r["running_sequences"])) for r in rows)
+        + " |",
+        "|---|" + "---|" * len(rows),
+        line("achieved / ideal step rate", "{:.2f}", "achieved_over_ideal"),
+        line("host time per step (ms)", "{:.1f}", "host_ms_per_step"),
+        line("steps run (ideal + admission spread)", "{:.0f}", "steps_run"),
+    ]
+    for phase in PHASES:  # p50 / p99 in one cell
+        cells = " | ".join(f"{r[f'{phase}_p50_ms']:.2f} / {r[f'{phase}_p99_ms']:.2f}" for r in rows)
+        lines.append(f"| {phase.replace('_', '-')} p50 / p99 (ms) | {cells} |")
+    return "\n".join(lines)
 
 
 def stack_table(rows: list[dict[str, Any]]) -> str:
@@ -200,14 +242,13 @@ def stack_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def chart(runs: dict[str, list[dict[str, float]]], path: Path) -> str:
+def chart(runs: dict[str, list[dict[str, float]]], path: Path, step_ms: float) -> str:
     series = {
-        f"--async-scheduling {mode}": [
-            (r["running_sequences"], r["achieved_over_ideal"]) for r in rows
-        ]
-        for mode, rows in runs.items()
+        name: [(r["running_sequences"], r["achieved_over_ideal"]) for r in rows]
+        for name, rows in runs.items()
+        if rows
     }
-    title = "EMULATED 10 ms steps, dsv4-tiny: host overhead"
+    title = f"EMULATED {step_ms:g} ms steps, dsv4-tiny: host overhead"
     line_chart(path, title, "running sequences", "achieved / ideal step rate", series)
     return f"chart: {path}"
 
@@ -218,15 +259,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"logs in {log_dir}", flush=True)
     emulated: dict[str, list[dict[str, float]]] = {}
     if not args.skip_emulated:
-        for mode in [m for m in args.scheduling.split(",") if m]:
-            emulated[mode] = run_emulated(args, log_dir, mode)
-        for mode, rows in emulated.items():
-            print(
-                f"\nEMULATED {args.step_ms:g} ms steps, {args.output_len} tokens per request, "
-                f"--async-scheduling {mode}\n"
-            )
-            print(overhead_table(rows))
-        print(chart(emulated, args.chart))
+        for k in args.mtp:
+            for mode in [m for m in args.scheduling.split(",") if m]:
+                name = f"--async-scheduling {mode}, MTP {k}"
+                print(name, flush=True)
+                emulated[name] = run_emulated(args, log_dir, mode, k)
+        for name, rows in emulated.items():
+            if rows:
+                print(f"\nEMULATED {args.step_ms:g} ms steps, {args.output_len} tokens, {name}\n")
+                print(overhead_table(rows))
+        print(chart(emulated, args.chart, args.step_ms))
     stack: list[dict[str, Any]] = []
     for budget in [b for b in args.budgets.split(",") if b]:
         stack += run_stack(args, budget, log_dir)

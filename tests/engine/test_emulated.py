@@ -66,6 +66,21 @@ def test_emulated_engine_labels_itself_and_serves_the_token_chain(engine_server:
     assert 'vllm:generation_tokens_total{model_name="tiny"} 144.0' in metrics
 
 
+def test_host_times_count_every_phase_of_the_steps(engine_server: Service) -> None:
+    """``GET /debug/host_times``: the core's spans of each step reach the front end, which adds
+    its stream time; ``reset=true`` starts a new window."""
+    url = engine_server.url
+    httpx.get(f"{url}/debug/host_times", params={"reset": "true"}, timeout=10).raise_for_status()
+    assert all(v["count"] == 0 for v in httpx.get(f"{url}/debug/host_times").json().values())
+    _complete(url, [5, 6, 7], 4)  # 4 steps: the prompt's, then 3 decode steps
+    got = httpx.get(f"{url}/debug/host_times", timeout=10).json()
+    assert set(got) == {"schedule", "prepare", "post_process", "stream"}
+    assert got["schedule"]["count"] == got["prepare"]["count"] == 4
+    assert got["post_process"]["count"] == got["stream"]["count"] == 4
+    for phase in ("schedule", "prepare", "post_process", "stream"):
+        assert 0 < got[phase]["p50_ms"] <= got[phase]["p99_ms"] < 1000, got
+
+
 def test_emulated_core_gives_the_same_tokens_with_mtp_drafts_in_fewer_steps() -> None:
     """The drafts are the chain's next tokens, so all are accepted: same output, fewer steps."""
     from dsv4_serving.engine.config import EngineConfig

@@ -76,8 +76,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu"
+        cls,
+        chunks: Sequence[SeqChunk],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        block_tables: torch.Tensor | None = None,
     ) -> AttentionMetadata:
+        """``block_tables``: the chunks' padded block table when the caller keeps one
+        (``engine/worker/block_table.py``); else it is built from the chunks' lists."""
         if not chunks:
             raise ValueError("a step needs at least one sequence")
         slots = [c.state_slot for c in chunks]
@@ -85,6 +91,7 @@ class AttentionMetadata:
             raise ValueError("a state slot appears twice in one step")
         qsl = [0]
         pos: list[int] = []
+        any_snapshots = False
         for c in chunks:
             if c.num_new <= 0:
                 raise ValueError("every sequence in a step must add at least one token")
@@ -94,17 +101,24 @@ class AttentionMetadata:
                     f"sequence at slot {c.state_slot} needs {need} blocks of {block_size} tokens "
                     f"for length {c.context_len + c.num_new}, has {len(c.block_ids)}"
                 )
-            for boundary, _ in c.snapshots:
-                if not c.context_len < boundary < c.context_len + c.num_new:
-                    raise ValueError(f"snapshot at {boundary} is not inside the chunk")
+            if c.snapshots:
+                any_snapshots = True
+                for boundary, _ in c.snapshots:
+                    if not c.context_len < boundary < c.context_len + c.num_new:
+                        raise ValueError(f"snapshot at {boundary} is not inside the chunk")
             qsl.append(qsl[-1] + c.num_new)
-            pos.extend(range(c.context_len, c.context_len + c.num_new))
-        width = max(1, max(len(c.block_ids) for c in chunks))
-        # one tensor from padded host rows (not one small tensor per sequence)
-        table = torch.tensor(
-            [[*c.block_ids, *([0] * (width - len(c.block_ids)))] for c in chunks],
-            dtype=torch.long,
-        )
+            if c.num_new == 1:
+                pos.append(c.context_len)  # a decode token: no range object
+            else:
+                pos.extend(range(c.context_len, c.context_len + c.num_new))
+        table = block_tables
+        if table is None:
+            width = max(1, max(len(c.block_ids) for c in chunks))
+            # one tensor from padded host rows (not one small tensor per sequence)
+            table = torch.tensor(
+                [[*c.block_ids, *([0] * (width - len(c.block_ids)))] for c in chunks],
+                dtype=torch.long,
+            )
         return cls(
             query_start_loc=qsl,
             context_lens=[c.context_len for c in chunks],
@@ -112,5 +126,5 @@ class AttentionMetadata:
             block_tables=table.to(device),
             num_blocks=[len(c.block_ids) for c in chunks],
             state_slots=slots,
-            snapshots=[c.snapshots for c in chunks] if any(c.snapshots for c in chunks) else None,
+            snapshots=[c.snapshots for c in chunks] if any_snapshots else None,
         )

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI): /v1/completions, /v1/chat/completions,
-/v1/models, /health (liveness), /ready (readiness), /metrics. Every error is the common OpenAI
+/v1/models, /health (liveness), /ready (readiness), /metrics, /debug/host_times (host time
+per step by phase). Every error is the common OpenAI
 body (``http_errors``); bad input is a 400 decided before any work (``checks``); a client that
 disconnects aborts its request (its blocks are freed). SIGTERM drains (``disconnect.Drain``):
 /ready fails, new requests get 503 + X-DSV4-Draining, in-flight ones get ``shutdown_timeout``
@@ -90,6 +91,17 @@ async def ready(request: Request) -> Response:
 async def prometheus(request: Request) -> Response:
     metrics: EngineMetrics = _state(request).metrics
     return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/debug/host_times")
+async def host_times(request: Request, reset: bool = False) -> dict[str, dict[str, float]]:
+    """Host time per step by phase, p50 / p99 over the last steps (``engine/host_times.py``);
+    ``reset=true`` starts a new window after this answer (a benchmark's run)."""
+    engine: AsyncLLM = _state(request).engine
+    summary = engine.host_times.summary()
+    if reset:
+        engine.host_times.reset()
+    return summary
 
 
 async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -42,9 +42,16 @@ def _runner(k: int = 0) -> tuple[EmulatedRunner, list[float]]:
     slept: list[float] = []
     cfg = SimpleNamespace(vocab_size=1000, eos_token_id=[2])
     real = SimpleNamespace(
-        lm=SimpleNamespace(model_config=cfg), cache="cache", dummy=None, samples=True, k=k
+        lm=SimpleNamespace(model_config=cfg),
+        cache="cache",
+        dummy=None,
+        samples=True,
+        k=k,
+        prepare=lambda sched: None,
     )
-    return EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=slept.append), slept  # type: ignore[arg-type]
+    # a clock that stands still: the sleep is the whole step time
+    runner = EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=slept.append, clock=lambda: 0.0)  # type: ignore[arg-type]
+    return runner, slept
 
 
 def _req(

@@ -82,6 +82,7 @@ class KVCacheManager:
         self._boundary_capacity = 2 * num_blocks  # stateless models: keys only
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_slot: dict[str, int] = {}
+        self._block_ids: dict[str, list[int]] = {}  # ``block_ids``' lists, by request
         self._num_cached: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []  # (src slot, dst slot), in order
         # boundaries being snapshotted by the step in flight: published after it ran
@@ -214,6 +215,10 @@ class KVCacheManager:
         state slot; False (nothing changed) when the pool cannot provide them."""
         base = computed.num_tokens if computed else req.num_computed_tokens
         total = base + num_new_tokens + num_lookahead_tokens
+        if computed is None and req.request_id in self.req_slot:
+            held = self.req_blocks.get(req.request_id)
+            if held is not None and -(-total // self.block_size) <= len(held):
+                return True  # a decode step inside its blocks: nothing to allocate
         if not self.can_fit(req, total, computed):
             return False
         blocks = self.req_blocks.setdefault(req.request_id, [])
@@ -232,7 +237,17 @@ class KVCacheManager:
         return True
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block ids: the same list object until its blocks change, then a new
+        one (blocks are only appended until ``free``), never changed in place. A step keeps
+        the list it was given (async: while the next is scheduled) and the runner's block
+        table sees by identity which rows changed; so callers must not mutate it."""
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return []
+        ids = self._block_ids.get(request_id)
+        if ids is None or len(ids) != len(blocks):
+            ids = self._block_ids[request_id] = [b.block_id for b in blocks]
+        return ids
 
     def prefix_key(self, req: Request, num_blocks: int) -> str | None:
         """The host tier's key of ``req``'s first ``num_blocks`` blocks (None: the boundary
@@ -305,9 +320,15 @@ class KVCacheManager:
         block boundary reached exactly, snapshot its state slot."""
         if not self.enable_caching:
             return
-        for key, slot in self._pending.pop(req.request_id, []):
+        pending = self._pending.pop(req.request_id, None)
+        for key, slot in pending or ():
             self._pending_keys.discard(key)
             self._publish(key, slot)
+        computed, bs = req.num_computed_tokens, self.block_size
+        if computed % bs and computed // bs <= self._num_cached.get(req.request_id, 0):
+            # inside a block past the published ones (most decode steps): no block completed,
+            # no exact boundary; the hashes are extended by whoever reads them next
+            return
         hashes = req.update_block_hashes(self.block_size)
         blocks = self.req_blocks[req.request_id]
         n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
@@ -366,6 +387,7 @@ class KVCacheManager:
             if slot is not None:
                 self._free_snapshots.append(slot)
         blocks = self.req_blocks.pop(req.request_id, [])
+        self._block_ids.pop(req.request_id, None)
         self.pool.free_blocks(reversed(blocks))
         self._num_cached.pop(req.request_id, None)
         slot = self.req_slot.pop(req.request_id, None)

@@ -64,9 +64,10 @@ def total_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         return stats[0]
     out = SchedulerStats()
     for f in fields(SchedulerStats):
-        if f.name not in ("kv_usage", "kv_transfer", "eplb"):
+        if f.name not in ("kv_usage", "kv_transfer", "eplb", "host_spans"):
             setattr(out, f.name, sum(getattr(s, f.name) for s in stats))
     out.eplb = stats[0].eplb  # every EP rank has the same
+    out.host_spans = [x for s in stats for x in s.host_spans]
     used = sum(s.kv_usage * s.num_total_blocks for s in stats)
     out.kv_usage = used / out.num_total_blocks if out.num_total_blocks else 0.0
     return out

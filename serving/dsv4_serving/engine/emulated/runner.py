@@ -3,7 +3,8 @@ cannot add real capacity, the way llm-d tests with its inference simulator.
 
 The emulated runner replaces only the forward: each step sleeps for a time that is a function
 of its batch (``StepTime``) and every sampled position gets a deterministic token. Everything
-else stays real: the scheduler and its batching, the paged KV blocks and their cache tensors
+else stays real: the runner's input preparation (token ids, attention metadata, block tables:
+host work a real device step has too, timed as ``prepare_s``), the scheduler and its batching, the paged KV blocks and their cache tensors
 (so a prefill engine exports, and a decode engine imports, real bytes over the real sidecars),
 the metrics, the HTTP front end and the PD protocol. Sleeping costs no CPU, so several emulated
 engines on two cores give several engines' worth of capacity.
@@ -44,7 +45,13 @@ class EmulatedRunner:
     """``ModelRunner``'s interface over a real runner (its cache, dummy batch) whose forward is
     never run: ``execute`` sleeps ``StepTime`` and returns deterministic tokens."""
 
-    def __init__(self, real: ModelRunner, step_time: StepTime, sleep: Any = time.sleep) -> None:
+    def __init__(
+        self,
+        real: ModelRunner,
+        step_time: StepTime,
+        sleep: Any = time.sleep,
+        clock: Any = time.perf_counter,
+    ) -> None:
         self.real = real
         self.step_time = step_time
         self.lm = real.lm
@@ -53,7 +60,9 @@ class EmulatedRunner:
         self.samples = real.samples
         self.k = real.k
         self.forwards = 0
+        self.prepare_s = 0.0
         self._sleep = sleep
+        self._clock = clock
         cfg = real.lm.model_config
         self.vocab_size = int(cfg.vocab_size)
         eos = cfg.eos_token_id
@@ -77,13 +86,25 @@ class EmulatedRunner:
     def execute(
         self, out: SchedulerOutput, mtp_chain: bool | None = None
     ) -> dict[str, RunnerResult]:
-        from dsv4_serving.engine.core.sched.scheduler import RunnerResult
-
         del mtp_chain  # no MoE calls to keep in step with other DP ranks
         if not out.scheduled:
             return {}
         self.forwards += 1
-        self._sleep(self.step_time.seconds(len(out.scheduled), out.num_batched_tokens))
+        started = self._clock()
+        self.real.prepare(out.scheduled)
+        device = self._clock()
+        self.prepare_s = device - started
+        results = self._sample(out)
+        # the step's tokens are the device's work: the step ends ``StepTime`` after it began,
+        # so computing them here is not counted as host overhead (a real step samples on the
+        # device and copies the tokens back once)
+        step_s = self.step_time.seconds(len(out.scheduled), out.num_batched_tokens)
+        self._sleep(max(0.0, step_s - (self._clock() - device)))
+        return results
+
+    def _sample(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
+        from dsv4_serving.engine.core.sched.scheduler import RunnerResult
+
         results: dict[str, RunnerResult] = {}
         for s in out.scheduled if self.samples else ():
             if not s.sample:

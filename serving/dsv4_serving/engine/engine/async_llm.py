@@ -5,7 +5,9 @@ multiprocessing queues connect them. A parallel instance spawns one process per 
 (``engine.worker``); rank 0 is the core the queues reach, and any rank that exits ends the
 instance: every request fails with the reason and the other ranks are killed. A reader thread hands core messages to the event loop.
 Detokenization and stop strings happen here, as in vLLM's output processor: when a stop string
-appears the request is finished here and aborted in the core.
+appears the request is finished here and aborted in the core. Each request's increments go to
+its handler through a coalescing mailbox (``increments.py``); this processing's time per step
+message is the host's **stream** time (``host_times.py``, with the core's spans of each step).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
 from dsv4_serving.engine.engine.engine_core import run_engine_core
+from dsv4_serving.engine.engine.host_times import HostTimes, StepSpans
+from dsv4_serving.engine.engine.increments import Mailbox, RequestOutput
 from dsv4_serving.engine.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -45,7 +49,7 @@ from dsv4_serving.engine.engine.messages import (
 from dsv4_serving.engine.engine.observer import EngineObserver, NullObserver
 from dsv4_serving.engine.engine.stop_strings import StopStrings
 from dsv4_serving.engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Logprob
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,28 +68,11 @@ class KVTransferError(RuntimeError):
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """One increment of a request, as the API layer streams it."""
-
-    request_id: str
-    delta_text: str
-    delta_token_ids: list[int]
-    delta_logprobs: list[Logprob] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    kv_transfer_params: RemotePrefillParams | None = None  # a prefill's, for the remote decode
-
-
-@dataclass(slots=True)
 class _State:
     prompt_len: int
     detok: IncrementalDetokenizer
     stops: StopStrings
-    q: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    box: Mailbox = field(default_factory=Mailbox)
     arrival: float = field(default_factory=time.monotonic)
     last_token: float | None = None
     finished: bool = False
@@ -110,6 +97,7 @@ class AsyncLLM:
         # called (in the event loop) once the core is dead: the server stops and exits non-zero
         self.on_dead: Callable[[str], None] | None = None
         self._ids = itertools.count()
+        self.host_times = HostTimes()  # per step: the core's spans and this stream time
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -260,9 +248,7 @@ class AsyncLLM:
         self._send(AddRequest(req))
         try:
             while True:
-                item = await st.q.get()
-                if isinstance(item, Exception):
-                    raise item
+                item = await st.box.take()  # raises the request's error
                 yield item
                 if item.finished:
                     return
@@ -285,7 +271,7 @@ class AsyncLLM:
         self.dead_reason = reason
         for st in self._states.values():
             st.finished = True
-            st.q.put_nowait(EngineDeadError(reason))
+            st.box.put(EngineDeadError(reason))
         self._states.clear()
         if first and self.on_dead is not None:
             self.on_dead(reason)
@@ -293,16 +279,21 @@ class AsyncLLM:
     def _dispatch(self, msg: FromCore) -> None:
         match msg:
             case Outputs(outputs=outputs, stats=stats, rank_stats=ranks):
+                started = time.perf_counter()
                 for o in outputs:
                     self._on_output(o)
+                if outputs:
+                    self.host_times.add_stream(time.perf_counter() - started)
                 self.stats, self.rank_stats = stats, ranks or (stats,)
                 for rank, rs in enumerate(self.rank_stats):
                     self.observer.stats(rs, rank)
+                    for spans in rs.host_spans:
+                        self.host_times.add_step(StepSpans(*spans))
             case Rejected(request_id=rid, message=message):
                 st = self._states.pop(rid, None)
                 if st is not None:
                     st.finished = True
-                    st.q.put_nowait(ValueError(message))
+                    st.box.put(ValueError(message))
             case CoreFailed(message=message):
                 self._fail_all(message)
             case Ready():
@@ -319,7 +310,7 @@ class AsyncLLM:
             st.finished = True
             del self._states[o.request_id]
             self.observer.kv_error(o.error.reason)
-            st.q.put_nowait(KVTransferError(o.error.reason, o.error.message))
+            st.box.put(KVTransferError(o.error.reason, o.error.message))
             return
         if st.last_token is None:
             self.observer.first_token(now - st.arrival, st.prompt_len)
@@ -351,4 +342,4 @@ class AsyncLLM:
             st.finished = True
             del self._states[o.request_id]
             self.observer.finished(now - st.arrival, finish, st.prompt_len, out.num_output_tokens)
-        st.q.put_nowait(out)
+        st.box.put(out)

@@ -13,6 +13,7 @@ import os
 import queue
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, assert_never
@@ -151,6 +152,9 @@ class EngineCore:
             if self.kv_worker is not None:
                 self.kv_worker.traceparent_of = self.tracing.traceparent
         self._export_spans: dict[str, contextlib.AbstractContextManager[None]] = {}
+        # (schedule, prepare, post-process) seconds of the steps since ``stats`` last ran
+        # (bounded: an in-process caller may never ask)
+        self._host_spans: deque[tuple[float, float, float]] = deque(maxlen=8192)
         # the last step ran nothing and produced nothing: every request waits for its KV (a
         # pull, or a prefill's export)
         self.idle_waiting_for_kv = False
@@ -259,10 +263,12 @@ class EngineCore:
             return self._step_async(self.steps, admit)
         started = time.perf_counter()
         out = self._schedule(admit)
+        scheduled = time.perf_counter()
         t0 = time.time_ns() if self.tracing is not None else 0
         batch, chain = self._agree(out)
         self._tell_followers(RunStep(batch, chain))
         results = self.runner.execute(batch, chain)
+        ran = time.perf_counter()
         outputs = self.scheduler.update_from_output(out, results)
         self.scheduler.observe_step(time.perf_counter() - started, out.num_batched_tokens)
         if self.tracing is not None:
@@ -272,6 +278,9 @@ class EngineCore:
         if self.tracing is not None:
             self.tracing.finished(outputs)
         self.idle_waiting_for_kv = self.kv_worker is not None and not out.scheduled and not outputs
+        if batch.scheduled:
+            prepare = self.runner.prepare_s
+            self._host_spans.append((scheduled - started, prepare, time.perf_counter() - ran))
         return outputs
 
     def _schedule(self, admit: bool) -> SchedulerOutput:
@@ -293,6 +302,7 @@ class EngineCore:
         of a step that is running."""
         started = time.perf_counter()
         out = self._schedule(admit)
+        scheduled = time.perf_counter()
         nxt = None
         if out.scheduled or out.finished_ids or out.state_copies:
             nxt = (out, steps.submit(out), time.time_ns() if self.tracing is not None else 0)
@@ -302,6 +312,7 @@ class EngineCore:
         else:
             done, future, t0 = prev
             results = future.result()
+            ran = time.perf_counter()
             outputs = self.scheduler.update_from_output(done, results)
             self.scheduler.observe_step(time.perf_counter() - started, done.num_batched_tokens)
             if self.tracing is not None:
@@ -311,6 +322,9 @@ class EngineCore:
             self.tracing.finished(outputs)
         idle = prev is None and nxt is None and not outputs
         self.idle_waiting_for_kv = self.kv_worker is not None and idle
+        if prev is not None and prev[0].scheduled:  # N+1's schedule, N's prepare and outputs
+            spans = (scheduled - started, self.runner.prepare_s, time.perf_counter() - ran)
+            self._host_spans.append(spans)
         return outputs
 
     def _run_step(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
@@ -420,6 +434,8 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         out = self.scheduler.snapshot_stats()
+        out.host_spans = list(self._host_spans)
+        self._host_spans.clear()
         eplb = getattr(self.runner, "eplb", None)  # None unless --enable-eplb
         if eplb is not None:
             out.eplb = eplb.stats

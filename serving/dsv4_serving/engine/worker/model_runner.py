@@ -15,6 +15,7 @@ it accepts the request, and the runner masks that request's rows before sampling
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from dsv4_serving.engine.sample.logits_processors import TokenHistory
 from dsv4_serving.engine.sample.sampler import compute_logprobs, sample_and_verify
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 from dsv4_serving.engine.sample.seeding import position_seed
+from dsv4_serving.engine.worker.block_table import BlockTable
 from dsv4_serving.engine.worker.model_loader import LoadedModel
 from dsv4_serving.structured.bitmask import apply_bitmask_
 from dsv4_serving.structured.request_grammars import RequestGrammars
@@ -68,6 +70,8 @@ class ModelRunner:
         )
         self.eplb = eplb
         self.forwards = 0  # steps that ran the model (the benchmark's per-step figures)
+        self.block_table = BlockTable(num_slots)
+        self.prepare_s = 0.0  # the last step's input preparation (``engine/engine/host_times``)
         self._gens: dict[str, torch.Generator] = {}
         self._hists: dict[str, TokenHistory] = {}
         self._default_gen = torch.Generator().manual_seed(seed)
@@ -120,14 +124,17 @@ class ModelRunner:
         self.forwards += 1
         if self.eplb is not None:
             self.eplb.begin(real=sched[0].request_id != DUMMY_REQUEST)
-        results = self._run(sched, mtp_chain)
+        started = time.perf_counter()
+        input_ids, meta = self.prepare(sched)
+        self.prepare_s = time.perf_counter() - started
+        results = self._run(sched, input_ids, meta, mtp_chain)
         if self.eplb is not None:
             self.eplb.end_step()  # may move one MoE layer's experts: between two forwards
         return results
 
-    def _run(
-        self, sched: list[ScheduledRequest], mtp_chain: bool | None
-    ) -> dict[str, RunnerResult]:
+    def prepare(self, sched: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's inputs: token ids and attention metadata, block tables from the
+        persistent ``BlockTable`` (only rows whose block list changed are written)."""
         ids: list[int] = []
         chunks = []
         for s in sched:
@@ -135,8 +142,20 @@ class ModelRunner:
             chunks.append(
                 SeqChunk(s.context_len, len(s.token_ids), s.block_ids, s.state_slot, s.snapshots)
             )
-        meta = AttentionMetadata.build(chunks, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        meta = self._metadata(chunks)
+        return torch.tensor(ids, dtype=torch.long, device=self.device), meta
+
+    def _metadata(self, chunks: list[SeqChunk]) -> AttentionMetadata:
+        table = self.block_table.gather(chunks).to(self.device)
+        return AttentionMetadata.build(chunks, self.block_size, self.device, table)
+
+    def _run(
+        self,
+        sched: list[ScheduledRequest],
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        mtp_chain: bool | None,
+    ) -> dict[str, RunnerResult]:
         hidden = self.forward(input_ids, meta, self.cache)
 
         # logits rows: the last num_spec + 1 rows of every request that samples
@@ -227,7 +246,7 @@ class ModelRunner:
             next_ids.extend(s.token_ids[1:n])
             next_ids.append(last)
             rows.extend(range(a, a + n))
-        mmeta = AttentionMetadata.build(chunks, self.block_size, self.device)
+        mmeta = self._metadata(chunks)
         dev = self.device
         logits, mh = self.model.mtp_forward(
             torch.tensor(next_ids, device=dev),
@@ -252,7 +271,7 @@ class ModelRunner:
                 dchunks.append(
                     SeqChunk(c.context_len + c.num_new + step - 1, 1, c.block_ids, c.state_slot)
                 )
-            dmeta = AttentionMetadata.build(dchunks, self.block_size, dev)
+            dmeta = self._metadata(dchunks)
             lg, h = self.model.mtp_forward(draft, h, dmeta, self.cache)
             draft = lg.argmax(-1)
             for d, t in zip(drafts, draft.tolist(), strict=True):

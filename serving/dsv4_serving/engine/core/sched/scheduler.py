@@ -106,6 +106,9 @@ class SchedulerStats:
     num_late_prompts: int = 0  # cumulative prompts judged unable to make their prompt deadline
     kv_transfer: KVConnectorStats | None = None  # with a KV connector (PD roles)
     eplb: EplbStats | None = None  # with EPLB (the same on every EP rank)
+    # (schedule, prepare, post-process) seconds of each step since the last stats sent
+    # (``engine/engine/host_times.py``; the engine core fills it)
+    host_spans: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 class RemoteKV(enum.Enum):
@@ -516,29 +519,36 @@ class Scheduler:
         return RemoteKV.PARKED
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
+        # once per running request per step: each property read and call counts at 256
         ctx = req.num_computed_tokens
         end = ctx + num_new
-        known = min(end, req.num_tokens)
+        n = req.num_tokens
+        known = min(end, n)
         num_spec = end - known
-        req.spec_token_ids = req.spec_token_ids[:num_spec]
+        if num_spec != len(req.spec_token_ids):
+            req.spec_token_ids = req.spec_token_ids[:num_spec]
+        sample = known >= n
+        rid = req.request_id
         return ScheduledRequest(
-            request_id=req.request_id,
+            request_id=rid,
             token_ids=req.all_token_ids[ctx:known] + req.spec_token_ids,
             context_len=ctx,
             num_spec=num_spec,
-            block_ids=self.kv.block_ids(req.request_id),
-            state_slot=self.kv.req_slot[req.request_id],
-            sample=known >= req.num_tokens,
-            next_token=req.all_token_ids[end] if end < req.num_tokens else None,
+            block_ids=self.kv.block_ids(rid),
+            state_slot=self.kv.req_slot[rid],
+            sample=sample,
+            next_token=req.all_token_ids[end] if end < n else None,
             sampling_params=req.sampling_params,
-            num_output_tokens=req.num_output_tokens,
-            snapshots=self.kv.plan_snapshots(req, ctx, end) if not num_spec else [],
-            prompt_token_ids=self._history_start(req, known),
+            num_output_tokens=n - req.num_prompt_tokens,
+            # a chunk of one token has no block boundary strictly inside it
+            snapshots=self.kv.plan_snapshots(req, ctx, end) if not num_spec and num_new > 1 else [],
+            prompt_token_ids=self._history_start(req, n) if sample else None,
         )
 
     @staticmethod
-    def _history_start(req: Request, known: int) -> list[int] | None:
-        first_sample = known >= req.num_tokens and not req.num_output_tokens
+    def _history_start(req: Request, num_tokens: int) -> list[int] | None:
+        """The prompt, at a sampling step's first sample of a request with penalties."""
+        first_sample = num_tokens == req.num_prompt_tokens
         if first_sample and req.sampling_params.uses_history:
             return req.all_token_ids[: req.num_prompt_tokens]
         return None
