@@ -1,0 +1,169 @@
+"""Drain by moving the KV: ``POST /drain`` on the decode engine serving 16 greedy streams (MTP
+on, the tiny model's default) ends each of them with a migrate block carrying the export of its
+KV; the gateway resumes each on the other decode engine, which pulls the KV (every token but the
+last) instead of recomputing it. Every client stream (the openai SDK) equals the uninterrupted
+run's, token for token; the drained engine runs nothing within 5 s. Then the same engines
+take a kill -9 (the recompute path). Real engines (dsv4-tiny), KV sidecars and a gateway on
+127.0.0.1, shared by the cases (the drained engine is re-admitted with ``DELETE /drain``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import httpx
+import openai
+import pytest
+
+from dsv4_common.process import Service
+from tests.gateway.conftest import gateway, pd_pair, running
+
+MODEL = "dsv4-tiny"
+STREAMS = 16
+MAX_TOKENS = 220
+MOVE_AFTER = 12  # chunks every stream has before the drain (or the kill)
+
+
+class Stack(NamedTuple):
+    gateway: Service
+    prefill: Service
+    decodes: tuple[Service, Service]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    token = tmp_path_factory.mktemp("kv") / "kv-token"
+    token.write_text("drain-migration-test-token")
+    (ps, pe), (d0s, d0), (d1s, d1) = (
+        pd_pair("mig-p", "prefill", token),
+        pd_pair("mig-d0", "decode", token),
+        pd_pair("mig-d1", "decode", token),
+    )
+    gw = gateway("gateway-mig", "--prefill", pe.url, "--decode", d0.url, "--decode", d1.url)
+    with running(ps, pe, d0s, d0, d1s, d1, timeout_s=900), running(gw) as (g,):
+        yield Stack(g, pe, (d0, d1))
+
+
+def _prompt(i: int) -> str:
+    return f"Stream {i}: the quick brown fox jumps over the lazy dog, and then"
+
+
+def _stream(url: str, i: int, progress: Callable[[int], None] | None = None) -> list[int]:
+    """Stream ``i``'s token ids as the client got them (greedy, EOS ignored)."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
+    chunks = c.completions.create(
+        model=MODEL,
+        prompt=_prompt(i),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    ids: list[int] = []
+    finish = None
+    for k, ch in enumerate(chunks):
+        for choice in ch.choices:
+            ids += (choice.model_extra or {}).get("token_ids") or []
+            finish = choice.finish_reason or finish
+        if progress is not None:
+            progress(k)
+    assert finish == "length"
+    return ids
+
+
+def _all_streams(url: str, at_cut: Callable[[], None] | None = None) -> list[list[int]]:
+    """The 16 streams at once; ``at_cut`` runs once every stream has ``MOVE_AFTER`` chunks."""
+    reached = threading.Semaphore(0)
+
+    def progress(k: int) -> None:
+        if k == MOVE_AFTER:
+            reached.release()
+
+    with ThreadPoolExecutor(STREAMS) as pool:
+        futures = [
+            pool.submit(_stream, url, i, progress if at_cut else None) for i in range(STREAMS)
+        ]
+        if at_cut is not None:
+            for _ in range(STREAMS):
+                assert reached.acquire(timeout=600)
+            at_cut()
+        return [f.result() for f in futures]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(stack: Stack) -> list[list[int]]:
+    return _all_streams(stack.gateway.url)
+
+
+def _busiest(g: Service, decodes: tuple[Service, ...]) -> Service:
+    load = {
+        i["url"]: i["inflight_requests"] for i in httpx.get(f"{g.url}/instances", timeout=5).json()
+    }
+    return max(decodes, key=lambda d: load.get(d.url, 0))
+
+
+def _running(e: Service) -> float:
+    return e.metric("vllm:num_requests_running")
+
+
+def _transfers(e: Service, direction: str) -> float:
+    return e.metric("dsv4_kv_engine_transfers_total", direction=direction, outcome="ok")
+
+
+def test_a_drain_moves_every_stream_with_its_kv(
+    stack: Stack, uninterrupted: list[list[int]]
+) -> None:
+    g, (d0, d1) = stack.gateway, stack.decodes
+    assert all(len(ids) == MAX_TOKENS for ids in uninterrupted)
+    before = {d.url: (_transfers(d, "pull"), _transfers(d, "export")) for d in (d0, d1)}
+    recomputes = {d.url: d.metric("dsv4_kv_recomputes_total") for d in (d0, d1)}
+    drained: list[tuple[Service, dict[str, Any], float]] = []
+
+    def drain() -> None:
+        victim = _busiest(g, (d0, d1))
+        answer = httpx.post(f"{victim.url}/drain", json={}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        drained.append((victim, answer.json(), time.monotonic()))
+
+    got = _all_streams(g.url, drain)
+    assert got == uninterrupted  # every stream, token for token
+    ((victim, answer, t0),) = drained
+    peer = d1 if victim is d0 else d0
+    moved = answer["migrating"]
+    assert moved >= STREAMS // 2 and answer["kv"] is True, answer
+    # the victim is idle within the transfer time, not the longest generation
+    while _running(victim) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert _running(victim) == 0
+    assert httpx.get(f"{victim.url}/ready", timeout=5).status_code == 503
+    # each moved stream's KV went out of the victim and into the peer, and nothing was
+    # recomputed after a failed pull
+    assert _transfers(victim, "export") - before[victim.url][1] == moved
+    assert _transfers(peer, "pull") - before[peer.url][0] >= moved
+    assert peer.metric("dsv4_kv_recomputes_total") == recomputes[peer.url]
+    assert g.metric("dsv4_gateway_stream_migrations_total", reason="drain") == moved
+    assert g.metric("dsv4_gateway_stream_migrations_total", outcome="failed") == 0
+    # re-admitted: the engine admits again, the gateway routes to it again
+    assert httpx.delete(f"{victim.url}/drain", timeout=5).status_code == 200
+    assert httpx.get(f"{victim.url}/ready", timeout=5).status_code == 200
+
+
+def test_a_killed_decode_engine_s_streams_are_recomputed_exactly(
+    stack: Stack, uninterrupted: list[list[int]]
+) -> None:
+    """Last: the victim does not come back."""
+    g, (d0, d1) = stack.gateway, stack.decodes
+    time.sleep(1.5)  # the gateway's health check saw the re-admitted engine ready
+
+    def kill() -> None:
+        victim = _busiest(g, (d0, d1))
+        assert victim.pid is not None
+        os.killpg(victim.pid, signal.SIGKILL)
+
+    assert _all_streams(g.url, kill) == uninterrupted
+    assert g.metric("dsv4_gateway_stream_migrations_total", reason="broken", outcome="failed") == 0
