@@ -1,10 +1,11 @@
-"""Drain by moving the KV: ``POST /drain`` on the decode engine serving 16 greedy streams (MTP
-on, the tiny model's default) ends each of them with a migrate block carrying the export of its
-KV; the gateway resumes each on the other decode engine, which pulls the KV (every token but the
-last) instead of recomputing it. Every client stream (the openai SDK) equals the uninterrupted
-run's, token for token; the drained engine runs nothing within 5 s. Then the same engines
-take a kill -9 (the recompute path). Real engines (dsv4-tiny), KV sidecars and a gateway on
-127.0.0.1, shared by the cases (the drained engine is re-admitted with ``DELETE /drain``)."""
+"""Drain by moving the KV: ``POST /drain`` on the decode engine serving 16 streams (greedy and
+seeded sampling; MTP on, the tiny model's default) ends each with a migrate block carrying the
+export of its KV; the gateway resumes each on the other decode engine, which pulls the KV (every
+token but the last) instead of recomputing it. Every client stream (the openai SDK) equals the
+uninterrupted run's, token for token; the drained engine runs nothing within 5 s. Streams under
+a grammar (json_schema, tool_calls) move too. Then the same engines take a kill -9 (the
+recompute path). Real engines (dsv4-tiny), KV sidecars and a gateway on 127.0.0.1, shared by
+the cases (a drained engine is re-admitted with ``DELETE /drain``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import openai
 import pytest
 
 from dsv4_common.process import Service
+from dsv4_serving.chat.tool_ids import derived_tool_call_id
 from tests.gateway.conftest import gateway, pd_pair, running
+from tests.structured_requests import NO_THINKING, TOOLS, WEATHER
 
 MODEL = "dsv4-tiny"
 STREAMS = 16
@@ -54,13 +57,15 @@ def _prompt(i: int) -> str:
 
 
 def _stream(url: str, i: int, progress: Callable[[int], None] | None = None) -> list[int]:
-    """Stream ``i``'s token ids as the client got them (greedy, EOS ignored)."""
+    """Stream ``i``'s token ids as the client got them (EOS ignored): greedy for even ``i``,
+    sampled with seed ``i`` for odd ones (MTP verification draws by position)."""
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
     chunks = c.completions.create(
         model=MODEL,
         prompt=_prompt(i),
         max_tokens=MAX_TOKENS,
-        temperature=0,
+        temperature=0 if i % 2 == 0 else 0.8,
+        seed=i,
         stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
@@ -151,6 +156,90 @@ def test_a_drain_moves_every_stream_with_its_kv(
     # re-admitted: the engine admits again, the gateway routes to it again
     assert httpx.delete(f"{victim.url}/drain", timeout=5).status_code == 200
     assert httpx.get(f"{victim.url}/ready", timeout=5).status_code == 200
+
+
+def _structured(url: str, kind: str, progress: Callable[[int], None] | None = None) -> Any:
+    """A greedy chat stream under a grammar (a json_schema, or tool_choice required): what the
+    client got, token ids, content and each tool-call delta (ids included)."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
+    grammar: dict[str, Any] = (
+        {"tools": TOOLS, "tool_choice": "required"}
+        if kind == "tools"
+        else {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
+            }
+        }
+    )
+    chunks = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Weather in Paris, please ({kind})."}],
+        max_tokens=160,
+        temperature=0,
+        stream=True,
+        extra_body={**NO_THINKING, "return_token_ids": True},
+        **grammar,
+    )
+    ids: list[int] = []
+    seen: list[Any] = []
+    answer_ids: set[str] = set()
+    for k, ch in enumerate(chunks):
+        answer_ids.add(ch.id)
+        for choice in ch.choices:
+            ids += (choice.model_extra or {}).get("token_ids") or []
+            d = choice.delta
+            calls = [
+                (t.index, t.id, t.function.name, t.function.arguments)
+                for t in d.tool_calls or []
+                if t.function is not None
+            ]
+            for index, call_id, _, _ in calls:  # one answer, its call ids derived from it
+                assert call_id in (None, derived_tool_call_id(ch.id, 0, index))
+            seen.append((d.content, calls, choice.finish_reason))
+        if progress is not None:
+            progress(k)
+    assert len(answer_ids) == 1
+    return ids, seen
+
+
+def _same_answer(seen: list[Any]) -> list[Any]:
+    """Deltas with each call id as its index (ids are per answer; checked against it above)."""
+    return [
+        (content, [(i, None if cid is None else i, *rest) for i, cid, *rest in calls], finish)
+        for content, calls, finish in seen
+    ]
+
+
+def test_streams_under_a_grammar_move_twice_and_stay_identical(stack: Stack) -> None:
+    """A json_schema stream and a tool_calls stream (one on each decode engine): drain one
+    engine, re-admit it, drain the other; both streams move (one twice) and equal the
+    uninterrupted ones, tool-call ids included."""
+    g, (d0, d1) = stack.gateway, stack.decodes
+    kinds = ("json", "tools")
+    want = [_structured(g.url, k) for k in kinds]
+    moves = g.metric("dsv4_gateway_stream_migrations_total", reason="drain", outcome="continued")
+    assert any(calls for _, calls, _ in want[1][1]), "no tool call streamed"
+    reached = threading.Semaphore(0)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(_structured, g.url, k, lambda n: n == 8 and reached.release())
+            for k in kinds
+        ]
+        for _ in kinds:
+            assert reached.acquire(timeout=600)
+        for victim in (d0, d1):
+            assert httpx.post(f"{victim.url}/drain", timeout=10).status_code == 200
+            time.sleep(0.5)
+            assert httpx.delete(f"{victim.url}/drain", timeout=5).status_code == 200
+            time.sleep(1.5)  # the gateway's health check re-admits it
+        got = [f.result() for f in futures]
+    for kind, (ids, seen), (want_ids, want_seen) in zip(kinds, got, want, strict=True):
+        assert ids == want_ids, kind
+        assert _same_answer(seen) == _same_answer(want_seen), kind
+    assert g.metric("dsv4_gateway_stream_migrations_total", outcome="failed") == 0
+    after = g.metric("dsv4_gateway_stream_migrations_total", reason="drain", outcome="continued")
+    assert after - moves >= 2  # each moved at least once
 
 
 def test_a_killed_decode_engine_s_streams_are_recomputed_exactly(

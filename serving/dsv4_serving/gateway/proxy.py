@@ -157,7 +157,8 @@ class Proxy:
                     503, f"no healthy {role} instance", code="service_unavailable", headers=headers
                 )
             )
-        return UpstreamFailed(error_response(502, last, code="upstream_error", headers=headers))
+        why = last or f"no {role} instance left that was not tried"
+        return UpstreamFailed(error_response(502, why, code="upstream_error", headers=headers))
 
     # ---- stages --------------------------------------------------------------------------
 
@@ -340,6 +341,7 @@ class StreamRelay:
         self.state = StreamState()
         self.migrations = 0
         self.move: Resume | None = None  # opens a continuation that carries its KV
+        self.drained: set[str] = set()  # instances a drain moved it off (not failures)
 
     async def chunks(self, resp: UpstreamResponse, inst: Instance) -> AsyncIterator[bytes]:
         """The client's stream; the ticket (not this generator, which may never run or never
@@ -384,6 +386,9 @@ class StreamRelay:
         state.drop_pending()
         if drained:  # moved by a drain: no new requests there, and no failure
             inst.draining = True
+            self.drained.add(inst.url)
+            # an instance drained before may be admitting again: not excluded for that
+            self.tried -= self.drained - {inst.url}
         else:
             self.proxy._fail(inst)
         if state.finished and not state.done:  # only usage and [DONE] were lost
