@@ -131,6 +131,10 @@ def test_a_drain_moves_every_stream_with_its_kv(
 
     def drain() -> None:
         victim = _busiest(g, (d0, d1))
+        for bad in ({"migrate": "yes"}, {"mode": "migrate"}, [1]):  # refused, nothing drained
+            refused = httpx.post(f"{victim.url}/drain", json=bad, timeout=10)
+            assert refused.status_code == 400, refused.text
+        assert httpx.get(f"{victim.url}/ready", timeout=5).status_code == 200
         answer = httpx.post(f"{victim.url}/drain", json={}, timeout=10)
         assert answer.status_code == 200, answer.text
         drained.append((victim, answer.json(), time.monotonic()))

@@ -107,8 +107,9 @@ async def drain(request: Request) -> Response:
         return error_response(400, "the body must be JSON", code="invalid_json")
     if not isinstance(body, dict) or not isinstance(body.get("migrate", True), bool):
         return error_response(400, 'the body is {"migrate": bool}', param="migrate")
-    if set(body) - {"migrate"}:
-        return error_response(400, f"unknown fields {sorted(set(body) - {'migrate'})}")
+    unknown = sorted(set(body) - {"migrate"})
+    if unknown:
+        return error_response(400, f"unknown fields {unknown}", param=unknown[0])
     state.drain.draining = True
     moving = engine.migrate() if body.get("migrate", True) else 0
     log.info("drain asked: %d stream(s) moving", moving)

@@ -94,3 +94,29 @@ def test_under_async_scheduling_the_step_in_flight_returns_first() -> None:
     assert not m.pending and r.status == RequestStatus.FINISHED_MIGRATED
     (save,) = s.connector.take_saves()  # type: ignore[union-attr]
     assert (save.num_tokens, save.prompt_token_ids[-2:]) == (11, [100, 101])
+
+
+def test_a_sigterm_drain_starts_with_the_moves() -> None:
+    """``Drain.on_start`` (an engine with a KV sidecar: ``AsyncLLM.migrate``) runs as the drain
+    begins, before its wait for in-flight work."""
+    import asyncio
+
+    from dsv4_serving.http.disconnect import Drain
+
+    calls: list[int] = []
+
+    async def test() -> None:
+        drain = Drain(poll_s=0.01)
+        drain.held = 1
+        drain.on_start = lambda: calls.append(drain.held)
+
+        async def moved() -> None:
+            await asyncio.sleep(0.05)
+            drain.held -= 1
+
+        task = asyncio.create_task(moved())
+        assert await drain.run(timeout_s=5.0) == 0
+        await task
+
+    asyncio.run(test())
+    assert calls == [1]
