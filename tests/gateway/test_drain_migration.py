@@ -246,12 +246,28 @@ def test_streams_under_a_grammar_move_twice_and_stay_identical(stack: Stack) -> 
     assert after - moves >= 2  # each moved at least once
 
 
+def _routable(g: Service, engines: tuple[Service, ...]) -> None:
+    """Until the gateway routes to every one of ``engines`` (its health check re-admitted)."""
+    urls = {e.url for e in engines}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ok = {
+            i["url"]
+            for i in httpx.get(f"{g.url}/instances", timeout=5).json()
+            if i["healthy"] and not i["draining"]
+        }
+        if urls <= ok:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the gateway does not route to {urls - ok}")
+
+
 def test_a_killed_decode_engine_s_streams_are_recomputed_exactly(
     stack: Stack, uninterrupted: list[list[int]]
 ) -> None:
-    """Last: the victim does not come back."""
+    """The victim is started again by the next test."""
     g, (d0, d1) = stack.gateway, stack.decodes
-    time.sleep(1.5)  # the gateway's health check saw the re-admitted engine ready
+    _routable(g, (d0, d1))
 
     def kill() -> None:
         victim = _busiest(g, (d0, d1))
@@ -260,3 +276,34 @@ def test_a_killed_decode_engine_s_streams_are_recomputed_exactly(
 
     assert _all_streams(g.url, kill) == uninterrupted
     assert g.metric("dsv4_gateway_stream_migrations_total", reason="broken", outcome="failed") == 0
+
+
+def test_sigterm_on_an_engine_with_a_kv_sidecar_moves_its_streams(
+    stack: Stack, uninterrupted: list[list[int]]
+) -> None:
+    """Last: SIGTERM (to the leader only, as Kubernetes sends it) moves the streams with their
+    KV before the engine exits (0); the engine killed above is started again first (its
+    sidecar lived on)."""
+    g, (d0, d1) = stack.gateway, stack.decodes
+    for d in (d0, d1):
+        if not d.running():
+            d.start(env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+            d.wait_ready(600)
+    _routable(g, (d0, d1))
+    moves = g.metric("dsv4_gateway_stream_migrations_total", reason="drain", outcome="continued")
+    victims: list[Service] = []
+
+    def term() -> None:
+        victims.append(_busiest(g, (d0, d1)))
+        assert victims[0].pid is not None
+        os.kill(victims[0].pid, signal.SIGTERM)
+
+    assert _all_streams(g.url, term) == uninterrupted
+    (victim,) = victims
+    deadline = time.monotonic() + 60
+    while victim.running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert victim.exit_code() == 0
+    after = g.metric("dsv4_gateway_stream_migrations_total", reason="drain", outcome="continued")
+    assert after - moves >= STREAMS // 2
+    assert g.metric("dsv4_gateway_stream_migrations_total", outcome="failed") == 0
