@@ -9,6 +9,17 @@ bytes), which must be 0 once the stack is idle. Exit status 1 when anything hung
 
     .venv/bin/python benchmarks/chaos.py --duration 60 --seed 1
 
+``--scenario decode-kill|drain`` instead runs ``--streams`` long streams at once and, once they
+are under way, SIGKILLs the decode engine serving most of them (its streams are recomputed
+elsewhere) or asks it ``POST /drain`` (their KV moves to a peer), and prints: streams failed or
+cut (goal 0), how many moved, the extra latency of the moved streams (each stream's longest
+gap between two tokens less its median gap: p50, p99), the drain's duration (until the victim
+runs nothing) beside the longest remaining generation (what a drain that waits would take), and
+the tokens computed again (prefill engines' prompt tokens not served from their prefix cache
+after the event, plus decode requests whose KV pull failed and were prefilled locally).
+
+    .venv/bin/python benchmarks/chaos.py --scenario drain --streams 16 --output-len 400
+
 The stack is ``dsv4 up``'s own plan, its namespace parsed by ``dsv4 up``'s parser, so a new
 ``dsv4 up`` flag cannot break this script. A smoke run (``tests/gateway/test_chaos_smoke.py``):
 
@@ -217,6 +228,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--signal", choices=["kill", "term"], default="kill", help="how to kill")
     p.add_argument("--hung-s", type=float, default=90.0, help="a request longer than this hung")
     p.add_argument("--settle", type=float, default=60.0, help="seconds to wait for idle")
+    p.add_argument(
+        "--scenario",
+        choices=["soak", "decode-kill", "drain"],
+        default="soak",
+        help="soak: random kills under load; decode-kill / drain: one event under --streams",
+    )
+    p.add_argument("--streams", type=int, default=16, help="decode-kill / drain: streams at once")
+    p.add_argument(
+        "--move-after",
+        type=float,
+        default=2.0,
+        help="decode-kill / drain: seconds into the streams",
+    )
     p.add_argument("--model", default="dsv4-tiny")
     p.add_argument("--log-dir", type=Path, default=None)
     return p.parse_args(argv)
@@ -266,6 +290,104 @@ def soak(
     return sent, chaos
 
 
+def engines(children: list[Service]) -> list[Service]:
+    return [c for c in children if not isinstance(c, SidecarService) and c.name != "gateway"]
+
+
+def _busiest(gateway: Service, decodes: list[Service]) -> Service:
+    load = {i["url"]: i["inflight_requests"] for i in httpx.get(f"{gateway.url}/instances").json()}
+    return max(decodes, key=lambda d: load.get(d.url, 0))
+
+
+def _computed(prefills: list[Service]) -> float:
+    """Prompt tokens the prefill engines computed (not served from their prefix cache)."""
+    return sum(
+        e.metric("vllm:prefix_cache_queries_total") - e.metric("vllm:prefix_cache_hits_total")
+        for e in prefills
+    )
+
+
+def _event(args: argparse.Namespace, victim: Service) -> float | None:
+    """Kill or drain ``victim``; the drain's duration (until it runs nothing), or None."""
+    t = time.monotonic()
+    if args.scenario == "decode-kill":
+        _kill(victim, signal.SIGKILL)
+        return None
+    answer = httpx.post(f"{victim.url}/drain", json={}, timeout=10).json()
+    print(f"  drain: {answer}", flush=True)
+    while victim.metric("vllm:num_requests_running") and time.monotonic() - t < 120:
+        time.sleep(0.02)
+    return time.monotonic() - t
+
+
+def move(
+    args: argparse.Namespace, gateway: Service, decodes: list[Service], prefills: list[Service]
+) -> int:
+    """``--streams`` streams, one kill or drain of the decode engine serving most of them."""
+    args.requests, args.concurrency = args.streams, args.streams
+    stop = threading.Event()
+    t0 = time.monotonic()
+    sent: list[Sent] = []
+    loader = threading.Thread(
+        target=lambda: sent.extend(asyncio.run(load(gateway.url, args, t0, stop))), daemon=True
+    )
+    loader.start()
+    time.sleep(args.move_after)
+    victim = _busiest(gateway, decodes)
+    peers = [d for d in decodes if d is not victim]
+    before = (_computed(prefills), sum(d.metric("dsv4_kv_recomputes_total") for d in peers))
+    moved0 = gateway.metric("dsv4_gateway_stream_migrations_total", outcome="continued")
+    at = time.monotonic() - t0
+    print(f"  [{at:6.1f}s] {args.scenario} {victim.name}", flush=True)
+    drain_s = _event(args, victim)
+    loader.join(args.hung_s + 60)
+    recomputed = _computed(prefills) - before[0]
+    failed_pulls = sum(d.metric("dsv4_kv_recomputes_total") for d in peers) - before[1]
+    moved = gateway.metric("dsv4_gateway_stream_migrations_total", outcome="continued") - moved0
+    return move_report(args, sent, at, moved, drain_s, recomputed, failed_pulls)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def move_report(
+    args: argparse.Namespace,
+    sent: list[Sent],
+    at: float,
+    moved: float,
+    drain_s: float | None,
+    recomputed: float,
+    failed_pulls: float,
+) -> int:
+    failed = [s for s in sent if not s.record.ok]
+    cut = [s for s in failed if "broke off" in s.record.error]
+    # the moved streams: in flight at the event, their longest gap beyond their usual one
+    extra = sorted(
+        max(s.record.itl) - sorted(s.record.itl)[len(s.record.itl) // 2]
+        for s in sent
+        if s.record.ok and s.record.itl and s.start <= at <= s.end
+    )[-max(1, int(moved)) :]
+    remaining = max((s.end - at for s in sent), default=0.0)
+    print(f"\n== chaos {args.scenario} ==")
+    print(f"streams:            {len(sent)} of {args.output_len} tokens")
+    print(f"  failed:           {len(failed) - len(cut)}  (goal 0)")
+    print(f"  cut:              {len(cut)}  (goal 0)")
+    print(f"  moved:            {moved:g}")
+    print(
+        f"extra latency of moved streams: p50 {_pct(extra, 0.5):.3f}s p99 {_pct(extra, 0.99):.3f}s"
+    )
+    if drain_s is not None:
+        print(
+            f"drain duration:     {drain_s:.3f}s (the longest remaining generation: {remaining:.3f}s)"
+        )
+    print(f"tokens recomputed:  {recomputed:g} (+ {failed_pulls:g} requests after a failed pull)")
+    for s in failed[:3]:
+        print(f"  e.g. {s.record.error[:160]}")
+    return 1 if failed else 0
+
+
 def main() -> int:
     args = parse_args()
     run_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-chaos-"))
@@ -279,6 +401,10 @@ def main() -> int:
     print(f"chaos: {len(children)} processes, logs in {run_dir}", flush=True)
     try:
         up.start_in_order(children, stack.startup_timeout)
+        if args.scenario != "soak":
+            decodes = [c for c in victims if "decode" in c.name and c in engines(children)]
+            prefills = [c for c in engines(children) if c not in decodes]
+            return move(args, gateway, decodes, prefills)
         print(f"up: {gateway.url}; at most {args.duration:.0f}s of load and chaos", flush=True)
         sent, chaos = soak(args, gateway, victims)
         for c in victims:  # whatever was down when the chaos stopped

@@ -29,3 +29,27 @@ def test_chaos_smallest_run_reports_no_hang_and_no_leak(tmp_path: Path) -> None:
     assert re.search(r"^ +hung: +0 ", out, re.M), out
     leaked = re.findall(r"^leaked .*: (\S+) ", out, re.M)
     assert len(leaked) == 4 and set(leaked) == {"0"}, out  # 2 engines, 2 sidecars
+
+
+def test_chaos_drain_scenario_moves_streams_without_failing_one(tmp_path: Path) -> None:
+    """``--scenario drain``: 1 prefill + 2 decode engines, 4 streams, the busier decode drained
+    once they are under way: nothing fails, the report has the drain's duration."""
+    flags = ["--scenario", "drain", "--prefill", "1", "--decode", "2", "--streams", "4"]
+    flags += [
+        "--output-len",
+        "96",
+        "--move-after",
+        "3",
+        "--hung-s",
+        "120",
+        "--log-dir",
+        str(tmp_path),
+    ]
+    res = subprocess.run(
+        [sys.executable, str(CHAOS), *flags], capture_output=True, text=True, timeout=600
+    )
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr
+    assert re.search(r"^  failed: +0 ", out, re.M) and re.search(r"^  cut: +0 ", out, re.M), out
+    assert re.search(r"^drain duration: +\d", out, re.M), out
+    assert re.search(r"^tokens recomputed: +0 ", out, re.M), out  # moved with their KV

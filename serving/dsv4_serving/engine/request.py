@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"  # max_tokens or the model length
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # e.g. its remote KV could not be had (failure policy fail)
+    FINISHED_MIGRATED = "migrate"  # moved to another engine (a drain): its KV exported
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
             RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_MIGRATED,
         )
 
 

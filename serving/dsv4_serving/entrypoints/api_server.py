@@ -12,6 +12,7 @@ which ``build_app`` puts in the app's state."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -87,6 +88,53 @@ async def ready(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.post("/drain")
+async def drain(request: Request) -> Response:
+    """Drain without waiting for the longest answer: ``/ready`` turns 503 and new requests get
+    503 + X-DSV4-Draining (as after SIGTERM, but the process stays up), and every stream a
+    gateway can continue (one that asked for stream state) moves to another engine: at its
+    next step its KV is exported through the KV sidecar and its stream ends with a migrate
+    block the gateway resumes it from (``engine/engine/drain.py``). Other requests finish here.
+    Body (optional): ``{"migrate": false}`` only stops admitting. Answer: ``{"draining": true,
+    "migrating": <streams asked to move>, "in_flight": <requests in flight here>,
+    "kv": <whether their KV moves (a sidecar) or is recomputed where they go>}``. Idempotent:
+    a second call moves what is left."""
+    state = _state(request)
+    engine: AsyncLLM = state.engine
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return error_response(400, "the body must be JSON", code="invalid_json")
+    if not isinstance(body, dict) or not isinstance(body.get("migrate", True), bool):
+        return error_response(400, 'the body is {"migrate": bool}', param="migrate")
+    unknown = sorted(set(body) - {"migrate"})
+    if unknown:
+        return error_response(400, f"unknown fields {unknown}", param=unknown[0])
+    state.drain.draining = True
+    moving = engine.migrate() if body.get("migrate", True) else 0
+    log.info("drain asked: %d stream(s) moving", moving)
+    answer = {
+        "draining": True,
+        "migrating": moving,
+        "in_flight": state.drain.inflight(),
+        "kv": engine.config.kv_sidecar is not None,
+    }
+    return JSONResponse(answer)
+
+
+@router.delete("/drain")
+async def undrain(request: Request) -> Response:
+    """Admit again after ``POST /drain`` (a scale-down called off): ``/ready`` is 200 again
+    and the gateways route here once their health check sees it. A SIGTERM's drain cannot be
+    called off (409)."""
+    drain = _state(request).drain
+    if drain.task is not None:
+        return error_response(409, "shutting down (SIGTERM)", code="draining")
+    drain.draining = False
+    return JSONResponse({"draining": False})
+
+
 @router.get("/metrics")
 async def prometheus(request: Request) -> Response:
     metrics: EngineMetrics = _state(request).metrics
@@ -125,6 +173,8 @@ async def _failed(_: Request, exc: Exception) -> JSONResponse:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: AsyncLLM = app.state.engine
     engine.attach(asyncio.get_running_loop())
+    if engine.config.kv_sidecar:  # SIGTERM moves the streams (their KV) rather than waits
+        app.state.drain.on_start = engine.migrate
     drain_on_sigterm(app.state.drain, engine.config.shutdown_timeout, log)
     yield
 

@@ -10,7 +10,8 @@ has relayed is always whole increments.
 
 ``continuation: {token_ids, chars, id, created}`` continues an answer another engine started:
 the tokens are appended to the encoded prompt as output already generated (the front end's
-detokenizer, stop strings and chat parser are fed them without emitting anything), the budget
+detokenizer, stop strings and chat parser are fed them without emitting anything, a grammar's
+matcher is advanced over them in the core), the budget
 is what is left of ``max_tokens`` (and ``min_tokens``), a seed moves on by as many positions
 (``engine/sample/seeding.py``), usage counts them as completion tokens,
 and the chunks keep the answer's ``id`` and ``created`` (tool-call ids derive from the id), with
@@ -120,9 +121,6 @@ def remaining(params: SamplingParams, cont: Continuation) -> SamplingParams:
         raise BadRequest(
             f"{FIELD} does not support presence_penalty or frequency_penalty", param=FIELD
         )
-    if params.structured is not None:
-        # the grammar's matcher would start over at the continued tokens: not yet advanced
-        raise BadRequest(f"{FIELD} does not support structured outputs yet", param=FIELD)
     if done >= params.max_tokens:
         raise BadRequest(
             f"{FIELD}: {done} tokens already generated, max_tokens is {params.max_tokens}",
@@ -134,6 +132,7 @@ def remaining(params: SamplingParams, cont: Continuation) -> SamplingParams:
         max_tokens=params.max_tokens - done,
         min_tokens=max(0, params.min_tokens - done),
         seed=seed,  # the draws go on where the first engine's stopped (sample/seeding.py)
+        resumed_tokens=done,  # a grammar's matcher is advanced over them first
     )
 
 
@@ -185,6 +184,15 @@ class StateWriter:
             return events + tail
         head, self.head = self.head, None
         return state_block([], 0, False, head) + events + tail
+
+    def migrated(self, kv_transfer_params: dict[str, Any] | None) -> str:
+        """The stream's last block when a drain moves it: ``m`` holds the export of its KV
+        (None: none, the continuing engine recomputes it) and how many tokens' KV that is
+        (every token but the last); no ``[DONE]`` follows."""
+        kv = kv_transfer_params
+        moved = {"kv_transfer_params": kv, "tokens": kv["remote_num_tokens"] if kv else 0}
+        state = {"t": [], "c": self.chars, "m": moved}
+        return f"{STATE_PREFIX}{json.dumps(state, separators=(',', ':'))}\n\n"
 
 
 def state_block(

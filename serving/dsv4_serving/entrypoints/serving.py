@@ -172,6 +172,7 @@ class CompletionGenerator:
                 data_parallel_rank,
                 traceparent,
                 **resumed,
+                movable=continuation is not None and stream and n == 1,
             )
             for i in range(n)
         ]
@@ -288,6 +289,10 @@ class CompletionGenerator:
             item: Indexed | None = first
             while item is not None:
                 i, o = item
+                if o.finish_reason == "migrate":  # a drain: another engine continues it
+                    kv = o.kv_transfer_params
+                    yield state.migrated(kv.to_dict() if kv is not None else None)
+                    return
                 last[i] = o
                 token_ids[i].extend(o.delta_token_ids)
                 logprobs = lps[i].render(o.delta_logprobs, o.finished)

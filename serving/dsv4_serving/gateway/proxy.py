@@ -36,7 +36,7 @@ from dsv4_serving.gateway.instances import Instance, InstancePool, Role
 from dsv4_serving.gateway.lifecycle import Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.policies import Choice, Policy, RouteRequest, paired_revisions
-from dsv4_serving.gateway.stream_state import StreamState, continuation_body
+from dsv4_serving.gateway.stream_state import StreamState, continuation_body, moved_body
 from dsv4_serving.gateway.tracing import attempt_span, current_span, routing_under, upstream_status
 from dsv4_serving.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from dsv4_serving.http.errors import DRAINING_HEADER, error_response
@@ -168,7 +168,8 @@ class Proxy:
                     503, f"no healthy {role} instance", code="service_unavailable", headers=headers
                 )
             )
-        return UpstreamFailed(error_response(502, last, code="upstream_error", headers=headers))
+        why = last or f"no {role} instance left that was not tried"
+        return UpstreamFailed(error_response(502, why, code="upstream_error", headers=headers))
 
     # ---- stages --------------------------------------------------------------------------
 
@@ -296,12 +297,12 @@ class Proxy:
         tried: set[str] = set()
         resp, inst, attempt = await self.open(role, path, body, req, request_id, tried)
         if stream and resp.status == 200:
-            if resume is None:
 
-                async def resume(cont: dict[str, Any], tried: set[str]) -> Opened:
-                    return await self.open(role, path, cont, req, request_id, tried)
+            async def reopen(cont: dict[str, Any], tried: set[str]) -> Opened:
+                return await self.open(role, path, cont, req, request_id, tried)
 
-            relay = StreamRelay(self, body, resume, tried, ticket, current_span())
+            relay = StreamRelay(self, body, resume or reopen, tried, ticket, current_span())
+            relay.move = reopen  # a drained stream with its KV: straight to another ``role``
             ticket.hold(relay.attempts)  # ... or, streamed, when the stream ends
             relay.attempts.enter_context(attempt)
             return RelayResponse(
@@ -350,6 +351,8 @@ class StreamRelay:
         self.attempts = ExitStack()
         self.state = StreamState()
         self.migrations = 0
+        self.move: Resume | None = None  # opens a continuation that carries its KV
+        self.drained: set[str] = set()  # instances a drain moved it off (not failures)
 
     async def chunks(self, resp: UpstreamResponse, inst: Instance) -> AsyncIterator[bytes]:
         """The client's stream; the ticket (not this generator, which may never run or never
@@ -388,15 +391,23 @@ class StreamRelay:
         state = self.state
         reason = _reason(e, state)
         error = state.engine_error
+        drained = state.moved is not None
+        with_kv = moved_body(self.body, state) if drained else None
         resp.close()  # the old upstream stops before another continues (no two writers)
         state.drop_pending()
-        self.proxy._fail(inst)
+        if drained:  # moved by a drain: no new requests there, and no failure
+            inst.draining = True
+            self.drained.add(inst.url)
+            # an instance drained before may be admitting again: not excluded for that
+            self.tried -= self.drained - {inst.url}
+        else:
+            self.proxy._fail(inst)
         if state.finished and not state.done:  # only usage and [DONE] were lost
             self.ticket.outcome = "ok"
             return b"data: [DONE]\n\n"
         why = f"upstream {inst.url} broke off: {e}"
         if state.continuable() and self.migrations < MIGRATIONS_PER_STREAM:
-            opened = await self._continue(reason)
+            opened = await self._continue(reason, with_kv)
             if not isinstance(opened, str):
                 return opened
             why += f"; continuing it failed: {opened}"
@@ -407,34 +418,51 @@ class StreamRelay:
         # a leading blank line ends any event the upstream left half-sent
         return f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
-    async def _continue(self, reason: str) -> tuple[UpstreamResponse, Instance] | str:
+    async def _continue(
+        self, reason: str, with_kv: dict[str, Any] | None
+    ) -> tuple[UpstreamResponse, Instance] | str:
         """Open the continuation (recorded in the metric and on the request's span), or why
-        it could not be."""
+        it could not be. ``with_kv``: the body that continues a drained stream with its KV,
+        tried first; without it (or if it is refused) the stream is recomputed."""
         self.migrations += 1
         if self.span is not None:
             self.span.set_attribute("dsv4.gateway.migrations", self.migrations)
             self.span.set_attribute("dsv4.gateway.migration_reason", reason)
         counter = self.proxy.metrics.migrations
-        try:
-            with routing_under(self.span):
-                body = continuation_body(self.body, self.state)
-                new, inst, attempt = await self.resume(body, self.tried)
-        except (UpstreamFailed, UpstreamError, KVParamsError, TimeoutError) as e:
+        opened = None
+        if with_kv is not None and self.move is not None:
+            opened = await self._open(self.move, with_kv, set(self.tried))
+        if not isinstance(opened, tuple):
+            body = continuation_body(self.body, self.state)
+            opened = await self._open(self.resume, body, self.tried)
+        if isinstance(opened, str):
             counter.labels(reason, "failed").inc()
-            return _message(e)
-        if new.status != 200:
-            attempt.close()
-            counter.labels(reason, "failed").inc()
-            return f"the continuation was answered {new.status}"
+            return opened
+        new, inst, attempt = opened
         counter.labels(reason, "continued").inc()
         log.info("stream %s continued on %s (%s)", self.state.response_id, inst.url, reason)
         self.attempts.close()  # the failed attempt's load and connection
         self.attempts.enter_context(attempt)
         return new, inst
 
+    async def _open(self, how: Resume, body: dict[str, Any], tried: set[str]) -> Opened | str:
+        """One continuation attempt (retried on other instances by ``how``), or why not."""
+        try:
+            with routing_under(self.span):
+                new, inst, attempt = await how(body, tried)
+        except (UpstreamFailed, UpstreamError, KVParamsError, TimeoutError) as e:
+            return _message(e)
+        if new.status != 200:
+            attempt.close()
+            return f"the continuation was answered {new.status}"
+        self.tried |= tried
+        return new, inst, attempt
+
 
 def _reason(e: Exception, state: StreamState) -> str:
     """The ``reason`` label of a migration."""
+    if state.moved is not None:
+        return "drain"
     if state.engine_error is not None:
         return "engine_error"
     if isinstance(e, TimeoutError):

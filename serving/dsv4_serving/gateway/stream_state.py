@@ -37,6 +37,9 @@ class StreamState:
         self.finished = False
         self.done = False
         self.engine_error: bytes | None = None  # a continuable error event, held back
+        # a drain moved the stream: the export of its KV (``kv_transfer_params``, None when
+        # the engine has no KV sidecar or its export failed); the stream then ends
+        self.moved: dict[str, Any] | None = None
         self._pending = b""  # complete events not yet relayed, then a partial one
 
     def feed(self, data: bytes) -> bytes:
@@ -80,6 +83,8 @@ class StreamState:
             self.finished = True
         if "id" in state:
             self.response_id, self.created = state["id"], state["created"]
+        if "m" in state:
+            self.moved = state["m"] if isinstance(state["m"], dict) else {}
 
     def flush(self) -> bytes:
         """At the upstream's clean end: what an untracked stream still holds."""
@@ -90,6 +95,7 @@ class StreamState:
         """The upstream failed: what it sent after its last state block never happened."""
         self._pending = b""
         self.engine_error = None
+        self.moved = None
 
     def continuable(self) -> bool:
         """Whether another engine can take the stream over from here."""
@@ -121,6 +127,16 @@ def continuation_body(body: dict[str, Any], state: StreamState) -> dict[str, Any
             "created": state.created,
         },
     }
+
+
+def moved_body(body: dict[str, Any], state: StreamState) -> dict[str, Any] | None:
+    """The continuation of a stream a drain moved with its KV: ``continuation_body`` plus
+    the export's ``kv_transfer_params`` (the continuing engine pulls the KV of every token but
+    the last and computes that one); None when no KV came with it."""
+    params = (state.moved or {}).get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return None
+    return {**continuation_body(body, state), "kv_transfer_params": params}
 
 
 def wants_state(body: dict[str, Any]) -> bool:

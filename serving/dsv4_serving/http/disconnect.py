@@ -61,10 +61,13 @@ class Drain:
         self.draining = False
         self.expired = asyncio.Event()
         self.task: asyncio.Task[None] | None = None  # the SIGTERM drain, once started
+        self.on_start: Callable[[], object] | None = None  # called as a drain begins
 
     async def run(self, timeout_s: float, wind_down_s: float = 5.0) -> int:
         """Drain; the number of in-flight requests that had to be stopped."""
         self.draining = True
+        if self.on_start is not None:
+            self.on_start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.inflight() and loop.time() < deadline:
@@ -110,7 +113,7 @@ def drain_on_sigterm(drain: Drain, timeout_s: float, log: logging.Logger) -> Non
             raise SystemExit(0)
 
     def start() -> None:
-        if not drain.draining:
+        if drain.task is None:  # a drain asked over HTTP does not stop the exit
             log.info("SIGTERM: draining (up to %.0fs for in-flight requests)", timeout_s)
             drain.task = loop.create_task(finish())
 

@@ -26,14 +26,22 @@ class RequestGrammars:
         self.eos_token_ids = tuple(eos_token_ids)
         self._pending: dict[str, Future[CompiledGrammar]] = {}
         self._matchers: dict[str, GrammarMatcher | None] = {}  # None: its grammar failed
+        self._replay: dict[str, Sequence[int]] = {}
 
-    def add(self, request_id: str, grammar: Future[CompiledGrammar]) -> None:
+    def add(
+        self, request_id: str, grammar: Future[CompiledGrammar], replay: Sequence[int] = ()
+    ) -> None:
+        """``replay``: output generated before (a continued stream), accepted by the matcher
+        before its first mask, so the continuation is constrained as the first engine was."""
         self._pending[request_id] = grammar
+        if replay:
+            self._replay[request_id] = replay
 
     def drop(self, request_id: str) -> None:
         fut = self._pending.pop(request_id, None)
         if fut is not None:
             fut.cancel()
+        self._replay.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
@@ -54,8 +62,22 @@ class RequestGrammars:
             # through HTTP; an in-process caller's bad spec ends its request at once (EOS only)
             log.error("request %s: its grammar did not compile: %s", request_id, exc)
             m = None
+        replay = self._replay.pop(request_id, ())
+        if m is not None and not self._replayed(m, replay):
+            # not what this grammar allows: never from a gateway's continuation (the first
+            # engine was constrained by the same grammar); ends the request (EOS only)
+            log.error("request %s: its continued output is outside its grammar", request_id)
+            m = None
         self._matchers[request_id] = m
         return m
+
+    def _replayed(self, m: GrammarMatcher, token_ids: Sequence[int]) -> bool:
+        for t in token_ids:
+            if m.is_terminated() and t in self.eos_token_ids:
+                continue
+            if not m.accept(t):
+                return False
+        return True
 
     def rows(self, request_id: str, drafts: Sequence[int]) -> tuple[Bitmask, int]:
         """Mask rows ``[kept + 1, words]`` and ``kept``: how many leading drafts the grammar

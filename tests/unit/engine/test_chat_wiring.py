@@ -87,7 +87,7 @@ class ScriptedEngine:
         return f"{prefix}-1"
 
     async def generate(
-        self, ids: list[int], sp: SamplingParams, rid: str, *_: Any
+        self, ids: list[int], sp: SamplingParams, rid: str, *_: Any, **__: Any
     ) -> AsyncIterator[RequestOutput]:
         self.prompts.append(list(ids))
         detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)

@@ -45,6 +45,7 @@ class ResumingEngine(ScriptedEngine):
         *_: Any,
         continued: Sequence[int] = (),
         sent_chars: int = 0,
+        movable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         assert list(continued) == self.script[: len(continued)]
         self.continued_with.append(list(continued))

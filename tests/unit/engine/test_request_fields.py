@@ -49,7 +49,9 @@ class FakeEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-1"
 
-    async def generate(self, ids: list[int], sp: SamplingParams, *_: Any) -> AsyncIterator[Any]:
+    async def generate(
+        self, ids: list[int], sp: SamplingParams, *_: Any, **__: Any
+    ) -> AsyncIterator[Any]:
         self.last = sp
         yield RequestOutput("r", "o", [ord("o")], None, len(ids), 1, 0, True, "length")
 

@@ -25,8 +25,7 @@ from dsv4_serving.distributed.groups import Group
 from dsv4_serving.engine.dp.router import Leader, RankReport, StepHeader
 from dsv4_serving.engine.engine.engine_core import EngineCore, apply_request_message
 from dsv4_serving.engine.engine.messages import (
-    AbortRequests,
-    AddRequest,
+    RankMessage,
     Rejected,
     Shutdown,
     ToCore,
@@ -79,5 +78,5 @@ def run_lockstep(core: EngineCore, dp: Group, in_q: Any, out_q: Any, parent: int
                 stats_due = False
 
 
-def _apply(core: EngineCore, inbox: list[AddRequest | AbortRequests]) -> list[Rejected]:
+def _apply(core: EngineCore, inbox: list[RankMessage]) -> list[Rejected]:
     return [r for msg in inbox if (r := apply_request_message(core, msg)) is not None]

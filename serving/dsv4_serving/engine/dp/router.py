@@ -12,7 +12,7 @@ Pure Python: the leader core runs it, the unit tests pin its exact choices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import assert_never
 
@@ -20,7 +20,9 @@ from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
 from dsv4_serving.engine.engine.messages import (
     AbortRequests,
     AddRequest,
+    MigrateRequests,
     Outputs,
+    RankMessage,
     Rejected,
     Shutdown,
     ToCore,
@@ -75,7 +77,7 @@ def total_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
 
 @dataclass(frozen=True, slots=True)
 class StepHeader:
-    inboxes: list[list[AddRequest | AbortRequests]]  # by DP rank
+    inboxes: list[list[RankMessage]]  # by DP rank
     freeze: bool  # no rank admits new work this step
     stop: bool = False
 
@@ -100,7 +102,7 @@ class Leader:
 
     def header(self, msgs: list[ToCore]) -> tuple[StepHeader, list[Rejected]]:
         size = self.router.size
-        inboxes: list[list[AddRequest | AbortRequests]] = [[] for _ in range(size)]
+        inboxes: list[list[RankMessage]] = [[] for _ in range(size)]
         rejected: list[Rejected] = []
         stop = False
         for msg in msgs:
@@ -114,17 +116,23 @@ class Leader:
                     self.owner[req.request_id] = rank
                     inboxes[rank].append(msg)
                 case AbortRequests(request_ids=ids):
-                    by_rank: dict[int, list[str]] = {}
-                    for rid in ids:
-                        if rid in self.owner:
-                            by_rank.setdefault(self.owner[rid], []).append(rid)
-                    for rank, rids in by_rank.items():
+                    for rank, rids in self._by_owner(ids).items():
                         inboxes[rank].append(AbortRequests(rids))
+                case MigrateRequests(request_ids=ids):
+                    for rank, rids in self._by_owner(ids).items():
+                        inboxes[rank].append(MigrateRequests(tuple(rids)))
                 case Shutdown():
                     stop = True
                 case _:
                     assert_never(msg)
         return StepHeader(inboxes, self.freeze, stop), rejected
+
+    def _by_owner(self, ids: Iterable[str]) -> dict[int, list[str]]:
+        by_rank: dict[int, list[str]] = {}
+        for rid in ids:
+            if rid in self.owner:
+                by_rank.setdefault(self.owner[rid], []).append(rid)
+        return by_rank
 
     def collect(self, reports: list[RankReport]) -> Outputs:
         stats = [r.stats for r in reports]

@@ -40,6 +40,7 @@ from dsv4_serving.engine.engine.messages import (
     CoreFailed,
     EngineInfo,
     FromCore,
+    MigrateRequests,
     Outputs,
     Ready,
     Rejected,
@@ -98,6 +99,8 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None
         self._ids = itertools.count()
         self.host_times = HostTimes()  # per step: the core's spans and this stream time
+        # streams a gateway can continue elsewhere: a drain moves them (``engine/drain.py``)
+        self.movable: set[str] = set()
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -222,12 +225,14 @@ class AsyncLLM:
         traceparent: str | None = None,
         continued: Sequence[int] = (),
         sent_chars: int = 0,
+        movable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Increments until the request finishes; closing the iterator early aborts it.
         ``data_parallel_rank``: the DP rank to run on (None: the least loaded). ``continued``:
         output another engine generated, whose text's first ``sent_chars`` characters the
         client has (``entrypoints/continuation.py``): the core computes it with the prompt,
-        and it counts as output here."""
+        and it counts as output here. ``movable``: a drain (``migrate``) may end it with
+        ``finish_reason`` "migrate" for another engine to continue."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -246,6 +251,8 @@ class AsyncLLM:
             traceparent=traceparent,
         )
         self._send(AddRequest(req))
+        if movable:
+            self.movable.add(request_id)
         try:
             while True:
                 item = await st.box.take()  # raises the request's error
@@ -253,8 +260,18 @@ class AsyncLLM:
                 if item.finished:
                     return
         finally:
+            self.movable.discard(request_id)
             if not st.finished:
                 self.abort(request_id)
+
+    def migrate(self) -> int:
+        """Move every movable request to another engine (a drain): each ends at its next
+        step boundary with ``finish_reason`` "migrate" (and, with a KV connector, its KV's
+        ``kv_transfer_params``). -> how many were asked to move."""
+        ids = tuple(sorted(r for r in self.movable if r in self._states))
+        if ids and self.alive:
+            self._send(MigrateRequests(ids))
+        return len(ids)
 
     def abort(self, request_id: str) -> None:
         st = self._states.pop(request_id, None)
@@ -306,6 +323,10 @@ class AsyncLLM:
         if st is None:
             return  # aborted here already
         now = time.monotonic()
+        if o.finish_reason == "migrate" and o.error is not None:
+            # the export failed: the stream moves without its KV (recomputed where it goes)
+            log.warning("request %s: moving without its KV: %s", o.request_id, o.error.message)
+            o.error = None
         if o.error is not None:
             st.finished = True
             del self._states[o.request_id]
@@ -319,8 +340,11 @@ class AsyncLLM:
         st.last_token = now
         finish = o.finish_reason
         stop_reason: str | int | None = o.stop_token_id
-        text = st.detok.add(o.new_token_ids, final=finish is not None)
-        delta, stop = st.stops.update(text, final=finish is not None)
+        # a moved request's held-back text (a partial character, a stop string's prefix) is
+        # the continuing engine's to send
+        final = finish is not None and finish != "migrate"
+        text = st.detok.add(o.new_token_ids, final=final)
+        delta, stop = st.stops.update(text, final=final)
         if stop is not None:
             if finish is None:  # the core would go on: stop it
                 self._send(AbortRequests([o.request_id]))

@@ -32,12 +32,15 @@ from dsv4_serving.engine.core.sched.scheduler import (
     SchedulerOutput,
     SchedulerStats,
 )
+from dsv4_serving.engine.engine.drain import Migrations
 from dsv4_serving.engine.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
     EngineInfo,
+    MigrateRequests,
     Outputs,
+    RankMessage,
     Ready,
     Rejected,
     Shutdown,
@@ -163,6 +166,7 @@ class EngineCore:
         self.eos_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
         self.eos_ids = [e for e in self.eos_ids if e is not None]
         self.grammars: GrammarManager | None = None  # at the first structured request
+        self.migrations = Migrations()  # a drain's requests to move (``drain.py``)
         self.info = EngineInfo(
             max_model_len=lm.max_model_len,
             vocab_size=int(lm.model_config.vocab_size),
@@ -192,7 +196,8 @@ class EngineCore:
         self.scheduler.add_request(Request(req, self.eos_token_id))
         if grammar is not None:
             assert self.runner.grammars is not None
-            self.runner.grammars.add(req.request_id, grammar)
+            k = req.sampling_params.resumed_tokens  # a continued stream's output so far
+            self.runner.grammars.add(req.request_id, grammar, req.prompt_token_ids[n - k :])
         if self.tracing is not None:
             self.tracing.add(req)
 
@@ -226,6 +231,10 @@ class EngineCore:
             self.tracing.aborted(aborted)
         self._start_kv_loads()  # their pulls let go now, not at the next step
         return aborted
+
+    def migrate(self, request_ids: tuple[str, ...]) -> None:
+        """Move these requests to another engine at their next step boundary (``drain.py``)."""
+        self.migrations.add(request_ids)
 
     def kv_housekeeping(self) -> None:
         """An idle engine still finishes what its pulls left (cancelled ones release)."""
@@ -287,7 +296,9 @@ class EngineCore:
         """Steps 1-4 of ``step``."""
         self._start_kv_loads()
         self._finish_kv_loads()
-        out = self.scheduler.schedule(admit)
+        self.migrations.run(self.scheduler)
+        with self.migrations.held_back(self.scheduler):
+            out = self.scheduler.schedule(admit)
         if self.tracing is not None:
             self.tracing.scheduled(self.scheduler, out)
         self._start_kv_loads()
@@ -485,7 +496,7 @@ def set_threads(config: EngineConfig, local_ranks: int | None = None) -> None:
         torch.set_num_threads(threads)
 
 
-def apply_request_message(core: EngineCore, msg: AddRequest | AbortRequests) -> Rejected | None:
+def apply_request_message(core: EngineCore, msg: RankMessage) -> Rejected | None:
     """Add or abort requests on this core; the refusal to send back, if the scheduler refused."""
     match msg:
         case AddRequest(request=req):
@@ -495,6 +506,8 @@ def apply_request_message(core: EngineCore, msg: AddRequest | AbortRequests) -> 
                 return Rejected(req.request_id, str(exc))
         case AbortRequests(request_ids=ids):
             core.abort_requests(ids)
+        case MigrateRequests(request_ids=ids):
+            core.migrate(ids)
         case _:
             assert_never(msg)
     return None

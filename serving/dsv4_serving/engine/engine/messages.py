@@ -41,11 +41,22 @@ class AbortRequests:
 
 
 @dataclass(frozen=True, slots=True)
+class MigrateRequests:
+    """Move these requests to another engine (a drain, ``engine/engine/drain.py``): each ends
+    at its next step boundary with ``finish_reason`` ``"migrate"`` and, with a KV connector, the
+    export of its KV as ``kv_transfer_params``."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-ToCore = AddRequest | AbortRequests | Shutdown
+RankMessage = AddRequest | AbortRequests | MigrateRequests
+"""What a DP rank's core applies (its inbox under DP)."""
+ToCore = AddRequest | AbortRequests | MigrateRequests | Shutdown
 
 
 # ---- core -> front end ----------------------------------------------------------------------

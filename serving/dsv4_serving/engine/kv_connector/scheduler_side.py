@@ -135,9 +135,15 @@ class SidecarConnectorScheduler(KVConnectorScheduler):
             self._prefix_loading.pop(rid, None)
             self._meta.cancelled.append(rid)
             self.stats.num_waiting_for_remote_kv = len(self._loading)
-        if status == RequestStatus.FINISHED_ABORTED or not wants_remote_decode(req):
-            return False
         if slot is None or not block_ids:
+            return False
+        if status == RequestStatus.FINISHED_MIGRATED:
+            # a drain moves a running sequence: its KV up to its last forwarded token (the
+            # last sampled one is recomputed by whoever continues), hashed with every token
+            ids = list(req.all_token_ids)
+            self._saves.append(SaveSpec(rid, list(block_ids), slot, len(ids) - 1, ids, None))
+            return True
+        if status == RequestStatus.FINISHED_ABORTED or not wants_remote_decode(req):
             return False
         n = req.num_prompt_tokens
         first = req.all_token_ids[n] if req.num_output_tokens else None

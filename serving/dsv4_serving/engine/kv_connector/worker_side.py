@@ -211,12 +211,14 @@ class SidecarConnectorWorker(KVConnectorWorker):
     def _import(self, spec: LoadSpec, kv: PulledKV) -> int:
         assert self.layout is not None
         remote_tokens = kv.remote_meta.get("num_tokens")
-        if remote_tokens != spec.num_tokens:
+        # a prefill exports every prompt token; a drained sequence every token but its last
+        # (never forwarded there): either way the last one is computed here
+        if remote_tokens not in (spec.num_tokens, spec.num_tokens - 1):
             raise KVIncompatible(
                 f"the prefill engine exported {remote_tokens} tokens of KV, this request's "
                 f"prompt has {spec.num_tokens}"
             )
-        n = self.layout.num_blocks(spec.num_tokens)
+        n = self.layout.num_blocks(remote_tokens)
         self.layout.check(kv.buffers, n)
         if spec.prefix is not None:
             self._verify_prefix(spec, kv)

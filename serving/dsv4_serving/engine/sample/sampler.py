@@ -3,14 +3,20 @@
 Bias and penalties come first (``logits_processors``, per row, drafts included). Greedy rows
 then take the argmax. Random rows apply temperature, min_p, top-k and top-p, then draw with
 the request's own generator (seeded requests draw from their seed alone, whatever else is in
-the batch). Drafts (greedy from the MTP layer, so the draft distribution q is one-hot) are
-verified by rejection sampling: draft d is kept with probability min(1, p(d) / q(d)) = p(d);
-on rejection the token is drawn from norm(max(p - q, 0)), i.e. p without d. That keeps the
-output distribution exactly p; with greedy requests it reduces to "keep while equal to the
-argmax". Logprobs are the model's raw log-softmax, as vLLM returns by default.
+the batch, and each output position from its own: ``sample/seeding.py``). Drafts (greedy from
+the MTP layer, so the draft distribution q is one-hot) are verified by drawing each position's
+token x ~ p from that position's generator and keeping draft d iff x == d; at the first
+mismatch x is the output. That is rejection sampling for one-hot q: d is kept with
+probability p(d) = min(1, p(d) / q(d)), and on rejection x is distributed as p without d,
+norm(max(p - q, 0)); so the output distribution is exactly p, and a seeded request's token at
+a position depends on (seed, position, logits) only, not on how many drafts a step had (what
+makes a continued stream exact with MTP). With greedy requests it reduces to "keep while
+equal to the argmax". Logprobs are the model's raw log-softmax, as vLLM returns by default.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -49,10 +55,12 @@ def sample_and_verify(
     sp: SamplingParams,
     gen: torch.Generator | None,
     hist: TokenHistory | None = None,
+    position_gen: Callable[[int], torch.Generator] | None = None,
 ) -> list[int]:
     """``logits`` has ``len(drafts) + 1`` rows (row i predicts the token after input i).
     Returns the kept drafts followed by one token of the model's own: 1..len(drafts)+1 ids.
-    ``hist``: the request's token counts, when its penalties need them."""
+    ``hist``: the request's token counts, when its penalties need them. ``position_gen``: the
+    generator of row i's position (a seeded request), else every row draws from ``gen``."""
     if sp.moves_argmax:
         logits = process_logits(logits, sp, hist, drafts)
     if sp.greedy:
@@ -67,20 +75,11 @@ def sample_and_verify(
         return out
     probs = probs_from_logits(logits, sp).cpu()
     out = []
-    for i, d in enumerate(drafts):
-        p = probs[i]
-        u = float(torch.rand((), generator=gen))
-        if u < float(p[d]):
-            out.append(d)
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
-        if float(residual.sum()) <= 0.0:  # p was one-hot on d yet u >= 1: cannot happen
-            out.append(d)
-            continue
-        out.append(_draw(residual / residual.sum(), gen))
-        return out
-    out.append(_draw(probs[len(drafts)], gen))
+    for i in range(len(drafts) + 1):
+        x = _draw(probs[i], position_gen(i) if position_gen is not None else gen)
+        out.append(x)
+        if i == len(drafts) or x != drafts[i]:  # the bonus token, or the first mismatch
+            break
     return out
 
 

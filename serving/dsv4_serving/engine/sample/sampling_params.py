@@ -51,6 +51,10 @@ class SamplingParams:
     structured: GrammarSpec | None = None
     """The grammar the output must match (``response_format``, ``tool_choice`` required or
     named): a token mask before sampling, on the rank that samples (``structured/``)."""
+    resumed_tokens: int = 0
+    """The prompt's last ``resumed_tokens`` ids are output another engine generated (a
+    continued stream, ``entrypoints/continuation.py``): the grammar's matcher is advanced over
+    them before the first sample."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100.0:

@@ -1,13 +1,11 @@
 """Seeded sampling by position: a seeded request's draws for the token at output position
-``i`` come from a generator seeded with ``position_seed(seed, i)``, reseeded every step, so its
-tokens are a function of (seed, position, logits) alone. A stream continued on another engine
-(``entrypoints/continuation.py``) after ``k`` tokens is sent the seed ``position_seed(seed, k)``:
-its output position 0 draws what the first engine's position ``k`` would have, so a seeded
-answer survives the move as a greedy one does, without MTP. With MTP drafts a step verifies
-several positions by rejection sampling from one reseed at the first, and a continuation's
-first step has no drafts, so its draws differ: a valid sample, not the same one. (Exact under
-MTP needs verification that draws each position's token with that position's generator and
-keeps a draft iff it equals it, the same distribution as today's rule for one-hot drafts.)"""
+``i`` come from a generator seeded with ``position_seed(seed, i)``, reseeded for every position
+(a step verifying MTP drafts reseeds per row: ``sampler.sample_and_verify``), so its tokens
+are a function of (seed, position, logits) alone, whatever drafts a step had. A stream
+continued on another engine (``entrypoints/continuation.py``) after ``k`` tokens is sent the
+seed ``position_seed(seed, k)``: its output position 0 draws what the first engine's position
+``k`` would have, so a seeded answer survives the move as a greedy one does, with MTP on or
+off. (The generator state that moves is only the seed: nothing else is carried.)"""
 
 from __future__ import annotations
 

@@ -86,6 +86,14 @@ class ModelRunner:
             g = self._gens[s.request_id] = torch.Generator()
         return g.manual_seed(position_seed(seed, s.num_output_tokens))  # sample/seeding.py
 
+    def _positions(self, s: ScheduledRequest) -> Callable[[int], torch.Generator] | None:
+        """A seeded request's generator for its step's row i: reseeded at its position."""
+        seed = s.sampling_params.seed
+        if seed is None:
+            return None
+        g, n = self._generator(s), s.num_output_tokens
+        return lambda i: g.manual_seed(position_seed(seed, n + i))
+
     def _history(self, s: ScheduledRequest, vocab: int) -> TokenHistory | None:
         """The request's token counts (penalties only), started at its first sample."""
         if not s.sampling_params.uses_history:
@@ -189,7 +197,9 @@ class ModelRunner:
                 elif greedy is not None and sp.greedy and not drafts and not sp.moves_argmax:
                     toks = [greedy[a]]
                 else:
-                    toks = sample_and_verify(lg, drafts, sp, self._generator(s), hist)
+                    toks = sample_and_verify(
+                        lg, drafts, sp, self._generator(s), hist, self._positions(s)
+                    )
                 if hist is not None:
                     hist.add(toks)
                 lp = None
@@ -216,7 +226,9 @@ class ModelRunner:
         assert self.grammars is not None
         rows, kept = self.grammars.rows(s.request_id, drafts)
         masked = apply_bitmask_(lg[: kept + 1].clone(), torch.from_numpy(rows))
-        toks = sample_and_verify(masked, drafts[:kept], s.sampling_params, self._generator(s), hist)
+        toks = sample_and_verify(
+            masked, drafts[:kept], s.sampling_params, self._generator(s), hist, self._positions(s)
+        )
         self.grammars.advance(s.request_id, toks)
         return toks
 

@@ -173,6 +173,14 @@ class Scheduler:
             aborted.append(rid)
         return aborted
 
+    def migrate(self, req: Request) -> None:
+        """End running ``req`` here for another engine to continue it (a drain): its KV is
+        exported as a finished prefill's is (the connector), and its last output, with no
+        token and ``finish_reason`` "migrate", goes out with the export's params."""
+        self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_MIGRATED)
+        self._extra_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="migrate"))
+
     def has_unfinished_requests(self) -> bool:
         """Requests running or waiting, or finished prefills whose KV export is under way (the
         engine keeps stepping until their responses are out)."""
