@@ -4,7 +4,7 @@ Each block reads one input collapsed from the streams (``pre`` weights) and writ
 back into every stream (``post`` weights) on top of a doubly-stochastic mix of the old streams
 (``comb``, Sinkhorn-normalised), all computed in float32 from the streams themselves.
 
-On the CPU in float32 the chain after the mixing GEMM runs in the C++ kernel
+On the CPU in float32 or bfloat16 the chain after the mixing GEMM runs in the C++ kernel
 (``kernels/mhc.cpp``: one call instead of ~130 tiny ops, most of them the Sinkhorn
 iterations); the torch code below is the fallback and the oracle.
 """
