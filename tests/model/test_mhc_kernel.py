@@ -130,3 +130,15 @@ def test_bf16_against_the_torch_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     err_torch = (torch_path[3].double() - exact).abs().mean()
     assert err_kernel < err_torch
     assert (kernel[3].double() - exact).abs().max() <= 2**-8 * float(exact.abs().max())
+
+
+def test_bf16_weights_are_converted_once_and_again_when_they_change() -> None:
+    fn = torch.randn((2 + N) * N, N * D).bfloat16()
+    first = mhc._float32(fn)
+    assert first.dtype == torch.float32 and torch.equal(first, fn.float())
+    assert mhc._float32(fn) is first
+    fn.mul_(2)  # a weight loaded in place
+    again = mhc._float32(fn)
+    assert again is not first and torch.equal(again, fn.float())
+    f32 = torch.randn(3)
+    assert mhc._float32(f32) is f32
