@@ -4,7 +4,8 @@ V4's shape (4 streams, 20 iterations), within float32 rounding; a token's result
 on the rest of the batch; and the layer functions take the kernel on CPU float32 and bfloat16.
 
 bfloat16 streams: the kernel's result is bit for bit its float32 result on the same (widened)
-values, rounded once, in every build (the AVX2 one and the scalar one); against the torch
+values, rounded once, in every build (AVX-512, AVX2 and scalar), and the AVX-512 and AVX2
+builds agree bit for bit (the scalar one has no FMA); against the torch
 chain, which rounds its bfloat16 matmul and sums at each step, within 2^-7 of the largest
 value; and nearer than the torch chain to the exact result."""
 
@@ -78,10 +79,13 @@ def test_kernel_is_used_on_cpu_float32_and_per_token(monkeypatch: pytest.MonkeyP
 
 
 def builds() -> list:  # type: ignore[type-arg]
-    """The default build and the scalar one (a CPU without AVX2, and the vector loops' tails)."""
+    """The default build, the AVX2 one (on an AVX-512 machine) and the scalar one (a CPU
+    without AVX2, and the vector loops' tails)."""
     if not available("mhc"):
         pytest.fail("the mhc kernel does not build here (g++ and ninja: make install)")
-    return [build("mhc", v) for v in ("", "scalar") if available("mhc", v)]
+    exts = [build("mhc")]
+    variants = ("avx2", "scalar") if exts[0].path == "avx512" else ("scalar",)
+    return exts + [build("mhc", v) for v in variants if available("mhc", v)]
 
 
 @pytest.mark.parametrize("t,d", [(1, 96), (7, 101), (64, 96)])
@@ -92,6 +96,7 @@ def test_bf16_is_the_float32_kernel_rounded_once(t: int, d: int) -> None:
     mixes = torch.randn(t, (2 + N) * N, generator=g)
     base = torch.randn((2 + N) * N, generator=g) * 0.5
     scale = torch.rand(3, generator=g) + 0.5
+    fma: list[tuple[torch.Tensor, ...]] = []
     for ext in builds():
         x, post, comb = ext.hc_pre(mixes, base, scale, streams, ITERS, EPS)
         x32, post32, comb32 = ext.hc_pre(mixes, base, scale, streams.float(), ITERS, EPS)
@@ -103,6 +108,10 @@ def test_bf16_is_the_float32_kernel_rounded_once(t: int, d: int) -> None:
         assert new.dtype == torch.bfloat16 and torch.equal(new, new32.bfloat16()), ext.path
         with pytest.raises(ValueError, match="one dtype"):
             ext.hc_post(out.float(), streams, post, comb)
+        if ext.path != "scalar":
+            fma.append((x, post, comb, new, x32, new32))
+    for other in fma[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(fma[0], other, strict=True))
 
 
 def test_bf16_against_the_torch_chain(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -119,6 +119,7 @@ ALL = (
     ("w8a8", "avx2"),
     ("fp8", ""),
     ("mhc", ""),
+    ("mhc", "avx2"),
     ("mhc", "scalar"),
     ("v4_attn", ""),
     ("v4_attn", "scalar"),

@@ -84,6 +84,14 @@ void gates(const float* m, const float* b, const float* sc, int64_t n, int64_t i
 template <typename S>
 void collapse(const S* x, const float* w, int64_t n, int64_t d, S* y) {
   int64_t e = 0;
+#if defined(DSV4_VEC_AVX512)
+  for (; e + 16 <= d; e += 16) {
+    __m512 acc = _mm512_mul_ps(_mm512_set1_ps(w[0]), dsv4::load16(x + e));
+    for (int64_t a = 1; a < n; ++a)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(w[a]), dsv4::load16(x + a * d + e), acc);
+    dsv4::store16(y + e, acc);
+  }
+#endif
 #if defined(DSV4_VEC_AVX2)
   for (; e + 8 <= d; e += 8) {
     __m256 acc = _mm256_mul_ps(_mm256_set1_ps(w[0]), dsv4::load8(x + e));
@@ -112,32 +120,36 @@ void pre_rows(const float* mx, const float* b, const float* sc, const S* st, int
   });
 }
 
-// One token: y[a] = sum_j c[j, a] * x[j] + p[a] * o, for every stream a, 8 channels at a time
-// (each loaded vector of the old streams serves all n new ones)
+// One token: y[a] = sum_j c[j, a] * x[j] + p[a] * o for every stream a, which is a
+// collapse of the old streams with column a of the mix, then the block output on top
 template <typename S>
 void post_token(const S* o, const S* x, const float* p, const float* c, int64_t n, int64_t d,
                 S* y) {
-  int64_t e = 0;
-#if defined(DSV4_VEC_AVX2)
-  for (; e + 8 <= d; e += 8) {
-    __m256 xs[MAX_N];
-    for (int64_t j = 0; j < n; ++j) xs[j] = dsv4::load8(x + j * d + e);
-    const __m256 ov = dsv4::load8(o + e);
-    for (int64_t a = 0; a < n; ++a) {
-      __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c[a]), xs[0]);
+  float w[MAX_N];
+  for (int64_t a = 0; a < n; ++a) {
+    for (int64_t j = 0; j < n; ++j) w[j] = c[j * n + a];
+    S* ya = y + a * d;
+    int64_t e = 0;
+#if defined(DSV4_VEC_AVX512)
+    for (; e + 16 <= d; e += 16) {
+      __m512 acc = _mm512_mul_ps(_mm512_set1_ps(w[0]), dsv4::load16(x + e));
       for (int64_t j = 1; j < n; ++j)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(c[j * n + a]), xs[j], acc);
-      dsv4::store8(y + a * d + e, _mm256_fmadd_ps(_mm256_set1_ps(p[a]), ov, acc));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), dsv4::load16(x + j * d + e), acc);
+      dsv4::store16(ya + e, _mm512_fmadd_ps(_mm512_set1_ps(p[a]), dsv4::load16(o + e), acc));
     }
-  }
 #endif
-  for (; e < d; ++e) {
-    const float ov = dsv4::widen(o[e]);
-    for (int64_t a = 0; a < n; ++a) {
-      float acc = c[a] * dsv4::widen(x[e]);
+#if defined(DSV4_VEC_AVX2)
+    for (; e + 8 <= d; e += 8) {
+      __m256 acc = _mm256_mul_ps(_mm256_set1_ps(w[0]), dsv4::load8(x + e));
       for (int64_t j = 1; j < n; ++j)
-        acc = dsv4::madd(c[j * n + a], dsv4::widen(x[j * d + e]), acc);
-      dsv4::put(y + a * d + e, dsv4::madd(p[a], ov, acc));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), dsv4::load8(x + j * d + e), acc);
+      dsv4::store8(ya + e, _mm256_fmadd_ps(_mm256_set1_ps(p[a]), dsv4::load8(o + e), acc));
+    }
+#endif
+    for (; e < d; ++e) {
+      float acc = w[0] * dsv4::widen(x[e]);
+      for (int64_t j = 1; j < n; ++j) acc = dsv4::madd(w[j], dsv4::widen(x[j * d + e]), acc);
+      dsv4::put(ya + e, dsv4::madd(p[a], dsv4::widen(o[e]), acc));
     }
   }
 }

@@ -25,6 +25,12 @@ namespace {
 
 using dsv4::bf16;
 
+#if defined(DSV4_VEC_AVX2)
+constexpr const char* PATH = "avx2";  // 8 lanes (vec.h's 16-lane helpers are not used here)
+#else
+constexpr const char* PATH = "scalar";
+#endif
+
 template <typename K>
 inline float dot(const float* a, const K* b, int64_t n) {
   int64_t i = 0;
@@ -327,5 +333,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              ", which this CPU lacks (a cached build from another machine?)");
   m.def("v4_attn", &v4_attn, "V4 attention over gathered window and entry rows, with sinks");
   m.def("rope_tail", &rope_tail, "rotate the trailing channels in pairs (interleaved rope)");
-  m.attr("path") = dsv4::VEC_PATH;
+  m.attr("path") = PATH;
 }

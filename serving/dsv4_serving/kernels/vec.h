@@ -5,7 +5,9 @@
 // output is its float32 result rounded once, as torch's `.to(torch.bfloat16)` rounds it.
 //
 // The ISA is chosen at compile time: the kernels are built with -march=native on the machine
-// that runs them (build.py), AVX2 + FMA gives the vector path, anything else the scalar one.
+// that runs them (build.py); AVX-512F adds 16-lane helpers, AVX2 + FMA gives the 8-lane ones,
+// anything else the scalar path. Every lane runs the same float32 operations in the same order
+// at any width, so the paths agree bit for bit.
 // `build_lacks()` names an instruction set the build assumed and this CPU lacks (a cached build
 // copied from another machine), so importing it fails instead of dying of SIGILL.
 #pragma once
@@ -36,9 +38,37 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 16 lanes where a kernel has an AVX-512 loop (mhc); the 8-lane helpers below serve the rest
+#define DSV4_VEC_AVX512 1
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+inline void store16(bf16* p, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define DSV4_VEC_AVX2 1
+#if defined(DSV4_VEC_AVX512)
+constexpr const char* VEC_PATH = "avx512";  // the widest helpers this build has
+#else
 constexpr const char* VEC_PATH = "avx2";
+#endif
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
