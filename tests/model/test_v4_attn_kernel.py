@@ -2,7 +2,13 @@
 (``attention/v4.py``, the fallback and oracle): the same logits within float32 rounding
 for prefill chunks (with and without context in the rings) beside decode tokens, across the
 window and many CSA / HCA blocks; and a query row's result does not depend on the rest of the
-batch. ``test_deepseek_v4.py`` checks the kernel path against transformers."""
+batch. ``test_deepseek_v4.py`` checks the kernel path against transformers.
+
+bfloat16 queries and / or key rows: the kernel's result is bit for bit its float32 result on the
+same (widened) values, rounded once, in every build (the AVX2 one and the scalar one); and a
+bfloat16 model's logits through the kernel are no further from the float32 model's than the
+torch path's in bfloat16 (which rounds the rotated queries and the output before its inverse
+rotation)."""
 
 from __future__ import annotations
 
@@ -108,3 +114,58 @@ def test_rope_matches_the_torch_rotation() -> None:
             got = ext.rope_tail(x, cos, sin, inverse)
             assert torch.allclose(got, want, atol=1e-6)
             assert torch.equal(got[..., :-32], x[..., :-32])
+
+
+def builds() -> list:  # type: ignore[type-arg]
+    """The default build and the scalar one (a CPU without AVX2, and the vector loops' tails)."""
+    if not available("v4_attn"):
+        pytest.fail("the v4_attn kernel does not build here (g++ and ninja: make install)")
+    return [build("v4_attn", v) for v in ("", "scalar") if available("v4_attn", v)]
+
+
+@pytest.mark.parametrize("d", [72, 128, 61])
+def test_bf16_is_the_float32_kernel_rounded_once(d: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    t, h, k, e, half = 9, 4, 12, 6, 8
+    q = torch.randn(t, h, d, generator=g).bfloat16()
+    ksrc, csrc = (
+        torch.randn(30, d, generator=g).bfloat16(),
+        torch.randn(20, d, generator=g).bfloat16(),
+    )
+    kidx = torch.randint(-1, 30, (t, k), generator=g)
+    cidx = torch.randint(-1, 20, (t, e), generator=g)
+    sink = torch.randn(h, generator=g)
+    cos, sin = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
+    none = torch.empty(0)
+    for ext in builds():
+        for c, s in ((none, none), (cos, sin)):
+            want = ext.v4_attn(
+                q.float(), ksrc.float(), kidx, csrc.float(), cidx, sink, d**-0.5, c, s
+            )
+            got = ext.v4_attn(q, ksrc, kidx, csrc, cidx, sink, d**-0.5, c, s)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), ext.path
+            # float32 queries over a bfloat16 cache: the float32 result itself
+            mixed = ext.v4_attn(q.float(), ksrc, kidx, csrc, cidx, sink, d**-0.5, c, s)
+            assert mixed.dtype == torch.float32 and torch.equal(mixed, want), ext.path
+            for inverse in (False, True):
+                rot = ext.rope_tail(q, cos, sin, inverse)
+                assert torch.equal(rot, ext.rope_tail(q.float(), cos, sin, inverse).bfloat16())
+        with pytest.raises(RuntimeError, match="csrc has the wrong dtype"):
+            ext.v4_attn(q, ksrc, kidx, csrc.float(), cidx, sink, d**-0.5, none, none)
+
+
+def test_bf16_model_is_nearer_float32_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not available("v4_attn"):
+        pytest.fail("the v4_attn kernel does not build here (g++ and ninja: make install)")
+    exact = run_mixed(build_ours(tiny_v4_dict(), seed=1))
+    model = build_ours(tiny_v4_dict(), seed=1).to(torch.bfloat16)
+    kernel = run_mixed(model)
+    monkeypatch.setattr(v4a, "V4_ATTN", V4AttnKernel(use_kernel=False))
+    torch_path = run_mixed(model)
+    err_kernel = (kernel - exact).abs().mean()
+    err_torch = (torch_path - exact).abs().mean()
+    assert err_kernel <= err_torch, (err_kernel, err_torch)
+    top = exact.argmax(-1)
+    assert (kernel.argmax(-1) == top).float().mean() >= (
+        torch_path.argmax(-1) == top
+    ).float().mean()

@@ -269,8 +269,9 @@ class V4Attention(nn.Module):
         return rope[0].contiguous(), rope[1].contiguous()
 
     def _kernel(self, q: torch.Tensor, cache: V4LayerCache) -> ModuleType | None:
-        """The attention kernel when it applies (CPU, float32 queries and cache), else None."""
-        if cache.window.dtype != torch.float32:
+        """The attention kernel when it applies (CPU, float32 or bfloat16 queries and cache),
+        else None."""
+        if cache.window.dtype not in V4_ATTN.dtypes:
             return None
         return V4_ATTN.get(q)
 

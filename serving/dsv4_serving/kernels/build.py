@@ -5,7 +5,8 @@ The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja; cached
 pays for it). ``DSV4_KERNELS=off`` skips every build (the pure-torch paths run instead).
 
 A ``variant`` builds the same source with other flags under another name: ``avx2`` turns off
-AVX-512 so an AVX-512 machine can test the AVX2 code path too.
+AVX-512 so an AVX-512 machine can test the AVX2 code path too, ``scalar`` turns off AVX2 and FMA
+as well (the path of a CPU without them, and of the kernels' tails).
 
 ``python -m dsv4_serving.kernels.build`` builds every kernel (``make install``), one process per
 kernel and as many at once as there are CPUs: each is one translation unit, so ninja alone keeps
@@ -34,7 +35,7 @@ HERE = Path(__file__).parent
 # kernels whose at::parallel_for runs on torch's OpenMP pool (without -fopenmp it runs serially);
 # the extension's libgomp.so.1 resolves to the one torch already loaded, so there is one pool
 OPENMP = {"w8a8", "fp8", "mhc", "paged_mla", "v4_attn"}
-VARIANTS = {"": [], "avx2": ["-mno-avx512f"]}
+VARIANTS = {"": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 
 
 class KernelUnavailable(RuntimeError):
@@ -118,7 +119,10 @@ ALL = (
     ("w8a8", "avx2"),
     ("fp8", ""),
     ("mhc", ""),
+    ("mhc", "avx2"),
+    ("mhc", "scalar"),
     ("v4_attn", ""),
+    ("v4_attn", "scalar"),
 )
 
 

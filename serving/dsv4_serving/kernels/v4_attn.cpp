@@ -8,39 +8,50 @@
 // is in cache; no gathered copy, no score tensor, no mask tensor. Rows are independent and
 // each is reduced in a fixed order (window keys, then entries, then the sink), so a row's
 // result does not depend on the rest of the batch or on the thread count.
+//
+// q and the key rows are float32 or bfloat16 (each on its own: the cache may be stored in
+// another dtype than the model's). bfloat16 rows are widened 8 channels at a time (vec.h), all
+// arithmetic is float32, and a bfloat16 output is the float32 result rounded once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
+
+#include "vec.h"
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+using dsv4::bf16;
+
+#if defined(DSV4_VEC_AVX2)
+constexpr const char* PATH = "avx2";  // 8 lanes (vec.h's 16-lane helpers are not used here)
+#else
+constexpr const char* PATH = "scalar";
+#endif
+
+template <typename K>
+inline float dot(const float* a, const K* b, int64_t n) {
   int64_t i = 0;
+  float s = 0.f;
+#if defined(DSV4_VEC_AVX2)
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), dsv4::load8(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), dsv4::load8(b + i + 8), s1);
   }
   for (; i + 8 <= n; i += 8) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), dsv4::load8(b + i), s0);
   }
-  s0 = _mm256_add_ps(s0, s1);
-  __m128 lo = _mm256_castps256_ps128(s0), hi = _mm256_extractf128_ps(s0, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  float s = _mm_cvtss_f32(lo);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-#else
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  s = dsv4::hsum(_mm256_add_ps(s0, s1));
 #endif
+  for (; i < n; ++i) s = dsv4::madd(a[i], dsv4::widen(b[i]), s);
+  return s;
+}
+
+bool is_float_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
 }
 
 void check(const torch::Tensor& t, const char* name, int64_t dim, torch::ScalarType dtype) {
@@ -50,21 +61,20 @@ void check(const torch::Tensor& t, const char* name, int64_t dim, torch::ScalarT
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-}  // namespace
-
 // out[k] = q . r[k] for four rows at once: four independent chains, each q load used four
 // times, one transposed reduction
-inline void dot4(const float* q, const float* const* r, int64_t n, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
+template <typename K>
+inline void dot4(const float* q, const K* const* r, int64_t n, float* out) {
+#if defined(DSV4_VEC_AVX2)
   if (n % 8 == 0) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(),
            s3 = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[0] + i), s0);
-      s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[1] + i), s1);
-      s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[2] + i), s2);
-      s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[3] + i), s3);
+      s0 = _mm256_fmadd_ps(qv, dsv4::load8(r[0] + i), s0);
+      s1 = _mm256_fmadd_ps(qv, dsv4::load8(r[1] + i), s1);
+      s2 = _mm256_fmadd_ps(qv, dsv4::load8(r[2] + i), s2);
+      s3 = _mm256_fmadd_ps(qv, dsv4::load8(r[3] + i), s3);
     }
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
@@ -87,61 +97,151 @@ inline void rotate_tail(float* x, int64_t D, int64_t half, const float* c, const
 }
 
 // out[h] = sum_j p[h][j] * rows[j], accumulated in registers 64 channels at a time
-inline void weighted_sum(float* out, const float* p, const float* const* rows, int64_t n,
+template <typename K>
+inline void weighted_sum(float* out, const float* p, const K* const* rows, int64_t n,
                          int64_t D) {
-#if defined(__AVX2__) && defined(__FMA__)
   int64_t c = 0;
+#if defined(DSV4_VEC_AVX2)
   for (; c + 64 <= D; c += 64) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-           a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(),
-           a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const __m256 w = _mm256_set1_ps(p[j]);
-      const float* r = rows[j] + c;
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
-      a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 32), a4);
-      a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 40), a5);
-      a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 48), a6);
-      a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 56), a7);
+      const K* r = rows[j] + c;
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(w, dsv4::load8(r + 8 * u), a[u]);
     }
-    _mm256_storeu_ps(out + c, a0);
-    _mm256_storeu_ps(out + c + 8, a1);
-    _mm256_storeu_ps(out + c + 16, a2);
-    _mm256_storeu_ps(out + c + 24, a3);
-    _mm256_storeu_ps(out + c + 32, a4);
-    _mm256_storeu_ps(out + c + 40, a5);
-    _mm256_storeu_ps(out + c + 48, a6);
-    _mm256_storeu_ps(out + c + 56, a7);
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + c + 8 * u, a[u]);
   }
-  for (; c < D; ++c) {
-    float a = 0.f;
-    for (int64_t j = 0; j < n; ++j) a += p[j] * rows[j][c];
-    out[c] = a;
-  }
-#else
-  for (int64_t c = 0; c < D; ++c) {
-    float a = 0.f;
-    for (int64_t j = 0; j < n; ++j) a += p[j] * rows[j][c];
-    out[c] = a;
+  for (; c + 8 <= D; c += 8) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j)
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), dsv4::load8(rows[j] + c), a);
+    _mm256_storeu_ps(out + c, a);
   }
 #endif
+  for (; c < D; ++c) {
+    float a = 0.f;
+    for (int64_t j = 0; j < n; ++j) a = dsv4::madd(p[j], dsv4::widen(rows[j][c]), a);
+    out[c] = a;
+  }
 }
 
-// q [T, H, D] float32, ksrc [Rk, D], kidx [T, K] int64, csrc [Rc, D], cidx [T, E] int64,
-// sink [H] float32, cos / sin [T, half] (or empty: q is rotated, the output stays rotated)
-// -> out [T, H, D]. With cos / sin each query head is rotated by its row's angle first and
-// the output rotated back, as the torch path does around its attention.
+// dst [n] float32 <- src [n] (widened), and back (rounded once for bfloat16)
+template <typename S>
+inline void to_floats(const S* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(DSV4_VEC_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, dsv4::load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = dsv4::widen(src[i]);
+}
+
+template <typename S>
+inline void from_floats(const float* src, int64_t n, S* dst) {
+  int64_t i = 0;
+#if defined(DSV4_VEC_AVX2)
+  for (; i + 8 <= n; i += 8) dsv4::store8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dsv4::put(dst + i, src[i]);
+}
+
+struct Rows {
+  int64_t T, H, D, K, E, half;
+  const int64_t* ki;
+  const int64_t* ci;
+  const float* sink;
+  const float* cos;  // nullptr: no rope
+  const float* sin;
+  float scale;
+};
+
+// Every query row of q [T, H, D] over its window keys ksrc[ki[t]] then entries csrc[ci[t]].
+template <typename Q, typename K>
+void attend(const Rows& a, const Q* qp, const K* kp, const K* cp, Q* op) {
+  const int64_t H = a.H, D = a.D, K_ = a.K, E = a.E, half = a.half;
+  at::parallel_for(0, a.T, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<const K*> rows(K_ + E);
+    std::vector<float> logit(H * (K_ + E));
+    std::vector<float> qbuf(H * D), obuf(H * D);
+    for (int64_t t = lo; t < hi; ++t) {
+      int64_t n = 0;
+      for (int64_t j = 0; j < K_; ++j) {
+        const int64_t r = a.ki[t * K_ + j];
+        if (r >= 0) rows[n++] = kp + r * D;
+      }
+      for (int64_t j = 0; j < E; ++j) {
+        const int64_t r = a.ci[t * E + j];
+        if (r >= 0) rows[n++] = cp + r * D;
+      }
+      const float* qt;
+      if constexpr (std::is_same<Q, float>::value) qt = qp + t * H * D;
+      if (a.cos != nullptr || !std::is_same<Q, float>::value) {
+        to_floats(qp + t * H * D, H * D, qbuf.data());
+        if (a.cos != nullptr)
+          for (int64_t h = 0; h < H; ++h)
+            rotate_tail(qbuf.data() + h * D, D, half, a.cos + t * half, a.sin + t * half, 1.f);
+        qt = qbuf.data();
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* l = logit.data() + h * n;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) dot4(qt + h * D, rows.data() + j, D, l + j);
+        for (; j < n; ++j) l[j] = dot(qt + h * D, rows[j], D);
+        for (j = 0; j < n; ++j) l[j] *= a.scale;
+      }
+      float* ot;
+      if constexpr (std::is_same<Q, float>::value)
+        ot = op + t * H * D;
+      else
+        ot = obuf.data();
+      for (int64_t h = 0; h < H; ++h) {
+        float* l = logit.data() + h * n;
+        float m = a.sink[h];
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, l[j]);
+        float z = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          l[j] = std::exp(l[j] - m);
+          z += l[j];
+        }
+        z += std::exp(a.sink[h] - m);
+        const float inv = 1.f / z;
+        for (int64_t j = 0; j < n; ++j) l[j] *= inv;
+        weighted_sum(ot + h * D, l, rows.data(), n, D);
+        if (a.cos != nullptr)
+          rotate_tail(ot + h * D, D, half, a.cos + t * half, a.sin + t * half, -1.f);
+      }
+      if constexpr (!std::is_same<Q, float>::value) from_floats(ot, H * D, op + t * H * D);
+    }
+  });
+}
+
+template <typename Q>
+void attend_q(const Rows& a, const torch::Tensor& q, const torch::Tensor& ksrc,
+              const torch::Tensor& csrc, torch::Tensor& out) {
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  if (ksrc.scalar_type() == torch::kFloat32)
+    attend<Q, float>(a, qp, ksrc.data_ptr<float>(), csrc.data_ptr<float>(), op);
+  else
+    attend<Q, bf16>(a, qp, ksrc.data_ptr<bf16>(), csrc.data_ptr<bf16>(), op);
+}
+
+}  // namespace
+
+// q [T, H, D] float32 or bfloat16, ksrc [Rk, D] and csrc [Rc, D] float32 or bfloat16 (one
+// dtype for both), kidx [T, K] int64, cidx [T, E] int64, sink [H] float32, cos / sin [T, half]
+// float32 (or empty: q is rotated, the output stays rotated) -> out [T, H, D] in q's dtype.
+// With cos / sin each query head is rotated by its row's angle first and the output rotated
+// back, as the torch path does around its attention.
 torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const torch::Tensor& kidx,
                       const torch::Tensor& csrc, const torch::Tensor& cidx,
                       const torch::Tensor& sink, double scale, const torch::Tensor& cos,
                       const torch::Tensor& sin) {
-  check(q, "q", 3, torch::kFloat32);
-  check(ksrc, "ksrc", 2, torch::kFloat32);
+  TORCH_CHECK(is_float_or_bf16(q) && is_float_or_bf16(ksrc), "q and ksrc: float32 or bfloat16");
+  check(q, "q", 3, q.scalar_type());
+  check(ksrc, "ksrc", 2, ksrc.scalar_type());
   check(kidx, "kidx", 2, torch::kInt64);
-  check(csrc, "csrc", 2, torch::kFloat32);
+  check(csrc, "csrc", 2, ksrc.scalar_type());
   check(cidx, "cidx", 2, torch::kInt64);
   check(sink, "sink", 1, torch::kFloat32);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -160,71 +260,56 @@ torch::Tensor v4_attn(const torch::Tensor& q, const torch::Tensor& ksrc, const t
   TORCH_CHECK(kidx.numel() == 0 || kidx.max().item<int64_t>() < ksrc.size(0), "window row");
   TORCH_CHECK(cidx.numel() == 0 || cidx.max().item<int64_t>() < csrc.size(0), "entry row");
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = ksrc.data_ptr<float>();
-  const float* cp = csrc.data_ptr<float>();
-  const int64_t* ki = kidx.data_ptr<int64_t>();
-  const int64_t* ci = cidx.data_ptr<int64_t>();
-  const float* sp = sink.data_ptr<float>();
-  const float* cosp = rope ? cos.data_ptr<float>() : nullptr;
-  const float* sinp = rope ? sin.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<const float*> rows(K + E);
-    std::vector<float> logit(H * (K + E));
-    std::vector<float> qbuf(H * D);
-    for (int64_t t = lo; t < hi; ++t) {
-      int64_t n = 0;
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t r = ki[t * K + j];
-        if (r >= 0) rows[n++] = kp + r * D;
-      }
-      for (int64_t j = 0; j < E; ++j) {
-        const int64_t r = ci[t * E + j];
-        if (r >= 0) rows[n++] = cp + r * D;
-      }
-      const float* qt = qp + t * H * D;
-      if (rope) {
-        std::copy(qt, qt + H * D, qbuf.data());
-        for (int64_t h = 0; h < H; ++h)
-          rotate_tail(qbuf.data() + h * D, D, half, cosp + t * half, sinp + t * half, 1.f);
-        qt = qbuf.data();
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float* l = logit.data() + h * n;
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) dot4(qt + h * D, rows.data() + j, D, l + j);
-        for (; j < n; ++j) l[j] = dot(qt + h * D, rows[j], D);
-        for (j = 0; j < n; ++j) l[j] *= sc;
-      }
-      float* ot = op + t * H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        float* l = logit.data() + h * n;
-        float m = sp[h];
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, l[j]);
-        float z = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          l[j] = std::exp(l[j] - m);
-          z += l[j];
-        }
-        z += std::exp(sp[h] - m);
-        const float inv = 1.f / z;
-        for (int64_t j = 0; j < n; ++j) l[j] *= inv;
-        weighted_sum(ot + h * D, l, rows.data(), n, D);
-        if (rope) rotate_tail(ot + h * D, D, half, cosp + t * half, sinp + t * half, -1.f);
-      }
-    }
-  });
+  const Rows rows{T,
+                  H,
+                  D,
+                  K,
+                  E,
+                  half,
+                  kidx.data_ptr<int64_t>(),
+                  cidx.data_ptr<int64_t>(),
+                  sink.data_ptr<float>(),
+                  rope ? cos.data_ptr<float>() : nullptr,
+                  rope ? sin.data_ptr<float>() : nullptr,
+                  static_cast<float>(scale)};
+  if (q.scalar_type() == torch::kFloat32)
+    attend_q<float>(rows, q, ksrc, csrc, out);
+  else
+    attend_q<bf16>(rows, q, ksrc, csrc, out);
   return out;
 }
 
-// x [T, ..., D] float32 -> a copy with each row's trailing 2 * half channels rotated by that
-// row's cos / sin [T, half] (inverse: by the negative angle), as rotate_tail_interleaved
+namespace {
+
+// every row of x [T, M, D]: its trailing 2 * half channels rotated by cos / sin [T, half]
+template <typename S>
+void rope_rows(S* x, int64_t T, int64_t M, int64_t D, int64_t half, const float* cp,
+               const float* sp, float sign) {
+  at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(2 * half);
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t m = 0; m < M; ++m) {
+        S* tail = x + (t * M + m) * D + D - 2 * half;
+        if constexpr (std::is_same<S, float>::value) {
+          rotate_tail(tail, 2 * half, half, cp + t * half, sp + t * half, sign);
+        } else {
+          to_floats(tail, 2 * half, buf.data());
+          rotate_tail(buf.data(), 2 * half, half, cp + t * half, sp + t * half, sign);
+          from_floats(buf.data(), 2 * half, tail);
+        }
+      }
+  });
+}
+
+}  // namespace
+
+// x [T, ..., D] float32 or bfloat16 -> a copy with each row's trailing 2 * half channels
+// rotated by that row's cos / sin [T, half] (inverse: by the negative angle), as
+// rotate_tail_interleaved (bfloat16: rotated in float32, rounded once)
 torch::Tensor rope_tail(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         bool inverse) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be contiguous float32 on the CPU");
+  TORCH_CHECK(x.device().is_cpu() && is_float_or_bf16(x) && x.is_contiguous(),
+              "x must be contiguous float32 or bfloat16 on the CPU");
   TORCH_CHECK(x.dim() >= 2, "x must be [T, ..., D]");
   check(cos, "cos", 2, torch::kFloat32);
   check(sin, "sin", 2, torch::kFloat32);
@@ -232,19 +317,21 @@ torch::Tensor rope_tail(const torch::Tensor& x, const torch::Tensor& cos, const 
   const int64_t M = T ? x.numel() / (T * D) : 0;
   TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes() && 2 * half <= D, "cos / sin");
   auto out = x.clone();
-  float* op = out.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float sign = inverse ? -1.f : 1.f;
-  at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t)
-      for (int64_t m = 0; m < M; ++m)
-        rotate_tail(op + (t * M + m) * D, D, half, cp + t * half, sp + t * half, sign);
-  });
+  if (x.scalar_type() == torch::kFloat32)
+    rope_rows(out.data_ptr<float>(), T, M, D, half, cp, sp, sign);
+  else
+    rope_rows(out.data_ptr<bf16>(), T, M, D, half, cp, sp, sign);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (const char* isa = dsv4::build_lacks())
+    throw std::runtime_error(std::string("this build of v4_attn needs ") + isa +
+                             ", which this CPU lacks (a cached build from another machine?)");
   m.def("v4_attn", &v4_attn, "V4 attention over gathered window and entry rows, with sinks");
   m.def("rope_tail", &rope_tail, "rotate the trailing channels in pairs (interleaved rope)");
+  m.attr("path") = PATH;
 }

@@ -5,19 +5,25 @@ place and skips the keys a query does not see (outside its window, entries it di
 so a prefill chunk costs its window, not the whole chunk. The torch path
 (``attention/v4.py``) stays the fallback (no compiler, other dtypes) and the oracle.
 
-Contract: float32, contiguous, on the CPU; ``q`` [T, H, D], ``ksrc`` [Rk, D] and ``csrc``
-[Rc, D] the key (= value) rows, ``kidx`` [T, K] / ``cidx`` [T, E] int64 rows of each query's
-window keys / visible entries (-1: none), ``sink`` [H] -> [T, H, D]: per (query, head) the
-softmax over its keys with the head's sink in the denominator, times the keys.
+Contract: contiguous, on the CPU; ``q`` [T, H, D] float32 or bfloat16, ``ksrc`` [Rk, D] and
+``csrc`` [Rc, D] the key (= value) rows, float32 or bfloat16 (one dtype for both, not
+necessarily q's), ``kidx`` [T, K] / ``cidx`` [T, E] int64 rows of each query's window keys /
+visible entries (-1: none), ``sink`` [H] and ``cos`` / ``sin`` float32 -> [T, H, D] in q's
+dtype: per (query, head) the softmax over its keys with the head's sink in the denominator,
+times the keys, in float32 (bfloat16 rows widened per vector, the output rounded once).
+``rope_tail(x, cos, sin, inverse)`` takes float32 or bfloat16 ``x``.
 """
 
 from __future__ import annotations
+
+import torch
 
 from dsv4_serving.kernels.build import CpuKernel
 
 
 class V4AttnKernel(CpuKernel):
     name = "v4_attn"
+    dtypes = (torch.float32, torch.bfloat16)
 
 
 V4_ATTN = V4AttnKernel()
