@@ -142,7 +142,10 @@ class EngineCore:
                 config.kv_pull_timeout,
             )
             self.kv_worker.register_kv_caches(self.runner.cache)
-            self.kv_scheduler.offers_prefixes = self.kv_worker.has_host_tier()
+            peer = self.kv_worker.host_tier_peer()
+            self.kv_scheduler.offers_prefixes = peer is not None
+            if self.kv_events is not None:  # the gateway pulls our offers from there
+                self.kv_events.host_tier = peer
         # tracing off: None, and each step tests only that
         self.tracing: CoreTracing | None = None
         tracer = tracing.setup(config.otlp_traces_endpoint, f"dsv4-engine-{config.role}")

@@ -81,13 +81,17 @@ class SidecarConnectorWorker(KVConnectorWorker):
         self.fingerprint = self.compat.fingerprint(self.layout.rows(), self.layout.parallel)
         self.exporter.fingerprint = self.fingerprint
 
-    def has_host_tier(self) -> bool:
-        """Whether our sidecar keeps offered prefixes (``--kv-host-bytes``)."""
+    def host_tier_peer(self) -> str | None:
+        """``HOST:PORT`` other sidecars pull our sidecar's host tier from (its advertised
+        peer address); None when it keeps no offered prefixes."""
         try:
-            return int(self.client.info().get("host_bytes") or 0) > 0
+            info = self.client.info()
         except (SidecarError, OSError) as e:
             log.warning("KV sidecar unreachable, no prefix offers: %s", e)
-            return False
+            return None
+        if int(info.get("host_bytes") or 0) <= 0:
+            return None
+        return f"{info.get('advertise_host')}:{info.get('port')}"
 
     def _prefix_params(self, spec: LoadSpec) -> RemotePrefillParams:
         """The pull of a host tier's entry as an ordinary pull: its id comes from its key, its
