@@ -13,8 +13,8 @@ variant:
 
 Reusable tokens are the whole history before the new message, the previous answer included
 (``sessions.reusable_tokens`` in its colocated sense): in PD only a pull can reuse the answer,
-which is what (d) adds. Reused tokens are the engines' prefix-cache hits plus the prompt tokens
-they loaded from a host tier (``dsv4_kv_prefix_tokens_total{outcome="pulled"}``).
+which is what (d) adds. Reused tokens are the prefill answers' ``cached_tokens`` (local hits
+and pulled tokens alike), which the gateway sums in ``dsv4_gateway_actual_cached_tokens_total``.
 
 Per variant: reused / reusable over turns 2..T, and TTFT p50 / p90 over every request of turns
 2..T (streamed). Goals (issue 31): (d) reuses >= 95% of the reusable tokens, and its TTFT p90
@@ -35,6 +35,7 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ VARIANTS = {
     "c": "precise",
     "d": "pulls",
 }
-PULLED = "dsv4_kv_prefix_tokens_total"
+QUERIES = sessions.QUERIES
+ACTUAL_CACHED = "dsv4_gateway_actual_cached_tokens_total"
 GATEWAY_PULLS = "dsv4_gateway_prefix_pulls_total"
 PULL_OUTCOMES = ("attached", "declined", "loaded", "computed")
 ENGINE_ARGS = ["--async-scheduling=off", "--num-speculative-tokens=0"]
@@ -98,16 +100,21 @@ def configure(children: list[Service], variant: str, host_bytes: str) -> None:
     gateway.argv = [*gateway.argv, *flags["gateway"]]
 
 
-async def _scrape(engines: list[Service]) -> tuple[float, float]:
-    """``sessions.scrape`` with the tokens loaded from host tiers counted as hits: a pulled
-    prefix is reused, not recomputed."""
-    queried = hit = 0.0
-    async with httpx.AsyncClient(timeout=10) as client:
-        for e in engines:
-            text = (await client.get(f"{e.url}/metrics")).text
-            queried += metric_value(text, sessions.QUERIES)
-            hit += metric_value(text, sessions.HITS) + metric_value(text, PULLED, outcome="pulled")
-    return queried, hit
+def reuse_scraper(gateway: Service) -> Callable[[list[Service]], Awaitable[tuple[float, float]]]:
+    """``sessions.scrape`` for PD: the engines' prefix-cache queries, and as hits the cached
+    tokens of the prefill answers (the gateway's ``actual_cached_tokens``), which count a
+    pulled prefix too (the engines' hit counter has only local hits, and none of a request
+    that pulled)."""
+
+    async def scrape(engines: list[Service]) -> tuple[float, float]:
+        queried = 0.0
+        async with httpx.AsyncClient(timeout=10) as client:
+            for e in engines:
+                queried += metric_value((await client.get(f"{e.url}/metrics")).text, QUERIES)
+            text = (await client.get(f"{gateway.url}/metrics")).text
+        return queried, metric_value(text, ACTUAL_CACHED)
+
+    return scrape
 
 
 def run_variant(variant: str, args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
@@ -122,7 +129,7 @@ def run_variant(variant: str, args: argparse.Namespace, run_dir: Path) -> list[d
     engines = [c for c in children if c is not gateway and not c.name.endswith("sidecar")]
     print(f"({variant}) {VARIANTS[variant]}: logs in {stack.log_dir}", flush=True)
     # sessions' per-turn lines say "colocated": its accounting counts the previous answer
-    sessions.scrape = _scrape
+    sessions.scrape = reuse_scraper(gateway)
     try:
         up.start_in_order(children, stack.startup_timeout)
         model = Path(args.model).name
@@ -226,7 +233,7 @@ def main() -> int:
     results = {v: run_variant(v, args, run_dir) for v in args.variants}
     summaries = {v: summary(rows) for v, rows in results.items() if rows}
     checks = goals(summaries)
-    print("\n== prefix routing: turns 2.. (reused = prefix hits + pulled tokens) ==")
+    print("\n== prefix routing: turns 2.. (reused = the prefill answers' cached tokens) ==")
     print(format_summaries(summaries))
     for name, g in checks.items():
         print(

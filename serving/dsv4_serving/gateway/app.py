@@ -218,8 +218,8 @@ class Gateway:
     ) -> Response:
         """Prefill, then decode with its KV (``prefilled`` is called between)."""
         try:
-            answer, _ = await self.proxy.prefill(path, body, req, rid)
-            self._observe_cached(req, answer)
+            answer, inst = await self.proxy.prefill(path, body, req, rid)
+            self._observe_cached(req, answer, inst)
             self._learn_kv_bytes(answer)
             prefilled()
             decode = decode_body(body, answer)
@@ -276,14 +276,20 @@ class Gateway:
         self.metrics.predicted_cached.labels(choice.instance.url).inc(cached)
         self._predictions[id(req)] = (choice, cached)
 
-    def _observe_cached(self, req: RouteRequest, answer: dict[str, Any]) -> None:
-        """The prefill's usage says how many prompt tokens it found cached: the truth to the
-        prediction its routing made."""
+    def _observe_cached(
+        self, req: RouteRequest, answer: dict[str, Any], inst: Instance | None = None
+    ) -> None:
+        """The prefill's usage says how many prompt tokens it found cached (``inst``'s, or the
+        predicting choice's): the truth to the prediction its routing made, if one did."""
         predicted = self._predictions.pop(id(req), None)
         usage = answer.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         actual = details.get("cached_tokens") if isinstance(details, dict) else None
-        if predicted is None or not isinstance(actual, int):
+        if not isinstance(actual, int):
+            return
+        if predicted is None:  # a policy without predictions: the truth alone
+            if inst is not None:
+                self.metrics.actual_cached.labels(inst.url).inc(actual)
             return
         choice, cached = predicted
         self.metrics.actual_cached.labels(choice.instance.url).inc(actual)

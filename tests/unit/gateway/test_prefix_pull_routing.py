@@ -136,3 +136,21 @@ def test_with_pull_leaves_no_empty_params() -> None:
     with_pull(body, None)
     assert body == {}
     assert PREFIX_PULL not in prefill_request(body)["kv_transfer_params"]
+
+
+def test_a_policy_without_predictions_still_counts_the_actual_cached_tokens() -> None:
+    gw = Gateway(GatewayConfig(both_urls=["http://a:1"], policy="round_robin"))
+    inst = Instance("http://a:1", "prefill")
+    answer = {"usage": {"prompt_tokens_details": {"cached_tokens": 48}}}
+    gw._observe_cached(RouteRequest(100), answer, inst)
+    samples = {
+        s.name: s.value
+        for f in gw.metrics.registry.collect()
+        for s in f.samples
+        if s.name
+        in ("dsv4_gateway_actual_cached_tokens_total", "dsv4_gateway_cached_tokens_error_count")
+    }
+    assert samples == {
+        "dsv4_gateway_actual_cached_tokens_total": 48,
+        "dsv4_gateway_cached_tokens_error_count": 0,
+    }
