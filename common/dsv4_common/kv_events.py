@@ -81,8 +81,10 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 class KVEventBatch(EventBatch):
     events: list[Event]
-    # an extra trailing field (vLLM's decoders ignore it): hits stop at the deepest snapshot
+    # extra trailing fields (vLLM's decoders ignore them): hits stop at the deepest snapshot;
+    # ``HOST:PORT`` of the sidecar whose host tier holds this publisher's medium "CPU" entries
     snapshot_bounded: bool = False
+    host_tier: str | None = None
 
 
 def snapshot_hash(block_hash: BlockHash, next_token: int = -1) -> BlockHash:

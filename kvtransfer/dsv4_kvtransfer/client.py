@@ -299,6 +299,12 @@ class SidecarClient:
         self._learn(info)
         return info
 
+    def host_evictions(self, since: int) -> tuple[int, list[str], bool]:
+        """Host-tier entries evicted from number ``since`` on: (the next number, their
+        transfer ids, whether some before them are no longer known)."""
+        r = self.request("GET", f"/v1/host-tier/evictions?since={since}")
+        return int(r["next"]), [str(t) for t in r["transfer_ids"]], bool(r["lost"])
+
     def region(self, tag: str | None = None) -> StagingRegion:
         """The sidecar's staging region, mapped once. With ``tag`` (from a reservation or a
         finished pull), a mapping of an older region (the sidecar restarted) is replaced: KV

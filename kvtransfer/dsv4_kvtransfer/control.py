@@ -4,6 +4,7 @@
     GET    /ready                       readiness: 200, or 503 while draining (SIGTERM)
     GET    /metrics                     Prometheus text
     GET    /v1/info                     staging region name and size, free bytes, counts
+    GET    /v1/host-tier/evictions?since=N  host-tier entries evicted from number N on
     POST   /v1/exports                  reserve an extent for a request's KV buffers
     POST   /v1/exports/{id}/commit      the engine wrote the buffers: start the lease, get params
     GET    /v1/exports/{id}             state of an export
@@ -209,6 +210,11 @@ def route(
             raise ApiError(404, "not_found", "only /health, /ready and /metrics here")
         if method == "GET" and parts == ["v1", "info"]:
             return 200, _json(sc.info()), JSON
+        if method == "GET" and parts == ["v1", "host-tier", "evictions"]:
+            since = parse_qs(url.query).get("since", ["0"])[0]
+            if not since.isdigit():
+                raise ApiError(400, "invalid_since", "since must be a whole number >= 0")
+            return 200, _json(sc.store.host_evictions.since(int(since)).to_dict()), JSON
         if parts[:2] == ["v1", "exports"]:
             if method == "POST" and len(parts) == 2:
                 req = ExportRequest.from_body(_parse_body(raw))

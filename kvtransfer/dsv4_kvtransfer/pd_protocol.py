@@ -400,12 +400,16 @@ def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
     """The gateway's prefill request for a client request body (vLLM's toy proxy does the same):
     one token (``prefill_overrides``), no streaming, ``do_remote_decode``. Only top-level
     fields change, so a shallow copy leaves ``body`` as it was (a deep one costs the gateway
-    CPU per request)."""
+    CPU per request). A prefix pull the gateway put into ``body``'s params is kept."""
     out = dict(body)
     out.update(prefill_overrides(body))
     out["stream"] = False
     out.pop("stream_options", None)
-    out["kv_transfer_params"] = PrefillRequestParams().to_dict()
+    params = PrefillRequestParams().to_dict()
+    given = body.get("kv_transfer_params")
+    if isinstance(given, Mapping) and given.get(PREFIX_PULL) is not None:
+        params[PREFIX_PULL] = given[PREFIX_PULL]
+    out["kv_transfer_params"] = params
     return out
 
 

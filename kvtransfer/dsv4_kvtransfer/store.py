@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_kvtransfer.buffers import Layout
+from dsv4_kvtransfer.host_evictions import EvictionLog
 from dsv4_kvtransfer.integrity import META_KEY
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger, LedgerError
@@ -93,6 +94,7 @@ class StagingStore:
     ) -> None:
         self.region = region
         self.ledger = ledger
+        self.host_evictions = EvictionLog()  # host-tier entries evicted, for the engine
         # publish: each export gets a trailer (written at commit, retired before it goes), so
         # a same-host puller needs no round trip to the peer port before copying
         self.publish = publish
@@ -112,7 +114,10 @@ class StagingStore:
     def _settle(self, freed: list[Freed]) -> None:
         """Count what was freed and bring the gauges up to date (called without the lock)."""
         with self._lock:
-            freed = freed + self.ledger.take_evicted()
+            evicted = self.ledger.take_evicted()
+            freed = freed + evicted
+        if evicted:
+            self.host_evictions.add(f.key for f in evicted)
         for f in freed:
             self.metrics.releases.labels(f.kind, f.reason).inc()
             if f.reason == "expired":

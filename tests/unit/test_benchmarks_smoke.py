@@ -54,3 +54,31 @@ def test_chaos_plans_its_stack_with_dsv4_ups_parser(tmp_path: Path) -> None:
         *("decode-0-sidecar", "decode-0", "decode-1-sidecar", "decode-1"),
         "gateway",
     ]
+
+
+def test_prefix_routing_adds_each_variants_flags_to_dsv4_ups_plan(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCHMARKS))  # it imports sessions and charts as the script does
+    try:
+        bench = load("prefix_routing")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    args = bench.parse_args(["--prefill", "1", "--decode", "2", "--host-bytes", "64M"])
+    assert args.engine_arg == ["--async-scheduling=off", "--num-speculative-tokens=0"]
+    for variant in ("a", "d"):
+        children = up.plan(bench.sessions.stack_args("pd", args, tmp_path), tmp_path)
+        bench.configure(children, variant, args.host_bytes)
+        gateway, engines = children[-1], [c for c in children[:-1] if "sidecar" not in c.name]
+        sidecars = [c for c in children if c.name.endswith("sidecar")]
+        events = [
+            c.argv[c.argv.index("--kv-events-endpoint") + 1]
+            for c in engines
+            if "--kv-events-endpoint" in c.argv
+        ]
+        if variant == "a":
+            assert events == [] and gateway.argv[-2:] == ["--policy", "round_robin"]
+            assert all("--kv-host-bytes" not in s.argv for s in sidecars)
+            continue
+        assert len(set(events)) == 3 and gateway.argv[-2:] == ["--prefix-pulls", "on"]
+        assert all(s.argv[-2:] == ["--kv-host-bytes", "64M"] for s in sidecars)
+        subscribed = [a for a in gateway.argv if a.startswith("http") and "=tcp://" in a]
+        assert subscribed == [f"{e.url}={ep}" for e, ep in zip(engines, events, strict=True)]

@@ -13,6 +13,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -23,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from dsv4_kvtransfer.pd_protocol import KVParamsError
+from dsv4_kvtransfer.pd_protocol import PREFIX_PULL, KVParamsError
 from dsv4_serving.gateway.config import GatewayConfig
 from dsv4_serving.gateway.discovery import KubernetesDiscovery, static_members
 from dsv4_serving.gateway.fanout import fan_out, fan_out_n
@@ -34,6 +35,7 @@ from dsv4_serving.gateway.lifecycle import Admission, Ticket
 from dsv4_serving.gateway.metrics import GatewayMetrics
 from dsv4_serving.gateway.openapi import openapi_document
 from dsv4_serving.gateway.policies import DPLB, Choice, RouteRequest, make_policy
+from dsv4_serving.gateway.prefix_pull import PullCosts, choose_pull, host_prefixes, with_pull
 from dsv4_serving.gateway.prompt import load_encoder, route_request
 from dsv4_serving.gateway.proxy import Opened, Proxy, RelayResponse, UpstreamFailed, decode_body
 from dsv4_serving.gateway.scorers import cached_tokens, parse_weights
@@ -55,8 +57,13 @@ class Gateway:
         policy = make_policy(cfg.policy, parse_weights(cfg.scorers))
         if isinstance(policy, DPLB):
             policy.on_choice = self._predicted
-        # the prediction behind each request's prefill choice, until its answer tells the truth
-        self._predictions: dict[int, Choice] = {}
+        # the prediction behind each request's prefill choice (cached tokens, pulled
+        # included), until its answer tells the truth
+        self._predictions: dict[int, tuple[Choice, int]] = {}
+        # the body a request's prefill (or both) choice gets its prefix pull in: the proxy
+        # chooses the instance just before it sends, and calls ``_predicted`` with the choice
+        self._pull_bodies: dict[int, dict[str, Any]] = {}
+        self._kv_bytes = self._kv_tokens = 0  # from PD prefill answers: KV bytes per token
         self.proxy = Proxy(cfg, self.pool, policy, self.metrics)
         self.feeds = KVEventFeeds(
             self.pool, cfg.kv_event_endpoints(), cfg.kv_events_port, self.metrics
@@ -88,11 +95,12 @@ class Gateway:
             return error_response(400, f"request body is not valid JSON: {e}", code="invalid_json")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", code="invalid_body")
-        if FIELD in body:  # the engines take it from the gateway only
+        internal = _internal_field(body)
+        if internal:  # the engines take it from the gateway only
             return error_response(
                 400,
-                f"{FIELD} is internal to this server",
-                param=FIELD,
+                f"{internal} is internal to this server",
+                param=internal,
                 code="unsupported_parameter",
             )
         if self.admission.full:
@@ -129,10 +137,47 @@ class Gateway:
         if wants_state(body):  # a stream of one choice: continued elsewhere if its engine fails
             body = with_state(body)
         req = route_request(body, chat, self.encode, self.feeds.block_size or self.cfg.block_size)
+        if self._pulls_on and fan_out_n(body) == 1:  # n > 1: no kv_transfer_params at all
+            req = self._with_host_prefixes(req)
+            if req.host_prefixes:
+                self._pull_bodies[id(req)] = body
         try:
             return await self._dispatch(path, body, chat, rid, ticket, req, stream)
         finally:
             self._predictions.pop(id(req), None)
+            self._pull_bodies.pop(id(req), None)
+
+    @property
+    def _pulls_on(self) -> bool:
+        return self.cfg.prefix_pulls == "on" and self.feeds.enabled
+
+    def _with_host_prefixes(self, req: RouteRequest) -> RouteRequest:
+        """``req`` with the prefixes of its prompt that sidecars' host tiers hold (every
+        instance's, a decode's included: a session's last answer is there) and the costs."""
+        ranks = (c for i in self.pool.all() if i.kv_ranks for c in i.kv_ranks)
+        found = host_prefixes(ranks, req.block_hashes, req.token_ids, req.block_size)
+        if not found:
+            return req
+        return replace(req, host_prefixes=found, pull_costs=self._pull_costs())
+
+    def _pull_costs(self) -> PullCosts:
+        per_token = self.cfg.prefix_pull_bytes_per_token
+        if self._kv_tokens:
+            per_token = self._kv_bytes / self._kv_tokens
+        return PullCosts(
+            per_token,
+            self.cfg.prefix_pull_rate,
+            prefill_s_per_token=self.cfg.prefill_seconds_per_token,
+        )
+
+    def _learn_kv_bytes(self, answer: dict[str, Any]) -> None:
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return
+        nbytes, tokens = params.get("remote_total_bytes"), params.get("remote_num_tokens")
+        if isinstance(nbytes, int) and isinstance(tokens, int) and nbytes > 0 and tokens > 0:
+            self._kv_bytes += nbytes
+            self._kv_tokens += tokens
 
     async def _dispatch(
         self,
@@ -175,7 +220,8 @@ class Gateway:
         """Prefill, then decode with its KV (``prefilled`` is called between)."""
         try:
             answer, prefiller = await self.proxy.prefill(path, body, req, rid)
-            self._observe_cached(req, answer)
+            self._observe_cached(req, answer, prefiller)
+            self._learn_kv_bytes(answer)
             prefilled()
             decode = decode_body(body, answer)
         except UpstreamFailed as e:
@@ -224,20 +270,41 @@ class Gateway:
         return req.prompt_tokens - best
 
     def _predicted(self, req: RouteRequest, choice: Choice) -> None:
-        self.metrics.predicted_cached.labels(choice.instance.url).inc(choice.cached_tokens)
-        self._predictions[id(req)] = choice
+        """A prefill (or both) choice: its prefix pull into the body (or out of it, on a retry
+        elsewhere), and the cached tokens it predicts."""
+        cached = choice.cached_tokens
+        body = self._pull_bodies.get(id(req))
+        if body is not None and req.pull_costs is not None:
+            pull = choose_pull(cached, req.host_prefixes, req.pull_costs)
+            with_pull(body, pull)
+            if pull is not None:
+                cached = pull.num_tokens
+                self.metrics.prefix_pulls.labels("attached").inc()
+            elif max(h.num_tokens for h in req.host_prefixes) > cached:
+                self.metrics.prefix_pulls.labels("declined").inc()
+        self.metrics.predicted_cached.labels(choice.instance.url).inc(cached)
+        self._predictions[id(req)] = (choice, cached)
 
-    def _observe_cached(self, req: RouteRequest, answer: dict[str, Any]) -> None:
-        """The prefill's usage says how many prompt tokens it found cached: the truth to the
-        prediction its routing made."""
-        choice = self._predictions.pop(id(req), None)
+    def _observe_cached(
+        self, req: RouteRequest, answer: dict[str, Any], inst: Instance | None = None
+    ) -> None:
+        """The prefill's usage says how many prompt tokens it found cached (``inst``'s, or the
+        predicting choice's): the truth to the prediction its routing made, if one did."""
+        predicted = self._predictions.pop(id(req), None)
         usage = answer.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         actual = details.get("cached_tokens") if isinstance(details, dict) else None
-        if choice is None or not isinstance(actual, int):
+        if not isinstance(actual, int):
             return
+        if predicted is None:  # a policy without predictions: the truth alone
+            if inst is not None:
+                self.metrics.actual_cached.labels(inst.url).inc(actual)
+            return
+        choice, cached = predicted
         self.metrics.actual_cached.labels(choice.instance.url).inc(actual)
-        self.metrics.cached_error.observe(abs(actual - choice.cached_tokens))
+        self.metrics.cached_error.observe(abs(actual - cached))
+        if cached > choice.cached_tokens:  # a pull was attached: did it load?
+            self.metrics.prefix_pulls.labels("loaded" if actual >= cached else "computed").inc()
 
 
 class GatewayApp(Starlette):
@@ -413,6 +480,16 @@ class Endpoints:
         ]
 
 
+def _internal_field(body: dict[str, Any]) -> str | None:
+    """A field of the request only the gateway may set, if the client sent one."""
+    if FIELD in body:
+        return FIELD
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and PREFIX_PULL in params:
+        return f"kv_transfer_params.{PREFIX_PULL}"
+    return None
+
+
 def _kv_state(inst: Instance) -> dict[str, Any] | None:
     """The precise prefix index's view of an instance (None: it publishes no KV events)."""
     if inst.kv_ranks is None:
@@ -423,6 +500,8 @@ def _kv_state(inst: Instance) -> dict[str, Any] | None:
             {
                 "blocks": len(c.blocks),
                 "snapshots": len(c.snapshots),
+                "host_entries": len(c.host),
+                "host_tier": c.host_tier,
                 "next_seq": c.expected,
                 "batches": c.batches,
                 "resyncs": c.resyncs,

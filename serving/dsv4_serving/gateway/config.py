@@ -56,6 +56,17 @@ class GatewayConfig:
     prefix index subscribes to it (every DP rank's)."""
     kv_events_port: int = 0
     """Every engine publishes KV events on this port of its own host (0: only ``--kv-events``)."""
+    prefix_pulls: Literal["on", "off"] = "on"
+    """Attach a prefix pull (``kv_transfer_params.dsv4_prefix_pull``) when a sidecar's host
+    tier holds more of the prompt than the chosen instance caches and pulling is cheaper
+    than computing (docs/cluster-kv.md); needs the engines' KV events."""
+    prefix_pull_rate: float = 1e9
+    """Bytes per second a pull moves between sidecars (the pull-or-recompute rule's rate)."""
+    prefix_pull_bytes_per_token: float = 10_000.0
+    """KV bytes per prompt token until PD prefill answers tell the engines' (V4-Flash's is
+    about 9.8 KB)."""
+    prefill_seconds_per_token: float = 1e-4
+    """What computing one prompt token costs an engine (the rule's other side)."""
     tokenizer: str | None = None
     """The model's tokenizer for exact prefix hashes: a preset, a checkpoint directory or its
     tokenizer.json; chats of a model in DeepSeek's format are then rendered as the engine renders
@@ -106,6 +117,11 @@ class GatewayConfig:
         self.kv_event_endpoints()
         if not 0 <= self.kv_events_port < 65535:
             raise ValueError("--kv-events-port must be in 0..65534")
+        # the rule's own checks, with the flags' names
+        if self.prefix_pull_rate <= 0 or self.prefix_pull_bytes_per_token < 0:
+            raise ValueError("--prefix-pull-rate must be > 0, --prefix-pull-bytes-per-token >= 0")
+        if self.prefill_seconds_per_token < 0:
+            raise ValueError("--prefill-seconds-per-token must be >= 0")
         if self.eject_after_failures < 1:
             raise ValueError("--eject-after-failures must be >= 1")
         for name in (

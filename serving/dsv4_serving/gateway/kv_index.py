@@ -12,6 +12,7 @@ gone, so the index starts over from the oldest it has, an underestimate).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -68,6 +69,11 @@ class RankCache:
     snapshots: set[bytes] = field(default_factory=set)
     host: set[bytes] = field(default_factory=set)
     """Snapshot keys of prefixes in the rank's sidecar host tier (medium ``"CPU"``)."""
+    host_tier: str | None = None
+    """``HOST:PORT`` of that sidecar (the batches' ``host_tier``): where a pull goes."""
+    # each host key's boundary block hash, and how many keys end at each boundary
+    _host_parent: dict[bytes, bytes] = field(default_factory=dict, repr=False)
+    _host_parents: Counter[bytes] = field(default_factory=Counter, repr=False)
     snapshot_bounded: bool = False
     block_size: int | None = None
     expected: int | None = None  # the sequence number of the next batch to apply
@@ -80,15 +86,22 @@ class RankCache:
         self.blocks.clear()
         self.snapshots.clear()
         self.host.clear()
+        self._host_parent.clear()
+        self._host_parents.clear()
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         if seq == 0:
             self.replayed_from = None  # a new publisher: older numbers are not its
         self.snapshot_bounded = batch.snapshot_bounded
+        self.host_tier = batch.host_tier
         for ev in batch.events:
             target = self.snapshots if _group(ev) == SNAPSHOT_GROUP else self.blocks
             if getattr(ev, "medium", None) == MEDIUM_HOST:
-                target = self.host
+                if isinstance(ev, BlockStored):
+                    self._host_stored(ev)
+                elif isinstance(ev, BlockRemoved):
+                    self._host_removed(ev.block_hashes)
+                continue
             if isinstance(ev, BlockStored):
                 target.update(ev.block_hashes)
                 if target is self.blocks:
@@ -136,10 +149,13 @@ class RankCache:
         self, hashes: Sequence[bytes], token_ids: Sequence[int], bs: int
     ) -> tuple[int, bytes] | None:
         """The deepest prefix of the prompt the rank's host tier holds (one prompt token left
-        to compute): its tokens and key; None if none (or the rank's block size differs)."""
-        if self.block_size not in (None, bs) or not token_ids or not self.host:
+        to compute): its tokens and key; None if none (or the rank's block size differs).
+        Keys are hashed only at boundaries some entry ends at (``_host_parents``)."""
+        if self.block_size not in (None, bs) or not token_ids or not self._host_parents:
             return None
         for n in range(min(len(hashes), (len(token_ids) - 1) // bs), 0, -1):
+            if hashes[n - 1] not in self._host_parents:
+                continue
             for key in (
                 snapshot_hash(hashes[n - 1]),
                 snapshot_hash(hashes[n - 1], token_ids[n * bs]),
@@ -147,6 +163,23 @@ class RankCache:
                 if key in self.host:
                     return n * bs, key
         return None
+
+    def _host_stored(self, ev: BlockStored) -> None:
+        for key in ev.block_hashes:
+            if key in self.host or ev.parent_block_hash is None:
+                continue
+            self.host.add(key)
+            self._host_parent[key] = ev.parent_block_hash
+            self._host_parents[ev.parent_block_hash] += 1
+
+    def _host_removed(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            parent = self._host_parent.pop(key, None)
+            self.host.discard(key)
+            if parent is not None:
+                self._host_parents[parent] -= 1
+                if not self._host_parents[parent]:
+                    del self._host_parents[parent]
 
     def _has_snapshot(self, block_hash: bytes, next_token: int) -> bool:
         return (

@@ -113,6 +113,14 @@ class GatewayMetrics:
             ["reason", "outcome"],
             registry=r,
         )
+        self.prefix_pulls = Counter(
+            "dsv4_gateway_prefix_pulls",
+            "Prefix pulls decided at a prefill (or both) choice: attached, or declined (a host "
+            "tier held more of the prompt, computing was cheaper); of the attached ones in PD, "
+            "loaded (the prefill's cached tokens cover the pull) or computed",
+            ["outcome"],
+            registry=r,
+        )
 
     def outcome(self, status: str) -> Any:
         """dsv4_gateway_requests{status}: the child looked up once (labels() costs per call)."""

@@ -14,10 +14,12 @@ tiny gains, where the pull's fixed cost dominates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from dsv4_kvtransfer.pd_protocol import PrefixPullParams
+from dsv4_kvtransfer.pd_protocol import PREFIX_PULL, PrefixPullParams
+from dsv4_serving.gateway.kv_index import RankCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +43,27 @@ class PullCosts:
             raise ValueError("margin in [0, 1), fixed_s >= 0, min_tokens >= 1")
 
 
+def pull_seconds(gain_tokens: int, costs: PullCosts) -> float:
+    return costs.fixed_s + gain_tokens * costs.bytes_per_token / costs.rate_bytes_s
+
+
 def should_pull(gain_tokens: int, costs: PullCosts) -> bool:
     if gain_tokens < costs.min_tokens:
         return False
-    pull_s = costs.fixed_s + gain_tokens * costs.bytes_per_token / costs.rate_bytes_s
-    return pull_s < (1 - costs.margin) * gain_tokens * costs.prefill_s_per_token
+    return pull_seconds(gain_tokens, costs) < (
+        (1 - costs.margin) * gain_tokens * costs.prefill_s_per_token
+    )
+
+
+def pull_saving(own_cached: int, holders: Sequence[HostPrefix], costs: PullCosts) -> float:
+    """What a pull saves the instance (prompt tokens of prefill: the gain less the pull's
+    time in prefill tokens), 0 when ``choose_pull`` would not pull: the routing scorer
+    ``prefix_pull``, so an idle instance that can pull competes with a busy holder."""
+    best = max((h.num_tokens for h in holders), default=0)
+    gain = best - own_cached
+    if not should_pull(gain, costs):
+        return 0.0
+    return gain - pull_seconds(gain, costs) / costs.prefill_s_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +85,36 @@ def choose_pull(
     if best is None or not should_pull(best.num_tokens - own_cached, costs):
         return None
     return PrefixPullParams(best.host, best.port, best.num_tokens, best.key.hex())
+
+
+def host_prefixes(
+    ranks: Iterable[RankCache], hashes: Sequence[bytes], token_ids: Sequence[int], bs: int
+) -> list[HostPrefix]:
+    """The prefixes of a prompt the ranks' host tiers hold, with where to pull them from (a
+    rank whose events name no ``host_tier`` address is left out)."""
+    out: list[HostPrefix] = []
+    for cache in ranks:
+        if cache.host_tier is None:
+            continue
+        found = cache.host_prefix(hashes, token_ids, bs)
+        if found is None:
+            continue
+        host, _, port = cache.host_tier.rpartition(":")
+        if host and port.isdigit():
+            out.append(HostPrefix(host, int(port), found[0], found[1]))
+    return out
+
+
+def with_pull(body: dict[str, Any], pull: PrefixPullParams | None) -> None:
+    """Set (or, for None, remove) ``body``'s ``kv_transfer_params.dsv4_prefix_pull``, keeping
+    the rest of its params (a new dict: the client's is not changed)."""
+    params = body.get("kv_transfer_params")
+    params = dict(params) if isinstance(params, dict) else {}
+    if pull is None:
+        params.pop(PREFIX_PULL, None)
+    else:
+        params[PREFIX_PULL] = pull.to_dict()
+    if params:
+        body["kv_transfer_params"] = params
+    else:
+        body.pop("kv_transfer_params", None)

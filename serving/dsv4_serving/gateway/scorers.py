@@ -9,6 +9,10 @@ them with the weights of ``--scorers`` and picks the cheapest (llm-d's scorer sp
   without events;
 - ``estimated_prefix``: the same from the gateway's memory of what it routed where
   (``instances.PrefixIndex``), for engines without events only.
+- ``prefix_pull``: minus what pulling the deepest prefix of the prompt some sidecar's host
+  tier holds would save the rank (``prefix_pull.pull_saving``: the tokens beyond its own
+  cached prefix, less the pull's time), so an idle instance that can pull competes with a
+  busy holder; 0 without host-tier entries or with pulls off.
 
 Prefix scorers count for prefill (and engines that do both); decode gets its KV with the
 request.
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsv4_serving.gateway.instances import Instance
+from dsv4_serving.gateway.prefix_pull import HostPrefix, PullCosts, pull_saving
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,10 @@ class RouteRequest:
     # decode after a prefill: the prefill instance's revision, the only one it may pair with
     # (None: any, as for a decode-only request)
     revision: str | None = None
+    # prefixes of the prompt in sidecars' host tiers (the gateway's index), and what a pull
+    # costs (None: pulls off)
+    host_prefixes: Sequence[HostPrefix] = ()
+    pull_costs: PullCosts | None = None
 
 
 Scorer = Callable[[Instance, int, RouteRequest], float]
@@ -85,12 +94,19 @@ def estimated_prefix(inst: Instance, rank: int, req: RouteRequest) -> float:
     return -estimated_cached(inst, rank, req) if req.stage == "prefill" else 0.0
 
 
+def prefix_pull(inst: Instance, rank: int, req: RouteRequest) -> float:
+    if req.stage != "prefill" or req.pull_costs is None or not req.host_prefixes:
+        return 0.0
+    return -pull_saving(cached_tokens(inst, rank, req), req.host_prefixes, req.pull_costs)
+
+
 SCORERS: dict[str, Scorer] = {
     "load": load,
     "precise_prefix": precise_prefix,
     "estimated_prefix": estimated_prefix,
+    "prefix_pull": prefix_pull,
 }
-DEFAULT_WEIGHTS = "load=1,precise_prefix=1,estimated_prefix=1"
+DEFAULT_WEIGHTS = "load=1,precise_prefix=1,estimated_prefix=1,prefix_pull=1"
 
 
 def parse_weights(spec: str) -> dict[str, float]:

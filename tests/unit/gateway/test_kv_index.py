@@ -149,6 +149,7 @@ def test_weights_parse_and_refuse_unknown_scorers() -> None:
         "load": 1.0,
         "precise_prefix": 1.0,
         "estimated_prefix": 1.0,
+        "prefix_pull": 1.0,
     }
     assert parse_weights("load=2, precise_prefix=0.5") == {"load": 2.0, "precise_prefix": 0.5}
     for bad, msg in (

@@ -29,6 +29,7 @@ from dsv4_common.kv_events import (
     snapshot_removed,
     snapshot_stored,
 )
+from dsv4_kvtransfer.pd_protocol import prefix_transfer_id
 from dsv4_serving.engine.core.block_pool import BlockPool, KVBlock
 from dsv4_serving.engine.core.prefix_hash import BlockHash
 from dsv4_serving.engine.request import Request
@@ -91,6 +92,10 @@ class KVCacheManager:
         # snapshots taken out of the LRU while an offer copies them (request id -> key, slot)
         self._offering: dict[str, tuple[BoundaryKey, int | None]] = {}
         self._offer_keys: dict[str, BoundaryKey] = {}  # every offer's, for its event
+        # host-tier entries announced, by transfer id (their eviction is announced too), and
+        # ids evicted before their offer's result came back (never announced then)
+        self._host_keys: dict[str, BoundaryKey] = {}
+        self._host_gone: OrderedDict[str, None] = OrderedDict()
 
     @property
     def num_slots(self) -> int:
@@ -288,8 +293,25 @@ class KVCacheManager:
         """``req``'s offer is in the host tier: announce its key with medium ``"CPU"`` (the
         tier evicts on its own, unannounced: a pull of an evicted entry is computed)."""
         key = self._offer_keys.get(req.request_id)
-        if key is not None:
-            self._record_snapshot(key, stored=True, medium=MEDIUM_HOST)
+        if key is None or self.pool.events is None:
+            return
+        tid = prefix_transfer_id(snapshot_hash(*key).hex())
+        if tid in self._host_gone:  # evicted already
+            del self._host_gone[tid]
+            return
+        self._host_keys[tid] = key
+        self._record_snapshot(key, stored=True, medium=MEDIUM_HOST)
+
+    def host_evicted(self, transfer_ids: list[str]) -> None:
+        """Our sidecar's host tier evicted these entries: announce each announced one gone."""
+        for tid in transfer_ids:
+            key = self._host_keys.pop(tid, None)
+            if key is not None:
+                self._record_snapshot(key, stored=False, medium=MEDIUM_HOST)
+                continue
+            self._host_gone[tid] = None
+            if len(self._host_gone) > 1024:
+                self._host_gone.popitem(last=False)
 
     # ---- after a step --------------------------------------------------------------------
 

@@ -146,7 +146,11 @@ class EngineCore:
                 config.kv_pull_timeout,
             )
             self.kv_worker.register_kv_caches(self.runner.cache)
-            self.kv_scheduler.offers_prefixes = self.kv_worker.has_host_tier()
+            peer = self.kv_worker.host_tier_peer()
+            self.kv_scheduler.offers_prefixes = peer is not None
+            if self.kv_events is not None and peer is not None:
+                self.kv_events.host_tier = peer  # the gateway pulls our offers from there
+                self.kv_worker.watch_host_evictions()  # and forgets those the tier evicts
         # tracing off: None, and each step tests only that
         self.tracing: CoreTracing | None = None
         tracer = tracing.setup(config.otlp_traces_endpoint, f"dsv4-engine-{config.role}")
@@ -244,6 +248,8 @@ class EngineCore:
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
+            if self.kv_worker is not None:
+                self.kv.host_evicted(self.kv_worker.take_host_evictions())
             events = self.kv.take_events()
             if events:
                 self.kv_events.publish(events)

@@ -27,6 +27,7 @@ from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.kv_connector.base import KVConnectorWorker
 from dsv4_serving.engine.kv_connector.compat import KVCompat, KVIncompatible, KVPromptMismatch
 from dsv4_serving.engine.kv_connector.exporter import KVExporter
+from dsv4_serving.engine.kv_connector.host_evictions import HostEvictionWatcher
 from dsv4_serving.engine.kv_connector.kv_layout import KVLayout
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorMetadata,
@@ -72,6 +73,7 @@ class SidecarConnectorWorker(KVConnectorWorker):
         # tracing on: a request's current KV span, whose context goes with the sidecar call
         self.traceparent_of: Callable[[str], str | None] | None = None
         self.exporter = KVExporter(self.client, lambda: self.layout, compat, self._event.set)
+        self._evictions: HostEvictionWatcher | None = None
 
     def register_kv_caches(self, cache: Any) -> None:
         self.layout = KVLayout(cache)
@@ -81,13 +83,26 @@ class SidecarConnectorWorker(KVConnectorWorker):
         self.fingerprint = self.compat.fingerprint(self.layout.rows(), self.layout.parallel)
         self.exporter.fingerprint = self.fingerprint
 
-    def has_host_tier(self) -> bool:
-        """Whether our sidecar keeps offered prefixes (``--kv-host-bytes``)."""
+    def host_tier_peer(self) -> str | None:
+        """``HOST:PORT`` other sidecars pull our sidecar's host tier from (its advertised
+        peer address); None when it keeps no offered prefixes."""
         try:
-            return int(self.client.info().get("host_bytes") or 0) > 0
+            info = self.client.info()
         except (SidecarError, OSError) as e:
             log.warning("KV sidecar unreachable, no prefix offers: %s", e)
-            return False
+            return None
+        if int(info.get("host_bytes") or 0) <= 0:
+            return None
+        return f"{info.get('advertise_host')}:{info.get('port')}"
+
+    def watch_host_evictions(self) -> None:
+        """Follow our host tier's evictions from now on (``take_host_evictions``)."""
+        if self._evictions is None:
+            self._evictions = HostEvictionWatcher(self.client)
+
+    def take_host_evictions(self) -> list[str]:
+        """Transfer ids of host-tier entries evicted since the last call."""
+        return self._evictions.take() if self._evictions is not None else []
 
     def _prefix_params(self, spec: LoadSpec) -> RemotePrefillParams:
         """The pull of a host tier's entry as an ordinary pull: its id comes from its key, its
@@ -271,6 +286,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
 
     def close(self) -> None:
         self._closed = True
+        if self._evictions is not None:
+            self._evictions.close()
         for p in self._pulls.values():
             p.cancelled.set()
         self.exporter.close()

@@ -52,6 +52,8 @@ class ZmqEventPublisher:
         self.topic = topic.encode()
         self.rank = data_parallel_rank
         self.snapshot_bounded = snapshot_bounded
+        # our sidecar's peer address once its host tier takes offers (set by the engine core)
+        self.host_tier: str | None = None
         self.dropped = 0  # batches the step could not enqueue (queue full): logged, counted
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -71,6 +73,7 @@ class ZmqEventPublisher:
             events=events,  # type: ignore[arg-type]
             data_parallel_rank=self.rank,
             snapshot_bounded=self.snapshot_bounded,
+            host_tier=self.host_tier,
         )
         try:
             self._queue.put_nowait(batch)
