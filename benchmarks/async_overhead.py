@@ -3,7 +3,7 @@ in-process EMULATED engine core (every step sleeps ``--step-ms``, the device's s
 sequences decoding together, and the achieved step rate against the ideal one.
 
     .venv/bin/python benchmarks/async_overhead.py [--seqs 1 16 64 128 256] [--tokens 200]
-        [--step-ms 10] [--preset dsv4-tiny]
+        [--step-ms 10] [--preset dsv4-tiny] [--mtp K]
 
 The core alone (scheduling, block tables, outputs; no HTTP, no detokenisation, those run in
 the front end's process): with a device step of fixed length, achieved/ideal is the share of
@@ -41,16 +41,17 @@ class Run:
         return 1e3 * self.seconds / self.steps - self.step_ms
 
 
-def measure(mode: str, seqs: int, tokens: int, step_ms: float, preset: str) -> Run:
-    """``seqs`` requests of 8 prompt tokens and ``tokens`` output tokens, all at once."""
+def measure(mode: str, seqs: int, tokens: int, step_ms: float, preset: str, mtp: int = 0) -> Run:
+    """``seqs`` requests of 8 prompt tokens and ``tokens`` output tokens, all at once;
+    ``mtp`` drafts per step (the EMULATED runner's drafts are all accepted)."""
     config = EngineConfig(
         model=preset,
         emulate_step_time=f"{step_ms:g},0,0",
-        num_speculative_tokens=0,
+        num_speculative_tokens=mtp,
         max_num_seqs=max(seqs, 1),
-        max_num_batched_tokens=max(2048, 8 * seqs),
+        max_num_batched_tokens=max(2048, (8 + mtp) * seqs),
         max_model_len=8 + tokens + 8,
-        num_kv_blocks=seqs * (-(-(8 + tokens + 8) // 16) + 1) + 8,
+        num_kv_blocks=seqs * (-(-(8 + tokens + 8 + 2 * mtp) // 16) + 1) + 8,
         async_scheduling=mode,  # type: ignore[arg-type]
     )
     core = EngineCore(config)
@@ -73,11 +74,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=200, help="output tokens per sequence")
     p.add_argument("--step-ms", type=float, default=10.0, help="the emulated device step")
     p.add_argument("--preset", default="dsv4-tiny")
+    p.add_argument("--mtp", type=int, default=0, help="MTP draft tokens per step")
     args = p.parse_args()
     print(f"{'seqs':>5} {'mode':>6} {'steps':>6} {'achieved/ideal':>15} {'host ms/step':>13}")
     for n in args.seqs:
         for mode in ("off", "on"):
-            r = measure(mode, n, args.tokens, args.step_ms, args.preset)
+            r = measure(mode, n, args.tokens, args.step_ms, args.preset, args.mtp)
             name = "sync" if mode == "off" else "async"
             print(
                 f"{n:>5} {name:>6} {r.steps:>6} {r.achieved_over_ideal:>15.2f} "
