@@ -7,6 +7,7 @@ afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,15 +43,23 @@ SYNC = {
 }
 
 
+Refs = Callable[[str, str], dict[int, list[int]]]
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict[str, dict[str, dict[int, list[int]]]]:
-    refs: dict[str, dict[str, dict[int, list[int]]]] = {}
-    for name, cfg in SYNC.items():
-        one = replace(cfg, max_num_seqs=1, enable_prefix_caching=False)
-        refs[name] = {"mixed": alone(one, workload(N, 1))}
-        if name == "dsv4-tiny":
-            refs[name]["shared"] = alone(one, workload(N, 2, SHARED))
-    return refs
+def reference() -> Refs:
+    """Each request alone, synchronously: ``reference(model, "mixed" | "shared")``, computed
+    at its first use (one test id alone computes only its own)."""
+    refs: dict[tuple[str, str], dict[int, list[int]]] = {}
+
+    def get(model: str, work: str) -> dict[int, list[int]]:
+        if (model, work) not in refs:
+            one = replace(SYNC[model], max_num_seqs=1, enable_prefix_caching=False)
+            items = workload(N, 1) if work == "mixed" else workload(N, 2, SHARED)
+            refs[model, work] = alone(one, items)
+        return refs[model, work]
+
+    return get
 
 
 def async_core(model: str, **over: int | bool) -> EngineCore:
@@ -111,7 +120,7 @@ CASES = [
     ("name", "model", "over", "work", "waves"), CASES, ids=[f"{c[1]}-{c[0]}" for c in CASES]
 )
 def test_async_tokens_equal_tokens_alone(
-    reference: dict[str, dict[str, dict[int, list[int]]]],
+    reference: Refs,
     name: str,
     model: str,
     over: dict[str, int | bool],
@@ -125,7 +134,7 @@ def test_async_tokens_equal_tokens_alone(
         got = run(core, items, waves)
     finally:
         core.close()
-    want = reference[model][work]
+    want = reference(model, work)
     bad = [i for i in range(N) if got[i] != want[i]]
     assert not bad, f"{len(bad)} requests differ, e.g. #{bad[0]}: {got[bad[0]]} vs {want[bad[0]]}"
     assert_all_free(core, free0, slots0)
@@ -162,13 +171,11 @@ def _drive(core: EngineCore, params: dict[int, SamplingParams], abort_at: dict[i
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_stops_found_a_step_late_and_aborts_emit_nothing_extra(
-    reference: dict[str, dict[str, dict[int, list[int]]]], k: int
-) -> None:
+def test_stops_found_a_step_late_and_aborts_emit_nothing_extra(reference: Refs, k: int) -> None:
     """A stop token (EOS's path) found in step N's outputs, after step N+1 was scheduled with
     that request: the tokens N+1 made for it are never sent and its blocks and slot come back.
     Aborted requests send nothing after their abort. ``k``: MTP drafts."""
-    want = reference["dsv4-tiny"]["mixed"]
+    want = reference("dsv4-tiny", "mixed")
     items = workload(N, 1)
     params: dict[int, SamplingParams] = {}
     abort_at: dict[int, int] = {}
