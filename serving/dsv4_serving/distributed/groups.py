@@ -51,6 +51,10 @@ class ModelParallel:
     # the tp x cp ranks of this DP rank: they run the same steps (the core broadcasts them);
     # the TP group itself when cp is 1
     step: Group = SOLO
+    # the DP ranks again, for the cores' lockstep (turn headers, step agreement, reports): a
+    # group of its own, so the core's thread can use it while the step thread's forward
+    # all-gathers over ``dp`` (async scheduling)
+    dp_control: Group = SOLO
     # MoE combine per (token, choice): EP results bitwise equal to one process (tests, CPU)
     exact_moe: bool = False
     # EPLB (``eplb/``): experts live in physical slots through a per-layer logical -> physical

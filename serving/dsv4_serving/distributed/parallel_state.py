@@ -179,6 +179,10 @@ def init_distributed(
         step = _mine([_group(g, rank, backend, timeout) for g in topo.step_groups()])
         cp, step = (_with_shm(g, topo, timeout_s) for g in (cp, step))
     ep = world if topo.ep > 1 else Group((rank,), 0)
+    dp_control = dp
+    if topo.dp > 1:  # created last: the groups before keep their order; CPU objects only
+        dp_control = _mine([_group(g, rank, "gloo", timeout) for g in topo.dp_groups()])
+        dp_control = _with_shm(dp_control, topo, timeout_s)
     if topo.world == 1:
         world = Group()
     _STATE.update(topology=topo, rank=rank, world=world, store=store)
@@ -188,6 +192,7 @@ def init_distributed(
         ep=ep,
         cp=cp,
         step=step,
+        dp_control=dp_control,
         exact_moe=exact_moe,
         eplb=eplb,
         redundant_experts=redundant_experts,

@@ -96,7 +96,7 @@ class EngineConfig:
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule step N+1 (and take step N-1's outputs) while step N runs, the forward on its
     own thread; greedy tokens stay the synchronous engine's. auto = on where that is exact and
-    done: without MTP drafts, without DP (TP is fine); on = the same, an error elsewhere."""
+    done: everywhere but context parallelism; on = the same, an error there."""
     tensor_parallel_size: int = 1
     """Devices each layer is split across; one process per rank (CPU: ranks share the CPUs)."""
     data_parallel_size: int = 1
@@ -248,18 +248,8 @@ class EngineConfig:
         if self.async_scheduling == "on" and self.async_unsupported():
             raise ConfigError(f"--async-scheduling on: {self.async_unsupported()}")
 
-    def async_unsupported(self, num_speculative_tokens: int | None = None) -> str | None:
-        """Why async scheduling is not exact here (None: it is); ``num_speculative_tokens``:
-        the engine's, once the model decided a default of -1."""
-        k = (
-            self.num_speculative_tokens
-            if num_speculative_tokens is None
-            else num_speculative_tokens
-        )
-        if k > 0:
-            return "MTP drafts decide the next step's positions (use --num-speculative-tokens 0)"
-        if self.data_parallel_size > 1:
-            return "DP ranks step in lockstep, synchronously"
+    def async_unsupported(self) -> str | None:
+        """Why async scheduling is not exact here (None: it is)."""
         if self.context_parallel_size > 1:
             # CP landed beside async: its split steps are not proven exact on the step thread
             return "context parallelism is not yet checked exact with async scheduling"

@@ -23,9 +23,9 @@ from dsv4_serving.engine.worker.step_thread import StepThread, fill_placeholders
 from .test_scheduler import BS, FakeRunner, alone, prompts
 
 
-def make(num_blocks=64, budget=16, seqs=8, caching=False, state=False):  # type: ignore[no-untyped-def]
+def make(num_blocks=64, budget=16, seqs=8, caching=False, state=False, k=0):  # type: ignore[no-untyped-def]
     kv = KVCacheManager(num_blocks, BS, seqs, enable_caching=caching, has_state=state)
-    return AsyncScheduler(SchedulerConfig(seqs, budget, 256, True, 0), kv), kv
+    return AsyncScheduler(SchedulerConfig(seqs, budget, 256, True, k), kv), kv
 
 
 def add(sched: AsyncScheduler, rid: str, prompt: list[int], n: int, stop: int | None = None):  # type: ignore[no-untyped-def]
@@ -37,7 +37,7 @@ def add(sched: AsyncScheduler, rid: str, prompt: list[int], n: int, stop: int | 
 
 def drive(sched: AsyncScheduler, runner: FakeRunner, max_steps: int = 2000) -> dict[str, list[int]]:
     """The core's async loop: schedule and submit N+1, then take N's outputs."""
-    steps = StepThread(runner.execute)
+    steps = StepThread(lambda out, chain: runner.execute(out))
     got: dict[str, list[int]] = {}
     in_flight = None
     try:
@@ -124,17 +124,70 @@ def test_a_stop_found_one_step_late_drops_the_extra_token_and_frees_everything()
 
 def test_fill_placeholders_takes_the_previous_steps_tokens() -> None:
     sp = SamplingParams()
+    prev = SchedulerOutput(
+        [ScheduledRequest("a", [4], 4, 0, [0, 1], 0, True, None, sp, 0)], [], [], 1
+    )
     out = SchedulerOutput(
         [
-            ScheduledRequest("a", [PLACEHOLDER], 5, 0, [0, 1], 0, True, None, sp, 1),
+            ScheduledRequest("a", [PLACEHOLDER], 5, 0, [0, 1], 0, True, None, sp, 0),
             ScheduledRequest("b", [3, 4, 5], 0, 0, [2], 1, True, None, sp, 0),
         ],
         [],
         [],
         4,
     )
-    fill_placeholders(out, {"a": 77, "c": 5})
+    fill_placeholders(out, prev, {"a": RunnerResult([77]), "c": RunnerResult([5])})
     assert [s.token_ids for s in out.scheduled] == [[77], [3, 4, 5]]
+    assert [s.num_output_tokens for s in out.scheduled] == [1, 0]
+
+
+def test_fill_placeholders_moves_back_by_the_rejected_drafts() -> None:
+    """Step N verified 2 drafts at position 10 and accepted 1: N+1, scheduled at 10 + 3,
+    runs at 12 with N's sampled token and N's new drafts."""
+    sp = SamplingParams()
+    prev = SchedulerOutput(
+        [ScheduledRequest("a", [7, 8, 9], 10, 2, [0], 0, True, None, sp, 4)], [], [], 3
+    )
+    out = SchedulerOutput(
+        [ScheduledRequest("a", [PLACEHOLDER] * 3, 13, 2, [0], 0, True, None, sp, 4)], [], [], 3
+    )
+    fill_placeholders(out, prev, {"a": RunnerResult([8, 30], None, [31, 32])})
+    (s,) = out.scheduled
+    assert (s.token_ids, s.context_len, s.num_spec, s.num_output_tokens) == ([30, 31, 32], 12, 2, 6)
+
+
+def test_mtp_placeholders_step_by_step() -> None:
+    """k = 2: a step that verifies 2 drafts leaves 3 placeholders; the next one is scheduled
+    at the position all of them accepted reach and moved back when the count is known."""
+    sched, kv = make(k=2)
+    add(sched, "a", [1, 2, 3, 4, 5], 20)
+    req = sched.requests["a"]
+    s1 = sched.schedule()  # the prompt: samples, no drafts yet
+    assert shape(s1) == [("a", [1, 2, 3, 4, 5], 0, True)]
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (5, 1)
+    assert req.spec_token_ids == [PLACEHOLDER] * 2
+    s2 = sched.schedule()  # its token and 2 drafts: all from step 1
+    assert shape(s2) == [("a", [PLACEHOLDER] * 3, 5, True)] and s2.scheduled[0].num_spec == 2
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (8, 4)
+    sched.update_from_output(s1, {"a": RunnerResult([40], None, [41, 42])})
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (8, 3)
+    s3 = sched.schedule()  # at 8 + 3, as if step 2 accepted both drafts
+    assert shape(s3) == [("a", [PLACEHOLDER] * 3, 8, True)]
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (11, 6)
+    # step 2 ran at 5 with [40, 41, 42]: 41 accepted, then 50 (42 rejected)
+    (o,) = sched.update_from_output(s2, {"a": RunnerResult([41, 50], None, [51, 52])})
+    assert o.new_token_ids == [41, 50]
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (10, 3)
+    assert req.all_token_ids[5:] == [40, 41, 50]
+    # step 3 (moved to 7 by the step thread) accepts both: nothing left in flight, the next
+    # schedule verifies its drafts itself at the real position
+    (o,) = sched.update_from_output(s3, {"a": RunnerResult([51, 52, 60], None, [61, 62])})
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (10, 0)
+    assert req.num_tokens == 11 and req.spec_token_ids == [61, 62]
+    s4 = sched.schedule()
+    assert shape(s4) == [("a", [60, 61, 62], 10, True)]
+    assert sched.stats.spec_draft_tokens == 4 and sched.stats.spec_accepted_tokens == 3
+    assert kv.num_free_blocks < 64
 
 
 @pytest.mark.parametrize(
@@ -174,16 +227,35 @@ def test_stops_one_step_late_in_a_batch_equal_the_truncated_runs_alone() -> None
     assert kv.num_free_blocks == 40 and kv.num_free_slots == 5
 
 
+@pytest.mark.parametrize(("k", "num_blocks", "budget"), [(1, 200, 16), (2, 200, 7), (3, 14, 16)])
+def test_async_mtp_runs_equal_runs_alone(k: int, num_blocks: int, budget: int) -> None:
+    """The fake model's first draft is right and the others wrong: accepted and rejected
+    drafts, chunked prompts and preemption (14 blocks) through the real step thread."""
+    ps = prompts(10)
+    sched, kv = make(num_blocks=num_blocks, budget=budget, seqs=5, k=k)
+    for i, p in enumerate(ps):
+        add(sched, f"r{i}", p, 4 + i % 7)
+    runner = FakeRunner(k)
+    got = drive(sched, runner)
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == alone(p, 4 + i % 7), (k, i)
+    assert kv.num_free_blocks == num_blocks and kv.num_free_slots == 5
+    assert sched.stats.spec_accepted_tokens > 0
+    if k > 1:
+        assert sched.stats.spec_accepted_tokens < sched.stats.spec_draft_tokens
+    if num_blocks == 14:
+        assert sched.stats.num_preemptions > 0
+
+
 def test_async_scheduling_is_refused_where_it_is_not_exact() -> None:
     assert EngineConfig(num_speculative_tokens=0).async_unsupported() is None
-    assert "MTP" in (EngineConfig().async_unsupported(2) or "")
-    assert EngineConfig(tensor_parallel_size=2).async_unsupported(0) is None
-    assert "DP" in (EngineConfig(data_parallel_size=2).async_unsupported(0) or "")
+    assert EngineConfig(num_speculative_tokens=2).async_unsupported() is None
+    assert EngineConfig(tensor_parallel_size=2).async_unsupported() is None
+    assert EngineConfig(data_parallel_size=2).async_unsupported() is None
     cp = EngineConfig(context_parallel_size=2, num_speculative_tokens=0)
-    assert "context parallelism" in (cp.async_unsupported(0) or "")
-    with pytest.raises(ConfigError, match="MTP"):
-        EngineConfig(async_scheduling="on", num_speculative_tokens=1)
-    with pytest.raises(ConfigError, match="DP"):
-        EngineConfig(async_scheduling="on", num_speculative_tokens=0, data_parallel_size=2)
+    assert "context parallelism" in (cp.async_unsupported() or "")
+    assert EngineConfig(async_scheduling="on", num_speculative_tokens=1).async_scheduling == "on"
+    with pytest.raises(ConfigError, match="--async-scheduling on: context parallelism"):
+        EngineConfig(async_scheduling="on", context_parallel_size=2, num_speculative_tokens=0)
     with pytest.raises(ConfigError, match="auto, on or off"):
         EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]

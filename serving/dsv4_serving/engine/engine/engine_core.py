@@ -89,6 +89,7 @@ class EngineCore:
         self.config = config
         self.tp = parallel.step  # the followers: TP ranks (x CP ranks)
         self.dp = parallel.dp
+        self.dp_control = parallel.dp_control  # the lockstep's group (``_agree``)
         rs = setup_runner(config, parallel, world, device_index, reserve_dummy=self.dp.size > 1)
         lm, k, n_blocks = rs.lm, rs.num_speculative_tokens, rs.num_blocks
         has_state, caching, snaps = rs.has_state, config.enable_prefix_caching, rs.num_snapshots
@@ -107,7 +108,7 @@ class EngineCore:
         if config.kv_sidecar:
             self.kv_scheduler = SidecarConnectorScheduler(config.kv_failure_policy)
         # the async scheduler where it is exact (``config.async_unsupported``), else in turn
-        why_not = config.async_unsupported(k)
+        why_not = config.async_unsupported()
         if config.async_scheduling == "on" and why_not:
             raise ValueError(f"--async-scheduling on: {why_not}")
         self.async_scheduling = config.async_scheduling != "off" and why_not is None
@@ -320,9 +321,11 @@ class EngineCore:
         started = time.perf_counter()
         out = self._schedule(admit)
         scheduled = time.perf_counter()
+        batch, chain = self._agree(out)  # DP: the ranks agree on N+1 here, on this thread
         nxt = None
-        if out.scheduled or out.finished_ids or out.state_copies:
-            nxt = (out, steps.submit(out), time.time_ns() if self.tracing is not None else 0)
+        if batch.scheduled or batch.finished_ids or batch.state_copies:
+            t0 = time.time_ns() if self.tracing is not None else 0
+            nxt = (out, steps.submit(batch, chain), t0)
         prev, self._in_flight = self._in_flight, nxt
         if prev is None:
             outputs = self.scheduler.take_extra_outputs()
@@ -337,6 +340,8 @@ class EngineCore:
         self._save_kv(outputs)
         if self.tracing is not None:
             self.tracing.finished(outputs)
+        if prev is None and nxt is None and self.dp.size > 1:
+            self.heartbeat()  # DP turns step an idle core: its TP followers hear of it
         idle = prev is None and nxt is None and not outputs
         self.idle_waiting_for_kv = self.kv_worker is not None and idle
         if prev is not None and prev[0].scheduled:  # N+1's schedule, N's prepare and outputs
@@ -344,11 +349,11 @@ class EngineCore:
             self._host_spans.append(spans)
         return outputs
 
-    def _run_step(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
+    def _run_step(self, out: SchedulerOutput, chain: bool | None) -> dict[str, RunnerResult]:
         """One step on the step thread; the TP followers get it from there too (its
         placeholders filled), so every broadcast to them keeps the steps' order."""
-        self._tell_followers(RunStep(out))
-        return self.runner.execute(out)
+        self._tell_followers(RunStep(out, chain))
+        return self.runner.execute(out, chain)
 
     def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
         """What this rank runs and whether it chains MTP calls: under DP every rank runs a
@@ -359,7 +364,7 @@ class EngineCore:
         from dsv4_serving.distributed.comm import all_gather_object  # torch: core only
 
         shares = all_gather_object(
-            (out.num_batched_tokens, any(s.sample for s in out.scheduled)), self.dp
+            (out.num_batched_tokens, any(s.sample for s in out.scheduled)), self.dp_control
         )
         chain = any(drafts for _, drafts in shares)
         if out.scheduled or not any(n for n, _ in shares):

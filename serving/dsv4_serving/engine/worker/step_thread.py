@@ -8,7 +8,8 @@ while the device (or the CPU's other threads) computes. One thread, in submissio
 what makes async scheduling exact: step N+1's inputs, its state-slot copies, its grammar masks
 and its writes into reused blocks all come after step N ended. Before it runs step N+1, the
 thread puts the tokens step N sampled where N+1's inputs hold ``PLACEHOLDER``
-(``fill_placeholders``), as vLLM's model runner takes them from its previous step's output.
+(``fill_placeholders``), as vLLM's model runner takes them from its previous step's output;
+with MTP also N's new drafts, and N+1's position moved back by the drafts N rejected.
 """
 
 from __future__ import annotations
@@ -19,30 +20,46 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dsv4_serving.engine.core.sched.async_scheduler import PLACEHOLDER
 from dsv4_serving.engine.core.sched.scheduler import RunnerResult, SchedulerOutput
 
-Execute = Callable[[SchedulerOutput], dict[str, RunnerResult]]
+# a step and whether it chains the MTP calls (DP: decided by the ranks together, None: alone)
+Execute = Callable[[SchedulerOutput, bool | None], dict[str, RunnerResult]]
 
 
-def fill_placeholders(out: SchedulerOutput, last: dict[str, int]) -> None:
-    """Replace each ``PLACEHOLDER`` input of ``out`` by the token its request sampled in the
-    step before (``last``: request id -> that step's last sampled token)."""
+def fill_placeholders(
+    out: SchedulerOutput, prev: SchedulerOutput | None, results: dict[str, RunnerResult]
+) -> None:
+    """Fill the inputs of ``out`` that the step before it (``prev``, which gave ``results``)
+    produced: a request whose inputs are ``PLACEHOLDER`` was sampled by ``prev`` and scheduled
+    at the position it reaches with all of ``prev``'s drafts for it accepted. It gets
+    ``prev``'s last sampled token, then ``prev``'s new drafts, and its position goes back by
+    the drafts ``prev`` rejected: exactly the synchronous engine's step."""
+    before = {s.request_id: s for s in prev.scheduled} if prev is not None else {}
     for s in out.scheduled:
-        if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
-            s.token_ids[-1] = last[s.request_id]
+        if not s.token_ids or s.token_ids[0] != PLACEHOLDER:
+            continue
+        p, r = before[s.request_id], results[s.request_id]
+        assert len(r.draft_ids) >= s.num_spec, (s.request_id, r, s.num_spec)
+        s.context_len -= p.num_spec - (len(r.token_ids) - 1)
+        s.token_ids = [r.token_ids[-1], *r.draft_ids[: s.num_spec]]
+        s.num_output_tokens += len(r.token_ids)
 
 
 class StepThread:
     def __init__(self, execute: Execute) -> None:
         self._execute = execute
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsv4-step")
-        self._last: dict[str, int] = {}  # the previous step's sampled tokens (this thread's)
+        # the previous step and its results (this thread's)
+        self._prev: SchedulerOutput | None = None
+        self._results: dict[str, RunnerResult] = {}
 
-    def submit(self, out: SchedulerOutput) -> Future[dict[str, RunnerResult]]:
-        return self._pool.submit(self._run, out)
+    def submit(
+        self, out: SchedulerOutput, mtp_chain: bool | None = None
+    ) -> Future[dict[str, RunnerResult]]:
+        return self._pool.submit(self._run, out, mtp_chain)
 
-    def _run(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
-        fill_placeholders(out, self._last)
-        results = self._execute(out)
-        self._last = {rid: r.token_ids[-1] for rid, r in results.items() if r.token_ids}
+    def _run(self, out: SchedulerOutput, mtp_chain: bool | None) -> dict[str, RunnerResult]:
+        fill_placeholders(out, self._prev, self._results)
+        results = self._execute(out, mtp_chain)
+        self._prev, self._results = out, results
         return results
 
     def call(self, fn: Callable[[], None]) -> None:

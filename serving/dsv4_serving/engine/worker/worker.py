@@ -122,7 +122,7 @@ def _core(
 ) -> ModelRunner | None:
     """TP rank 0 of a DP rank: the engine core. The DP-rank-0 core is the one the front end
     talks to; with DP every core runs the lockstep (``dp/lockstep.py``)."""
-    dp = parallel.dp
+    dp = parallel.dp_control
 
     def build() -> EngineCore:
         return EngineCore(config, parallel, world, device_index)

@@ -25,8 +25,17 @@ Exactness, where the synchronous scheduler would have decided with N's token in 
   is scheduled (a boundary reached by a sampled token gets none: a later hit stops at the
   boundary before, as when the snapshot slots run out).
 
-MTP is not scheduled asynchronously (the engine refuses the combination): how many drafts
-step N accepts decides step N+1's positions.
+With MTP a step that samples a request also verifies its drafts and makes the next ones, so
+how many of N's drafts are accepted (and which drafts N+1 verifies) is unknown when N+1 is
+scheduled. As vLLM does, N+1 is scheduled as if every draft of N were accepted: N leaves
+``1 + num_spec`` placeholders (the most tokens it can produce), the request's drafts are
+``num_speculative_tokens`` placeholders, and N+1's inputs are ``1 + num_spec`` placeholders at
+the optimistic position. The step thread, which has N's results before it runs N+1, writes
+N's sampled token and new drafts into them and moves N+1's position back by the drafts N
+rejected (``step_thread.fill_placeholders``), so N+1 runs exactly the synchronous engine's
+step; taking N's outputs moves ``num_computed_tokens`` back the same way. Rejected positions'
+KV and state rows are overwritten by the next step, as synchronously. The blocks of N+1 were
+allocated for the optimistic position, a superset of what it uses.
 """
 
 from __future__ import annotations
@@ -47,17 +56,21 @@ thread from that step's results before this one runs)."""
 class AsyncScheduler(Scheduler):
     def schedule(self, admit: bool = True) -> SchedulerOutput:
         out = super().schedule(admit)
+        k = self.config.num_speculative_tokens
         for s in out.scheduled:
             req = self.requests[s.request_id]
             req.num_computed_tokens += len(s.token_ids)
             if s.sample:
-                req.num_output_placeholders += 1
+                # the most this step can produce: its drafts all accepted, and one token
+                req.num_output_placeholders += 1 + s.num_spec
+                if k:
+                    req.spec_token_ids = [PLACEHOLDER] * k  # the drafts this step makes
             # its state-slot copy at an exact boundary goes before the next forward
             self.kv.cache_blocks(req)
         return out
 
     def _waits_for_output(self, req: Request) -> bool:
-        """The step in flight samples the last token ``req`` may have."""
+        """The step in flight may sample the last token ``req`` may have."""
         n = req.num_output_placeholders
         if not n:
             return False
@@ -73,23 +86,23 @@ class AsyncScheduler(Scheduler):
         return super()._admit(req, budget, plan)
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
-        holes = req.num_computed_tokens + num_new - req.num_tokens
-        if holes <= 0:
+        if not req.num_output_placeholders:
             return super()._describe(req, num_new)
-        assert holes == req.num_output_placeholders == 1, (req, num_new)
-        assert not req.spec_token_ids, "MTP drafts under async scheduling"
+        # the step in flight samples this request: every input here is a token (or draft) it
+        # produces, at the position it reaches with all its drafts accepted
         ctx = req.num_computed_tokens
+        assert ctx >= req.num_tokens and num_new >= 1, (req, num_new)
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=[*req.all_token_ids[ctx:], PLACEHOLDER],
+            token_ids=[PLACEHOLDER] * num_new,
             context_len=ctx,
-            num_spec=0,
+            num_spec=num_new - 1,
             block_ids=self.kv.block_ids(req.request_id),
             state_slot=self.kv.req_slot[req.request_id],
             sample=True,
             next_token=None,
             sampling_params=req.sampling_params,
-            num_output_tokens=req.num_output_tokens + 1,
+            num_output_tokens=req.num_output_tokens,  # the step thread adds the step's tokens
         )
 
     def update_from_output(
@@ -101,23 +114,43 @@ class AsyncScheduler(Scheduler):
             req = self.requests.get(s.request_id)
             if req is None or not s.sample:
                 continue  # gone (stopped a step earlier, aborted): its token is dropped
-            (token,) = results[s.request_id].token_ids
-            lp = results[s.request_id].logprobs
-            req.num_output_placeholders -= 1
-            req.all_token_ids.append(token)
-            status = self._check_stop(req, token)
-            o = EngineCoreOutput(
-                req.request_id, [token], lp, num_cached_tokens=max(req.num_cached_tokens, 0)
-            )
-            if status is not None:
-                if req.status is RequestStatus.RUNNING:
-                    self.running.remove(req)
-                else:  # preempted while its step was in flight
-                    self.waiting.remove(req)
-                self._finish(req, status)
-                o.finish_reason = status.value
-                o.stop_token_id = req.stop_token_id
-            outputs.append(o)
+            outputs.append(self._take(req, s, results[s.request_id]))
         outputs.extend(self.take_extra_outputs())
         self._refresh_stats()
         return outputs
+
+    def _take(self, req: Request, s: ScheduledRequest, r: RunnerResult) -> EngineCoreOutput:
+        """One request's tokens of a step: placeholders resolved, rejected drafts uncounted."""
+        accepted = len(r.token_ids) - 1
+        if s.num_spec:
+            self.stats.spec_drafts += 1
+            self.stats.spec_draft_tokens += s.num_spec
+            self.stats.spec_accepted_tokens += accepted
+        req.num_output_placeholders -= 1 + s.num_spec
+        running = req.status is RequestStatus.RUNNING
+        if running:  # (a preempted request starts again from 0)
+            req.num_computed_tokens -= s.num_spec - accepted
+        new: list[int] = []
+        status = None
+        for t in r.token_ids:
+            req.all_token_ids.append(t)
+            new.append(t)
+            status = self._check_stop(req, t)
+            if status is not None:
+                break
+        lp = r.logprobs[: len(new)] if r.logprobs is not None else None
+        o = EngineCoreOutput(
+            req.request_id, new, lp, num_cached_tokens=max(req.num_cached_tokens, 0)
+        )
+        if status is not None:
+            if running:
+                self.running.remove(req)
+            else:  # preempted while its step was in flight
+                self.waiting.remove(req)
+            self._finish(req, status)
+            o.finish_reason = status.value
+            o.stop_token_id = req.stop_token_id
+        elif running and not req.num_output_placeholders and self.config.num_speculative_tokens:
+            # not in the step now running: the next schedule verifies these drafts itself
+            req.spec_token_ids = list(r.draft_ids)
+        return o
