@@ -259,9 +259,6 @@ class EngineConfig:
             return "MTP drafts decide the next step's positions (use --num-speculative-tokens 0)"
         if self.data_parallel_size > 1:
             return "DP ranks step in lockstep, synchronously"
-        if self.context_parallel_size > 1:
-            # CP landed beside async: its split steps are not proven exact on the step thread
-            return "context parallelism is not yet checked exact with async scheduling"
         return None
 
     def _check_eplb(self) -> None:
@@ -293,9 +290,7 @@ class EngineConfig:
             return
         flag = f"--context-parallel-size {self.context_parallel_size}"
         refused = [
-            (self.num_speculative_tokens > 0, "--num-speculative-tokens > 0 (MTP drafting)"),
             (self.emulate_step_time is not None, "--emulate-step-time"),
-            (self.data_parallel_size > 1, "--data-parallel-size > 1"),
             (self.role == "decode", "--role decode (decode runs without CP)"),
         ]
         for bad, what in refused:
