@@ -86,7 +86,8 @@ def test_cp2_mtp_drafts_as_one_process(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path))
     got = serve_through_front_end(replace(_base(1), context_parallel_size=2), work, [None] * 3)
     ties = near_ties(got.tokens, want)
-    print(f"cp 2 + mtp 1: {len(ties)} near-tie differences {ties}")
+    drafts = [(s.spec_draft_tokens, s.spec_accepted_tokens) for s in (got.stats, one.stats)]
+    print(f"cp 2 + mtp 1: {len(ties)} near-tie differences {ties}; drafts, accepted {drafts}")
     assert got.stats.spec_draft_tokens > 0
     if got.tokens == one.tokens:  # the same tokens verified: the same drafts, if MTP is exact
         assert got.stats.spec_draft_tokens == one.stats.spec_draft_tokens
