@@ -4,7 +4,7 @@ against the single-process engine's greedy tokens (the dist tier's near-tie poli
 - DP 2 x CP 2 (4 processes, world = tp x cp x dp): each DP rank's CP pair splits its own
   prompts (waves pinned to rank 0, then 1, then 0 again for a prefix hit) while the other DP
   rank idles through the lockstep's dummy batches;
-- CP 2 + MTP 1: the MTP layer's pass over the prompt is split like a layer
+- CP 2 + MTP 1 (dsv4-tiny and dsv3-small's MLA): the MTP layer's pass over the prompt is split like a layer
   (``CPForward.mtp_forward``), and its drafts are the single-process MTP engine's: the same
   drafts proposed and accepted.
 
@@ -43,9 +43,9 @@ def _work() -> Work:
     return [(a, 5), (prompt(20), 6), (b, 4), (prompt(24), 5), (a[:PREFIX] + prompt(700), 5)]
 
 
-def _base(mtp: int) -> EngineConfig:
+def _base(mtp: int, model: str = MODEL) -> EngineConfig:
     return EngineConfig(
-        model=MODEL,
+        model=model,
         max_model_len=4096,
         num_kv_blocks=16384 // 16,
         max_num_seqs=4,
@@ -79,21 +79,27 @@ def test_dp2_x_cp2_gives_single_process_tokens(
     assert split[0] == split[1] >= 2 and split[2] == split[3] >= 2, split
 
 
-def test_cp2_mtp_drafts_as_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("model", [MODEL, "dsv3-small"])
+def test_cp2_mtp_drafts_as_one_process(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = _work()
-    want = reference(_base(0), work)
-    one = serve_through_front_end(_base(1), work, [None, None, None])
+    want = reference(_base(0, model), work)
+    one = serve_through_front_end(_base(1, model), work, [None, None, None])
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path))
-    got = serve_through_front_end(replace(_base(1), context_parallel_size=2), work, [None] * 3)
+    cfg = replace(_base(1, model), context_parallel_size=2)
+    got = serve_through_front_end(cfg, work, [None] * 3)
     ties = near_ties(got.tokens, want)
     drafts = [(s.spec_draft_tokens, s.spec_accepted_tokens) for s in (got.stats, one.stats)]
-    print(f"cp 2 + mtp 1: {len(ties)} near-tie differences {ties}; drafts, accepted {drafts}")
+    print(
+        f"{model} cp 2 + mtp 1: {len(ties)} near-tie differences {ties}; drafts, accepted {drafts}"
+    )
     assert got.stats.spec_draft_tokens > 0
     if got.tokens == one.tokens:  # the same tokens verified: the same drafts, if MTP is exact
         assert got.stats.spec_draft_tokens == one.stats.spec_draft_tokens
         assert got.stats.spec_accepted_tokens == one.stats.spec_accepted_tokens
     profiles = _profiles(tmp_path, 2)
-    layers = preset_config(MODEL)["num_hidden_layers"]
+    layers = preset_config(model)["num_hidden_layers"]
     for p in profiles:  # the MTP layer's prompt pass split with every split step
         assert p["cp_split_steps"] >= 2 and p["cp_mtp_split_steps"] == p["cp_split_steps"], p
         assert p["cp_gathers"] == p["cp_split_steps"] * (layers + 1), p
