@@ -5,8 +5,9 @@ against the single-process engine's greedy tokens (the dist tier's near-tie poli
   prompts (waves pinned to rank 0, then 1, then 0 again for a prefix hit) while the other DP
   rank idles through the lockstep's dummy batches;
 - CP 2 + MTP 1 (dsv4-tiny and dsv3-small's MLA): the MTP layer's pass over the prompt is split like a layer
-  (``CPForward.mtp_forward``), and its drafts are the single-process MTP engine's: the same
-  drafts proposed and accepted.
+  (``CPForward.mtp_forward``): the same tokens, and the same drafts proposed and accepted
+  as the single-process MTP engine (random weights accept few or none: the MTP layer's
+  logits on every row are ``test_cp_prefill.py``'s check).
 
 Each rank's profile says how many steps (and MTP passes) it ran split: CP really ran."""
 

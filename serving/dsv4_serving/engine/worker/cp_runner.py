@@ -20,6 +20,7 @@ every CP rank chains the same calls on the same inputs.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class CPForward:
     def __init__(self, model: torch.nn.Module, group: Group, align: int) -> None:
         if "cp" not in inspect.signature(model.forward).parameters:
             raise TypeError(f"{type(model).__name__} has no context-parallel forward")
-        self.model = model
+        self.model: Any = model  # forward, compute_logits, mtp_forward (LoadedModel.model)
         self.group = group
         self.align = align
         self.split_steps = 0  # steps that ran split (tests: CP really ran)
