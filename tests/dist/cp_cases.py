@@ -71,3 +71,48 @@ def cp_logits(rank: int, world: int, port: int, preset: str) -> dict[str, float]
         }
     finally:
         destroy_distributed()
+
+
+def _run_mtp(model: torch.nn.Module, cp: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, the MTP layer's logits over every row of the step and which rows this rank
+    checks, the main model then the MTP layer as the engine runs them (CP: through
+    ``CPForward``, its own rows and each chunk's last row)."""
+    from dsv4_serving.engine.worker.cp_runner import CPForward
+
+    g = torch.Generator().manual_seed(12)
+    ids = [torch.randint(0, 264, (n + 1,), generator=g) for n in LENGTHS]
+    nb = -(-max(LENGTHS) // BLOCK)
+    cache = model.allocate_cache(nb * len(LENGTHS), BLOCK, len(LENGTHS))  # type: ignore[operator]
+    fwd = CPForward(model, get_world_group(), BLOCK) if cp else model
+    out = []
+    with torch.no_grad():
+        for step in STEPS:
+            meta = _meta(step)
+            tokens = torch.cat([ids[i][c : c + n] for i, (c, n) in enumerate(step)])
+            nxt = torch.cat([ids[i][c + 1 : c + n + 1] for i, (c, n) in enumerate(step)])
+            hidden = fwd(tokens, meta, cache)
+            logits, _ = fwd.mtp_forward(nxt, hidden, meta, cache)  # type: ignore[operator]
+            rows = torch.ones(meta.num_tokens, dtype=torch.bool)
+            if cp and isinstance(fwd, CPForward) and fwd.split_steps and meta.num_tokens > 3:
+                rows = CPShare.build(meta, get_world_group(), BLOCK).mask.clone()
+                rows[meta.last_token_indices()] = True
+            out.append((logits, rows))
+    return out
+
+
+def cp_mtp_logits(rank: int, world: int, port: int, preset: str) -> dict[str, float]:
+    """The MTP layer under CP (``CPForward.mtp_forward``): per step, max|diff| / (1e-4 x
+    logit scale) of its logits on the rows this rank has (its own and each chunk's last;
+    <= 1 passes) against one process; later steps read the MTP cache the split steps wrote."""
+    join(rank, port, Topology(dp=world), timeout_s=600.0)
+    try:
+        model = build_model(preset, ModelParallel())
+        want = _run_mtp(model, cp=False)
+        got = _run_mtp(model, cp=True)
+        res: dict[str, float] = {}
+        for i, ((a, rows), (b, _)) in enumerate(zip(got, want, strict=True)):
+            res[f"step{i}"] = float((a[rows] - b[rows]).abs().max() / (1e-4 * b.abs().max()))
+            res[f"rows{i}"] = int(rows.sum())
+        return res
+    finally:
+        destroy_distributed()

@@ -5,7 +5,8 @@ tokens (the dist tier's near-tie policy): CP 2 and TP 2 x CP 2 on dsv4-tiny and 
 (TP 2 x CP 2, ``enable_chunked_prefill`` off: each prompt split in one step), and a 16K-token
 prompt on the long-context preset (V4's real ratios) in 4K-token chunks. Each instance serves
 two waves, the second's long prompt hitting the first's prefix, with a short prompt and
-decodes (run unsplit on every CP rank) beside them. Each rank's profile says how many steps
+decodes (run unsplit on every CP rank) beside them, with async scheduling on (the core's
+step thread runs the CP forward). Each rank's profile says how many steps
 it ran split and what their gathers moved: CP really ran."""
 
 from __future__ import annotations
@@ -94,7 +95,13 @@ def test_cp_engine_gives_single_process_tokens(
     want = _reference(model)
     work, prefix = _work(model)
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path))  # the ranks inherit it
-    cfg = replace(_base(model, chunked), tensor_parallel_size=tp, context_parallel_size=cp)
+    # async scheduling on (refused where not exact): the step thread runs the CP forward
+    cfg = replace(
+        _base(model, chunked),
+        tensor_parallel_size=tp,
+        context_parallel_size=cp,
+        async_scheduling="on",
+    )
     got = serve_through_front_end(cfg, work, [None, None])
     ties = near_ties(got.tokens, want)
     print(f"{model} tp {tp} cp {cp} chunked {chunked}: {len(ties)} near-tie differences {ties}")

@@ -14,7 +14,7 @@ from dsv4_serving.distributed.cp_plan import CPModel
 from dsv4_serving.models.config import DeepseekV3Config, DeepseekV4Config
 from dsv4_serving.presets.configs import preset_config
 
-from .cp_cases import STEPS, cp_logits
+from .cp_cases import STEPS, cp_logits, cp_mtp_logits
 from .harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -47,3 +47,17 @@ def test_cp_prefill_matches_one_process(preset: str, world: int) -> None:
             assert r[case] <= 1.0, (rank, case, r[case])
         assert r["gathers"] == len(STEPS) * (len(per_layer) + 1)
         assert r["bytes_received"] == sum(sent) - r["bytes_sent"], (rank, sent)
+
+
+@pytest.mark.parametrize("preset", ["dsv4-tiny", "dsv3-small"])
+def test_cp_mtp_layer_matches_one_process(preset: str) -> None:
+    """The MTP layer's pass over the prompt split like a layer (``CPForward.mtp_forward``):
+    its draft logits on every row equal one process's, and the later steps, which read the
+    MTP cache the split steps wrote, too."""
+    results = run_ranks(cp_mtp_logits, world=2, timeout=150, args=(preset,))
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        for i in range(len(STEPS)):
+            assert r[f"step{i}"] <= 1.0, (rank, i, r)
+    total = sum(n for step in STEPS for _, n in step)
+    assert results[0]["rows0"] + results[1]["rows0"] > total // len(STEPS)  # both checked rows

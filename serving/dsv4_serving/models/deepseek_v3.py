@@ -159,10 +159,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         meta: AttentionMetadata,
         cache: MLAKVCache,
         depth: int = 0,
+        cp: CPShare | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits for position ``p + 2`` from the hidden state at ``p`` and the token at
-        ``p + 1``; ``meta`` addresses positions ``p``. Returns (logits, MTP hidden)."""
+        ``p + 1``; ``meta`` addresses positions ``p``. Returns (logits, MTP hidden).
+        ``cp``: context parallel, as in ``forward`` (this rank's rows in and out)."""
+        if cp is not None:
+            next_ids, hidden = next_ids[cp.rows], hidden[cp.rows]
         mtp = self.mtp[depth]
         x = mtp.eh_proj(torch.cat((mtp.enorm(self.embed(next_ids)), mtp.hnorm(hidden)), dim=-1))
-        out = mtp(x, self.attention_backend(x.device).plan(meta, cache.block_size), cache)
+        out = mtp(x, self.attention_backend(x.device).plan(meta, cache.block_size), cache, cp)
         return self.head(mtp.norm(out)).float(), out

@@ -229,15 +229,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         meta: AttentionMetadata,
         cache: V4KVCache,
         depth: int = 0,
+        cp: CPShare | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft step: ``streams`` are the main model's outputs at positions ``p`` and
         ``next_ids`` the tokens at ``p + 1``; ``meta`` addresses positions ``p`` (the MTP layer
-        keeps its own cache rows). Returns (draft logits for ``p + 2``, MTP streams)."""
+        keeps its own cache rows). Returns (draft logits for ``p + 2``, MTP streams).
+        ``cp``: context parallel, as in ``forward``: this rank's rows of every row's inputs in,
+        their logits and streams out (the MTP block gathers its cache inputs like a layer)."""
+        if cp is not None:
+            next_ids, streams = next_ids[cp.rows], streams[cp.rows]
         mtp = self.mtp[depth]
         e = mtp.enorm(self.embed(next_ids))
         h = mtp.h_proj(mtp.hnorm(streams))
         x = mtp.e_proj(e).unsqueeze(1) + h
         step = self.attention_backend(x.device).plan(meta, cache.block_size)
-        out = mtp(x, next_ids, step, cache)
+        out = mtp(x, next_ids, step, cache, cp)
         logits = self._logits(out, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
         return logits, out

@@ -72,10 +72,18 @@ def test_context_parallel_sizes_the_world_and_refuses_what_it_cannot_run_yet() -
     cfg = EngineConfig(tensor_parallel_size=2, context_parallel_size=2)
     assert cfg.topology().world == 4
     assert cfg.topology().cp_groups() == [[0, 2], [1, 3]]
+    # world = tp x cp x dp, MTP drafts beside CP
+    big = EngineConfig(
+        tensor_parallel_size=2,
+        context_parallel_size=2,
+        data_parallel_size=2,
+        num_speculative_tokens=1,
+    )
+    assert big.topology().world == 8
+    assert big.topology().cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert big.topology().dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     for kwargs, what in (
-        ({"num_speculative_tokens": 1}, "--num-speculative-tokens > 0"),
         ({"emulate_step_time": "1,0,0"}, "--emulate-step-time"),
-        ({"data_parallel_size": 2}, "--data-parallel-size > 1"),
         ({"role": "decode", "kv_sidecar": "http://127.0.0.1:1"}, "--role decode"),
     ):
         with pytest.raises(

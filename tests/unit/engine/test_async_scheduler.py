@@ -253,9 +253,18 @@ def test_async_scheduling_is_refused_where_it_is_not_exact() -> None:
     assert EngineConfig(tensor_parallel_size=2).async_unsupported() is None
     assert EngineConfig(data_parallel_size=2).async_unsupported() is None
     cp = EngineConfig(context_parallel_size=2, num_speculative_tokens=0)
-    assert "context parallelism" in (cp.async_unsupported() or "")
+    assert cp.async_unsupported() is None  # CP composes with async
+    cp_mtp = EngineConfig(context_parallel_size=2, num_speculative_tokens=1)
+    assert "context parallelism with MTP" in (cp_mtp.async_unsupported() or "")
+    cp_default = EngineConfig(context_parallel_size=2)  # -1: the model decides, MTP 1 here
+    assert "context parallelism with MTP" in (cp_default.async_unsupported() or "")
     assert EngineConfig(async_scheduling="on", num_speculative_tokens=1).async_scheduling == "on"
     with pytest.raises(ConfigError, match="--async-scheduling on: context parallelism"):
-        EngineConfig(async_scheduling="on", context_parallel_size=2, num_speculative_tokens=0)
+        EngineConfig(
+            async_scheduling="on",
+            context_parallel_size=2,
+            data_parallel_size=2,
+            num_speculative_tokens=0,
+        )
     with pytest.raises(ConfigError, match="auto, on or off"):
         EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]

@@ -54,8 +54,8 @@ def setup_runner(
         if getattr(lm.model_config, "hc_mult", 0):
             available("mhc")  # V4's hyper-connections chain
     k = config.num_speculative_tokens
-    if k < 0:  # no MTP drafting under CP yet (config refuses an explicit k)
-        k = 1 if lm.num_mtp_layers and parallel.cp.size == 1 else 0
+    if k < 0:
+        k = 1 if lm.num_mtp_layers else 0
     if k and not lm.num_mtp_layers:
         raise ConfigError("num_speculative_tokens > 0 needs a model with an MTP layer")
     has_state = bool(lm.model.cache_class.bytes_per_slot(lm.model_config, 1))
@@ -86,7 +86,7 @@ def setup_runner(
     if parallel.cp.size > 1:
         from dsv4_serving.engine.worker.cp_runner import CPForward
 
-        runner.forward = CPForward(lm.model, parallel.cp, lm.block_size)
+        runner.forward = runner.model = CPForward(lm.model, parallel.cp, lm.block_size)
     if config.emulate_step_time is not None:
         from dsv4_serving.engine.emulated.runner import EmulatedRunner
         from dsv4_serving.engine.emulated.step_time import StepTime
