@@ -413,6 +413,12 @@ def test_context_parallel_is_a_prefill_knob_with_its_rules(k8s_control_plane, ds
     dec = {"npusPerNode": 0, "parallelism": {"tp": 1}}  # prefill TP >= decode TP
     ok = [
         _cr(prefill={**cpu, "parallelism": {"tp": 1, "cp": 2}}, decode=dec, kvTransfer=tcp),
+        # MTP and DP compose with CP (the engine's CP x DP and CP + MTP are exact)
+        _cr(
+            prefill={**cpu, "mtpTokens": 1, "parallelism": {"tp": 1, "cp": 2, "dp": 2}},
+            decode=dec,
+            kvTransfer=tcp,
+        ),
         _cr(
             prefill={"npusPerNode": 8, "mtpTokens": 0, "parallelism": {"tp": 4, "cp": 2}},
             decode={"parallelism": {"tp": 4, "dp": 2}},  # prefill TP >= decode TP
@@ -428,19 +434,11 @@ def test_context_parallel_is_a_prefill_knob_with_its_rules(k8s_control_plane, ds
         ),
         (
             _cr(
-                prefill={**cpu, "mtpTokens": 1, "parallelism": {"tp": 1, "cp": 2}},
+                prefill={**cpu, "parallelism": {"tp": 1, "cp": 2, "dp": 2, "ep": 2}},
                 decode=dec,
                 kvTransfer=tcp,
             ),
-            "prefill.parallelism.cp > 1 needs mtpTokens 0",
-        ),
-        (
-            _cr(
-                prefill={**cpu, "parallelism": {"tp": 1, "cp": 2, "dp": 2}},
-                decode=dec,
-                kvTransfer=tcp,
-            ),
-            "parallelism.cp > 1 needs ep 1 and dp 1",
+            "parallelism.cp > 1 needs ep 1",
         ),
         (
             _cr(prefill={"npusPerNode": 8, "mtpTokens": 0, "parallelism": {"tp": 8, "cp": 2}}),

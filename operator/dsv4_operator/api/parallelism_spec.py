@@ -17,9 +17,9 @@ from dsv4_operator.api.schema import integer
             "(experts spread over every rank; the default)",
         ),
         (
-            "!has(self.cp) || self.cp == 1 || ((!has(self.ep) || self.ep == 1) && self.dp == 1)",
-            "parallelism.cp > 1 needs ep 1 and dp 1: expert and data parallel with context "
-            "parallel are not supported yet",
+            "!has(self.cp) || self.cp == 1 || !has(self.ep) || self.ep == 1",
+            "parallelism.cp > 1 needs ep 1: expert parallel with context parallel is not "
+            "supported yet",
         ),
     ],
     defaulted=True,
@@ -52,7 +52,7 @@ class Parallelism:
     cp: int = prop(
         integer(
             "Context-parallel size, prefill only: each prompt chunk's tokens split over cp "
-            "ranks (ranks = tp * cp * dp); needs mtpTokens 0, dp 1 and ep 1.",
+            "ranks (ranks = tp * cp * dp); needs ep 1.",
             default=1,
             minimum=1,
             maximum=64,
@@ -78,13 +78,7 @@ _CP1 = "!has(self.parallelism.cp) || self.parallelism.cp == 1"
 
 
 def cp_rules(role: str) -> list[tuple[str, str]]:
-    """Context parallel splits prompts: a prefill role's, without MTP drafting (yet)."""
+    """Context parallel splits prompts: a prefill role's (with MTP and DP, as the engine)."""
     if role != "prefill":
         return [(_CP1, f"{role}.parallelism.cp must be 1: context parallel is for prefill")]
-    return [
-        (
-            f"{_CP1} || self.mtpTokens == 0",
-            "prefill.parallelism.cp > 1 needs mtpTokens 0 (no MTP drafting under context "
-            "parallel yet)",
-        )
-    ]
+    return []
