@@ -188,7 +188,7 @@ def _structured(url: str, kind: str, progress: Callable[[int], None] | None = No
     ids: list[int] = []
     seen: list[Any] = []
     answer_ids: set[str] = set()
-    for k, ch in enumerate(chunks):
+    for ch in chunks:
         answer_ids.add(ch.id)
         for choice in ch.choices:
             ids += (choice.model_extra or {}).get("token_ids") or []
@@ -202,17 +202,40 @@ def _structured(url: str, kind: str, progress: Callable[[int], None] | None = No
                 assert call_id in (None, derived_tool_call_id(ch.id, 0, index))
             seen.append((d.content, calls, choice.finish_reason))
         if progress is not None:
-            progress(k)
+            progress(len(ids))  # tokens, not chunks: a client behind gets several per chunk
     assert len(answer_ids) == 1
     return ids, seen
 
 
-def _same_answer(seen: list[Any]) -> list[Any]:
-    """Deltas with each call id as its index (ids are per answer; checked against it above)."""
-    return [
-        (content, [(i, None if cid is None else i, *rest) for i, cid, *rest in calls], finish)
-        for content, calls, finish in seen
-    ]
+def _once_at(n: int, call: Callable[[], None]) -> Callable[[int], None]:
+    """A progress callback that calls ``call`` once, when ``n`` tokens have arrived."""
+    done = False
+
+    def progress(tokens: int) -> None:
+        nonlocal done
+        if tokens >= n and not done:
+            done = True
+            call()
+
+    return progress
+
+
+def _same_answer(seen: list[Any]) -> tuple[str, dict[int, tuple[bool, str, str]], list[str]]:
+    """What the client assembles from the deltas: the content, each tool call (whether it got
+    an id, checked against the answer's above; its name; its arguments) and the finish
+    reasons. How text is cut into deltas is not compared: a client that falls behind gets
+    several tokens in one delta (coalesced increments), so the cut depends on timing."""
+    content = "".join(c for c, _, _ in seen if c)
+    calls: dict[int, tuple[bool, str, str]] = {}
+    for _, deltas, _ in seen:
+        for index, call_id, name, args in deltas:
+            had_id, had_name, had_args = calls.get(index, (False, "", ""))
+            calls[index] = (
+                had_id or call_id is not None,
+                had_name + (name or ""),
+                had_args + (args or ""),
+            )
+    return content, calls, [f for _, _, f in seen if f]
 
 
 def test_streams_under_a_grammar_move_twice_and_stay_identical(stack: Stack) -> None:
@@ -226,10 +249,7 @@ def test_streams_under_a_grammar_move_twice_and_stay_identical(stack: Stack) -> 
     assert any(calls for _, calls, _ in want[1][1]), "no tool call streamed"
     reached = threading.Semaphore(0)
     with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(_structured, g.url, k, lambda n: n == 8 and reached.release())
-            for k in kinds
-        ]
+        futures = [pool.submit(_structured, g.url, k, _once_at(8, reached.release)) for k in kinds]
         for _ in kinds:
             assert reached.acquire(timeout=600)
         for victim in (d0, d1):

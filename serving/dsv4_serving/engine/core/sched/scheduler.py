@@ -629,6 +629,11 @@ class Scheduler:
         st.kv_usage = self.kv.usage()
         st.num_free_blocks = self.kv.num_free_blocks
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) as the stats count them."""
+        self._refresh_stats()
+        return self.stats.num_running, self.stats.num_waiting
+
     def snapshot_stats(self) -> SchedulerStats:
         self._refresh_stats()
         out = SchedulerStats(**{f: getattr(self.stats, f) for f in SchedulerStats.__slots__})
