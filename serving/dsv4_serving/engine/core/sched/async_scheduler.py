@@ -86,6 +86,13 @@ class AsyncScheduler(Scheduler):
         return super()._admit(req, budget, plan)
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
+        s = self._describe_inputs(req, num_new)
+        # it starts where the step in flight leaves it: at most its drafts before ``ctx``
+        n = req.num_output_placeholders
+        s.landing = self.kv.reserve_landing(req, s.context_len - max(n - 1, 0), s.context_len)
+        return s
+
+    def _describe_inputs(self, req: Request, num_new: int) -> ScheduledRequest:
         if not req.num_output_placeholders:
             return super()._describe(req, num_new)
         # the step in flight samples this request: every input here is a token (or draft) it
@@ -112,6 +119,9 @@ class AsyncScheduler(Scheduler):
         outputs = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
+            if req is not None and s.landing is not None:
+                # before its tokens: a request that stops on them still had the boundary
+                self.kv.landed(req, s.landing, s.context_len)
             if req is None or not s.sample:
                 continue  # gone (stopped a step earlier, aborted): its token is dropped
             outputs.append(self._take(req, s, results[s.request_id]))
@@ -144,6 +154,8 @@ class AsyncScheduler(Scheduler):
         )
         if status is not None:
             if running:
+                end = s.context_len + len(s.token_ids) - s.num_spec + accepted
+                self.kv.snapshot_end(req, end, in_flight=req.num_output_placeholders > 0)
                 self.running.remove(req)
             else:  # preempted while its step was in flight
                 self.waiting.remove(req)

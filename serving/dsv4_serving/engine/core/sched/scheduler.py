@@ -71,6 +71,9 @@ class ScheduledRequest:
     # the prompt, sent once, at the first sample of a request whose penalties count tokens
     # (the runner keeps the counts from then on: ``logits_processors.TokenHistory``)
     prompt_token_ids: list[int] | None = None
+    # async only: a boundary this step may start at and the slot for its snapshot, copied
+    # before the forward if the step starts there (``KVCacheManager.reserve_landing``)
+    landing: tuple[int, int | None] | None = None
 
 
 @dataclass(slots=True)
