@@ -20,10 +20,11 @@ Exactness, where the synchronous scheduler would have decided with N's token in 
 - a request preempted while its step is in flight keeps its placeholder: N's token is still
   appended when it arrives, and the request is not re-admitted before (``_admit``);
 - blocks are published (prefix cache) when their step is scheduled, not when it returned: the
-  next step, the first that can read them through a prefix hit, runs after it. A state
-  snapshot at a block boundary is taken only where the block's tokens are known when its step
-  is scheduled (a boundary reached by a sampled token gets none: a later hit stops at the
-  boundary before, as when the snapshot slots run out).
+  next step, the first that can read them through a prefix hit, runs after it. A boundary
+  reached by a token still being sampled gets its snapshot slot reserved by the step that may
+  start there (``landing``): the step thread copies the state into it before that step's
+  forward if it does start there, and the boundary is published once its tokens are taken
+  (``KVCacheManager.landed``), so the snapshots are the synchronous engine's.
 
 With MTP a step that samples a request also verifies its drafts and makes the next ones, so
 how many of N's drafts are accepted (and which drafts N+1 verifies) is unknown when N+1 is
