@@ -22,6 +22,7 @@ BASE = {
         num_kv_blocks=1200,
         max_num_seqs=48,
         num_speculative_tokens=0,
+        async_scheduling="off",  # the synchronous engine: test_async*.py cover async
     ),
     "dsv3-small": EngineConfig(
         model="dsv3-small",
@@ -29,6 +30,7 @@ BASE = {
         num_kv_blocks=1200,
         max_num_seqs=48,
         num_speculative_tokens=0,
+        async_scheduling="off",  # the synchronous engine: test_async*.py cover async
     ),
 }
 SHARED = 50  # tokens of common prefix in the prefix-caching workload

@@ -34,9 +34,10 @@ from tests.pd.sidecars import SidecarFactory, SidecarProc
 
 BS = 16  # dsv4-tiny's block size (the lcm of its compression ratios, at least 16)
 TINY = ["--model", "dsv4-tiny", "--num-speculative-tokens", "0"]
-# a decode step snapshots each boundary it reaches only when scheduled in turn (under async
-# scheduling the boundary's last token is still being sampled then): see docs/cluster-kv.md
+# ``a`` schedules in turn, ``b`` and ``d`` ahead (async): a decode snapshots the boundaries it
+# passes either way, so both offer their answers (see docs/cluster-kv.md)
 SYNC = ["--async-scheduling", "off"]
+ASYNC = ["--async-scheduling", "on"]
 HOST_TIER = ("--kv-host-bytes", "24M")
 
 
@@ -68,8 +69,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         a = eng(
             "a", *SYNC, "--role", "both", "--kv-sidecar", sa.control_url, "--num-kv-blocks", "48"
         )
-        b = eng("b", *SYNC, "--role", "both", "--kv-sidecar", sb.control_url)
-        d = eng("d", *SYNC, "--role", "decode", "--kv-sidecar", sd.control_url)
+        b = eng("b", *ASYNC, "--role", "both", "--kv-sidecar", sb.control_url)
+        d = eng("d", *ASYNC, "--role", "decode", "--kv-sidecar", sd.control_url)
         for e in engines:
             e.wait_ready(600)  # a cold kernel build on a busy host
         yield Stack(ref, a, b, d, sa, sb, sd)
@@ -180,7 +181,7 @@ def test_pd_turn_two_pulls_turn_ones_answer_from_the_decode_sidecar(stack: Stack
     turn1 = tokens(complete(stack.d, decode_request(b1, pre)))
     assert turn1 == tokens(complete(stack.ref, b1))
     seq = [*p1, *turn1]
-    pull = offered(stack.sd, seq)  # the decode offered prompt + answer
+    pull = offered(stack.sd, seq)  # the (async) decode offered prompt + answer
     b2 = body([*seq, *prompt(7, 30)], 16)
     params = {**prefill_request(b2)["kv_transfer_params"], PREFIX_PULL: pull.to_dict()}
     before = pulled(stack.b)

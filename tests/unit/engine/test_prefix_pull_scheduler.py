@@ -86,6 +86,32 @@ def test_the_local_hit_is_shared_and_only_the_blocks_after_it_are_pulled() -> No
     assert conn.stats.prefix_pulled_tokens == 8  # blocks 1 and 2: block 0 was local
 
 
+def test_a_pulled_request_counts_its_prompt_and_its_local_and_pulled_hits() -> None:
+    s, _, _ = make()
+    s.add_request(req("a", PROMPT[:5], max_tokens=1))
+    run(s, s.schedule())  # 5 queried, nothing hit; block 0 and its snapshot published
+    assert (s.stats.prefix_queries, s.stats.prefix_hits) == (5, 0)
+    s.add_request(req("r", PROMPT, pull(12)))
+    s.schedule()
+    assert (s.stats.prefix_queries, s.stats.prefix_hits) == (5, 0)  # parked: not yet
+    s.update_from_connector(KVConnectorOutput(loaded=["r"]))
+    # 14 queried, 4 local and 8 pulled tokens hit: 2 computed here
+    assert (s.stats.prefix_queries, s.stats.prefix_hits) == (19, 12)
+    s.schedule()
+    assert (s.stats.prefix_queries, s.stats.prefix_hits) == (19, 12)  # counted once
+
+
+def test_a_failed_pull_counts_only_when_it_is_admitted_again() -> None:
+    s, _, conn = make()
+    s.add_request(req("r", PROMPT, pull(8)))
+    s.schedule()
+    conn.build_connector_meta()
+    s.update_from_connector(KVConnectorOutput(failed={"r": KVTransferFailure("connection", "x")}))
+    assert (s.stats.prefix_queries, s.stats.prefix_hits) == (0, 0)
+    s.schedule()
+    assert (s.stats.prefix_queries, s.stats.prefix_hits) == (14, 0)
+
+
 def test_a_pull_of_another_prompt_or_covered_locally_is_dropped_and_counted() -> None:
     s, _, conn = make()
     other = [99, *PROMPT[1:]]

@@ -35,6 +35,7 @@ from dsv4_serving.engine.core.prefix_hash import BlockHash
 from dsv4_serving.engine.request import Request
 
 BoundaryKey = tuple[BlockHash, int]
+Landing = tuple[int, int | None]  # a boundary a step may start at, its snapshot slot
 
 
 @dataclass(slots=True)
@@ -96,6 +97,8 @@ class KVCacheManager:
         # ids evicted before their offer's result came back (never announced then)
         self._host_keys: dict[str, BoundaryKey] = {}
         self._host_gone: OrderedDict[str, None] = OrderedDict()
+        # async scheduling: (boundary, slot) reserved for steps in flight that may start there
+        self._landing: dict[str, list[Landing]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -351,14 +354,7 @@ class KVCacheManager:
             # inside a block past the published ones (most decode steps): no block completed,
             # no exact boundary; the hashes are extended by whoever reads them next
             return
-        hashes = req.update_block_hashes(self.block_size)
-        blocks = self.req_blocks[req.request_id]
-        n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
-        done = self._num_cached.get(req.request_id, 0)
-        stored = [i for i in range(done, n_full) if self.pool.cache_block(blocks[i], hashes[i])]
-        if stored and self.pool.events is not None:
-            self._stored(req, stored)
-        self._num_cached[req.request_id] = max(done, n_full)
+        n_full = self._cache_full_blocks(req)
         if (
             self._needs_boundary()
             and n_full > 0
@@ -371,6 +367,71 @@ class KVCacheManager:
                     self._copies.append((self.req_slot[req.request_id], slot))
                 if slot is not None or not self.has_state:
                     self._publish(key, slot)
+
+    def _cache_full_blocks(self, req: Request) -> int:
+        """Publish ``req``'s computed blocks whose tokens are known; returns how many."""
+        hashes = req.update_block_hashes(self.block_size)
+        blocks = self.req_blocks[req.request_id]
+        n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(blocks))
+        done = self._num_cached.get(req.request_id, 0)
+        stored = [i for i in range(done, n_full) if self.pool.cache_block(blocks[i], hashes[i])]
+        if stored and self.pool.events is not None:
+            self._stored(req, stored)
+        self._num_cached[req.request_id] = max(done, n_full)
+        return n_full
+
+    # ---- async scheduling: boundaries reached by tokens still being sampled -------------
+
+    def reserve_landing(self, req: Request, lo: int, hi: int) -> Landing | None:
+        """A step of ``req`` being scheduled starts at a position in ``[lo, hi]`` (which one,
+        and the tokens before it, the step in flight decides). If a block boundary there has
+        no snapshot, reserve it one: the step thread copies ``req``'s state slot into it
+        before that step's forward if the step starts at the boundary (the state after its
+        last token, as the synchronous engine copies it), and ``landed`` publishes it."""
+        bs = self.block_size
+        b = hi // bs
+        if not (self.enable_caching and self._needs_boundary()) or b == 0 or b * bs < lo:
+            return None
+        if len(req.update_block_hashes(bs)) >= b:
+            key = self._key(req, b)
+            if key is not None and (key in self._boundaries or key in self._pending_keys):
+                return None
+        slot = self._take_snapshot_slot() if self.has_state else None
+        if self.has_state and slot is None:
+            return None
+        entry = (b * bs, slot)
+        self._landing.setdefault(req.request_id, []).append(entry)
+        return entry
+
+    def landed(self, req: Request, entry: Landing, start: int) -> None:
+        """The step ``entry`` was reserved for started at ``start`` (the boundary's tokens are
+        known now): publish the block and the snapshot if it started at the boundary, else
+        give the slot back."""
+        entries = self._landing.get(req.request_id)
+        if not entries or entry not in entries:
+            return  # freed since
+        entries.remove(entry)
+        boundary, slot = entry
+        b, key = boundary // self.block_size, None
+        if start == boundary and self._cache_full_blocks(req) >= b:
+            key = self._key(req, b)
+        if key is None or key in self._boundaries or key in self._pending_keys:
+            if slot is not None:
+                self._free_snapshots.append(slot)
+            return
+        self._publish(key, slot)
+
+    def snapshot_end(self, req: Request, end: int, in_flight: bool) -> None:
+        """Finished ``req``'s state is at ``end`` (async scheduling): the boundary snapshot
+        the synchronous engine takes there after its last step, from the step in flight's
+        reservation (its copy comes before that step writes the slot) or, with no step in
+        flight, from its slot before anyone else writes it."""
+        for entry in self._landing.get(req.request_id, []):
+            if entry[0] == end:
+                self.landed(req, entry, end)
+                return
+        if not in_flight:
+            self.cache_blocks(req)
 
     def _take_snapshot_slot(self) -> int | None:
         if self._free_snapshots:
@@ -406,6 +467,9 @@ class KVCacheManager:
                 self._boundaries[key] = slot
         for key, slot in self._pending.pop(req.request_id, []):
             self._pending_keys.discard(key)
+            if slot is not None:
+                self._free_snapshots.append(slot)
+        for _, slot in self._landing.pop(req.request_id, []):
             if slot is not None:
                 self._free_snapshots.append(slot)
         blocks = self.req_blocks.pop(req.request_id, [])

@@ -193,7 +193,7 @@ class AsyncLLM:
             dead = self._death()
             if dead is not None and not self._closing:
                 reason = f"engine core died: {dead}"
-                self._loop.call_soon_threadsafe(self._fail_all, reason)
+                self._post(self._fail_all, reason)
                 self._ranks.kill()  # the rest of a broken instance
                 return
             try:
@@ -202,7 +202,16 @@ class AsyncLLM:
                 continue
             except (EOFError, OSError):
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
+            self._post(self._dispatch, msg)
+
+    def _post(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Hand ``fn(arg)`` to the event loop; dropped quietly once the loop is closed (a
+        message between the end of ``asyncio.run`` and ``shutdown``: nobody awaits it)."""
+        assert self._loop is not None
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            self._loop.call_soon_threadsafe(fn, arg)
 
     def _send(self, msg: ToCore) -> None:
         self._in.put(msg)

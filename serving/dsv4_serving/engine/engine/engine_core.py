@@ -338,6 +338,7 @@ class EngineCore:
             if self.tracing is not None:
                 self.tracing.stepped(done, results, t0)
         self._save_kv(outputs)
+        self._publish_kv_events()  # N+1's schedule and N's outputs, as ``step`` does
         if self.tracing is not None:
             self.tracing.finished(outputs)
         if prev is None and nxt is None and self.dp.size > 1:

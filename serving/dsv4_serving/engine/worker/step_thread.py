@@ -34,13 +34,15 @@ def fill_placeholders(
     the drafts ``prev`` rejected: exactly the synchronous engine's step."""
     before = {s.request_id: s for s in prev.scheduled} if prev is not None else {}
     for s in out.scheduled:
-        if not s.token_ids or s.token_ids[0] != PLACEHOLDER:
-            continue
-        p, r = before[s.request_id], results[s.request_id]
-        assert len(r.draft_ids) >= s.num_spec, (s.request_id, r, s.num_spec)
-        s.context_len -= p.num_spec - (len(r.token_ids) - 1)
-        s.token_ids = [r.token_ids[-1], *r.draft_ids[: s.num_spec]]
-        s.num_output_tokens += len(r.token_ids)
+        if s.token_ids and s.token_ids[0] == PLACEHOLDER:
+            p, r = before[s.request_id], results[s.request_id]
+            assert len(r.draft_ids) >= s.num_spec, (s.request_id, r, s.num_spec)
+            s.context_len -= p.num_spec - (len(r.token_ids) - 1)
+            s.token_ids = [r.token_ids[-1], *r.draft_ids[: s.num_spec]]
+            s.num_output_tokens += len(r.token_ids)
+        if s.landing is not None and s.landing[1] is not None and s.context_len == s.landing[0]:
+            # it starts at a block boundary: snapshot the state there, before the forward
+            out.state_copies.append((s.state_slot, s.landing[1]))
 
 
 class StepThread:

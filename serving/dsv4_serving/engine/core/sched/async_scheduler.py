@@ -20,10 +20,11 @@ Exactness, where the synchronous scheduler would have decided with N's token in 
 - a request preempted while its step is in flight keeps its placeholder: N's token is still
   appended when it arrives, and the request is not re-admitted before (``_admit``);
 - blocks are published (prefix cache) when their step is scheduled, not when it returned: the
-  next step, the first that can read them through a prefix hit, runs after it. A state
-  snapshot at a block boundary is taken only where the block's tokens are known when its step
-  is scheduled (a boundary reached by a sampled token gets none: a later hit stops at the
-  boundary before, as when the snapshot slots run out).
+  next step, the first that can read them through a prefix hit, runs after it. A boundary
+  reached by a token still being sampled gets its snapshot slot reserved by the step that may
+  start there (``landing``): the step thread copies the state into it before that step's
+  forward if it does start there, and the boundary is published once its tokens are taken
+  (``KVCacheManager.landed``), so the snapshots are the synchronous engine's.
 
 With MTP a step that samples a request also verifies its drafts and makes the next ones, so
 how many of N's drafts are accepted (and which drafts N+1 verifies) is unknown when N+1 is
@@ -86,6 +87,13 @@ class AsyncScheduler(Scheduler):
         return super()._admit(req, budget, plan)
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
+        s = self._describe_inputs(req, num_new)
+        # it starts where the step in flight leaves it: at most its drafts before ``ctx``
+        n = req.num_output_placeholders
+        s.landing = self.kv.reserve_landing(req, s.context_len - max(n - 1, 0), s.context_len)
+        return s
+
+    def _describe_inputs(self, req: Request, num_new: int) -> ScheduledRequest:
         if not req.num_output_placeholders:
             return super()._describe(req, num_new)
         # the step in flight samples this request: every input here is a token (or draft) it
@@ -112,6 +120,9 @@ class AsyncScheduler(Scheduler):
         outputs = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
+            if req is not None and s.landing is not None:
+                # before its tokens: a request that stops on them still had the boundary
+                self.kv.landed(req, s.landing, s.context_len)
             if req is None or not s.sample:
                 continue  # gone (stopped a step earlier, aborted): its token is dropped
             outputs.append(self._take(req, s, results[s.request_id]))
@@ -144,6 +155,8 @@ class AsyncScheduler(Scheduler):
         )
         if status is not None:
             if running:
+                end = s.context_len + len(s.token_ids) - s.num_spec + accepted
+                self.kv.snapshot_end(req, end, in_flight=req.num_output_placeholders > 0)
                 self.running.remove(req)
             else:  # preempted while its step was in flight
                 self.waiting.remove(req)

@@ -71,6 +71,9 @@ class ScheduledRequest:
     # the prompt, sent once, at the first sample of a request whose penalties count tokens
     # (the runner keeps the counts from then on: ``logits_processors.TokenHistory``)
     prompt_token_ids: list[int] | None = None
+    # async only: a boundary this step may start at and the slot for its snapshot, copied
+    # before the forward if the step starts there (``KVCacheManager.reserve_landing``)
+    landing: tuple[int, int | None] | None = None
 
 
 @dataclass(slots=True)
@@ -219,6 +222,10 @@ class Scheduler:
                 continue
             if prefix_pull_of(req.kv_transfer_params) is not None:
                 prefix_loaded(req)  # the rest of its prompt is computed here
+                # counted once its prefix is in (a failed pull is counted when admitted
+                # again): the local hit and the pulled tokens both count as hits
+                self.stats.prefix_queries += req.num_tokens
+                self.stats.prefix_hits += req.num_computed_tokens
             else:
                 # every prompt token's KV is there; the last one is computed again (logits)
                 req.num_computed_tokens = req.num_prompt_tokens - 1
