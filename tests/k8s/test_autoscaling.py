@@ -123,8 +123,9 @@ def test_scale_up_drain_restart_and_timeout(
     assert _cond(st, "AutoscalingActive")["status"] == "True"
     assert st["autoscaling"]["source"] == "Gateway"
     table = cluster.kubectl("get", "dsv4", name, "-n", ns).splitlines()
-    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "PHASE", "TTFT", "TPOT", "AGE"]
-    assert table[1].split()[4:6] == ["0.095s", "23.5ms"]
+    head = ["NAME", "PREFILL", "DECODE", "PHASE", "UPDATED", "TTFT", "TPOT", "AGE"]
+    assert table[0].split() == head
+    assert table[1].split()[5:7] == ["0.095s", "23.5ms"]
 
     # prefill queue 10 per instance (>= 1.5 x 2: at once): 1 -> 2, a new StatefulSet, ScaledUp
     stub.set(prefill_waiting=10)
@@ -140,6 +141,8 @@ def test_scale_up_drain_restart_and_timeout(
         "PREFILL",
         "DECODE",
         "PHASE",
+        "UPDATED",
+        "REVISION",
         "TTFT",
         "TPOT",
         "SCALING",

@@ -4,7 +4,8 @@ The instance is marked draining where every gateway replica sees it (no new requ
 engine is asked ``POST /drain {"migrate": true}`` on every tick until it answers (the loop; a
 failed call is retried on the next tick, and the wait below is the fallback): the streams a
 gateway can continue leave with their KV through the sidecar and go on at a peer. It is read
-directly each tick: it is idle when its engine runs and queues nothing and its sidecar holds no
+directly each tick: it is idle when its engine has nothing in flight (the answer's count, else
+its running and waiting gauges: ``with_answer``) and its sidecar holds no
 KV exports (a prefill's for remote decodes, a decode's moved streams: the peers pulled), on two
 reads at least ``min_gap_s`` apart (a request routed just before the gateways saw the mark
 shows up in between). Then it may be deleted; after ``timeout_s`` it is deleted anyway and the
@@ -67,6 +68,17 @@ def parse_answer(doc: object) -> DrainAnswer | None:
     if not (isinstance(migrating, int) and isinstance(in_flight, int) and isinstance(kv, bool)):
         return None
     return DrainAnswer(migrating, in_flight, kv)
+
+
+def with_answer(read: IdleRead | None, answer: DrainAnswer | None) -> IdleRead | None:
+    """The tick's read with the engine's own count of requests in flight (this tick's
+    ``POST /drain`` answer) in place of the core's running and waiting gauges: after streams
+    moved, the core's gauges can keep the count of the moved ones until its next busy step
+    (an idle core publishes no new stats), while the front end counts the requests it still
+    answers. Without an answer the gauges stand."""
+    if read is None or answer is None:
+        return read
+    return replace(read, running=float(answer.in_flight), waiting=0.0)
 
 
 def asked(drain: Drain, answer: DrainAnswer | None) -> tuple[Drain, Event | None]:

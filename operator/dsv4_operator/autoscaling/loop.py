@@ -294,7 +294,7 @@ class _Tick:
             dr, migrating = drains.asked(dr, answer)
             if migrating is not None:
                 events.append(migrating)
-            read = await self._read_victim(http, spec, r, dr.instance)
+            read = drains.with_answer(await self._read_victim(http, spec, r, dr.instance), answer)
             dr, outcome, stepped = drains.step(dr, read, now, timeout_s, DRAIN_MIN_GAP_S)
             self.drains[r] = dr
             if stepped is not None:

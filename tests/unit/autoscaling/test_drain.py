@@ -8,6 +8,7 @@ from dsv4_operator.autoscaling.drain import (
     parse_answer,
     start,
     step,
+    with_answer,
 )
 
 TIMEOUT, GAP = 600.0, 2.0
@@ -121,3 +122,15 @@ def test_parse_answer_takes_the_engines_answer_only() -> None:
     assert parse_answer({**ok, "kv": 1}) is None
     assert parse_answer({k: v for k, v in ok.items() if k != "in_flight"}) is None
     assert parse_answer([ok]) is None
+
+
+def test_the_drain_answers_in_flight_count_stands_for_the_cores_gauges() -> None:
+    """After the streams moved, the core's gauges may still count them (stale): the front
+    end's count of requests in flight, from this tick's answer, decides."""
+    stale = IdleRead(3.0, running=2, waiting=1, exports=0)
+    assert with_answer(stale, DrainAnswer(0, 0, True)) == IdleRead(3.0, 0.0, 0.0, 0.0)
+    assert with_answer(stale, DrainAnswer(0, 2, True)) == IdleRead(3.0, 2.0, 0.0, 0.0)
+    assert with_answer(stale, None) == stale  # no answer this tick: the gauges stand
+    assert with_answer(None, DrainAnswer(0, 0, True)) is None  # an unreadable sidecar is not idle
+    held = IdleRead(3.0, running=2, waiting=0, exports=1)
+    assert with_answer(held, DrainAnswer(0, 0, True)).busy == 1  # type: ignore[union-attr]
