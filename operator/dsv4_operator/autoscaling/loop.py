@@ -274,7 +274,7 @@ class _Tick:
             elif d.direction == "down" and r not in self.drains and targets[r] > 0:
                 targets[r] -= 1
                 victim = names.instance_name(spec, r, targets[r])
-                read = await self._read_victim(http, spec, r, victim)
+                read = await self._read_victim(http, spec, victim)
                 self.drains[r], started = drains.start(victim, r, now, read)
                 events.append(started)
 
@@ -294,7 +294,7 @@ class _Tick:
             dr, migrating = drains.asked(dr, answer)
             if migrating is not None:
                 events.append(migrating)
-            read = drains.with_answer(await self._read_victim(http, spec, r, dr.instance), answer)
+            read = drains.with_answer(await self._read_victim(http, spec, dr.instance), answer)
             dr, outcome, stepped = drains.step(dr, read, now, timeout_s, DRAIN_MIN_GAP_S)
             self.drains[r] = dr
             if stepped is not None:
@@ -416,14 +416,16 @@ class _Tick:
             return None
         return observations(values, counts)
 
-    def _engine_address(self, spec: DeploymentSpec, instance: str) -> str | None:
-        """The instance's HTTP front end: its rank-0 pod's engine port (the other ranks of a
-        multi-node instance serve no HTTP)."""
-        pod = next(
+    def _rank0(self, spec: DeploymentSpec, instance: str) -> Mapping[str, Any] | None:
+        """The instance's rank-0 pod: the only one serving HTTP (the other ranks of a
+        multi-node instance have no front end)."""
+        return next(
             (p for p in self.o.cache.pods(spec) if p["metadata"]["name"] == f"{instance}-0"),
             None,
         )
-        return self._address(pod, ENGINE_PORT) if pod is not None else None
+
+    def _engine_address(self, spec: DeploymentSpec, instance: str) -> str | None:
+        return self._address(self._rank0(spec, instance), ENGINE_PORT)
 
     async def _ask_drain(
         self, http: aiohttp.ClientSession, spec: DeploymentSpec, instance: str
@@ -464,14 +466,11 @@ class _Tick:
             self.undrain.discard((r, instance))
 
     async def _read_victim(
-        self, http: aiohttp.ClientSession, spec: DeploymentSpec, role: Role, instance: str
+        self, http: aiohttp.ClientSession, spec: DeploymentSpec, instance: str
     ) -> drains.IdleRead | None:
         """The victim's rank-0 engine queue and its sidecar's held KV exports (a prefill's for
         remote decodes; a decode's streams moved by ``POST /drain``, until the peers pulled)."""
-        pod = next(
-            (p for p in self.o.cache.pods(spec) if p["metadata"]["name"] == f"{instance}-0"),
-            None,
-        )
+        pod = self._rank0(spec, instance)
         engine = self._address(pod, ENGINE_PORT)
         sidecar = self._address(pod, spec.kv.metrics_port)
         if engine is None or sidecar is None:
