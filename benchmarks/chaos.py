@@ -485,6 +485,9 @@ def _replace(
     engine.stop(timeout_s=15.0)
     engine.argv = _with_flags(engine.argv, flags)
     up.restart(engine, timeout_s=180)
+    running = Path(f"/proc/{engine.pid}/cmdline").read_bytes().decode().split("\0")
+    if not set(flags) <= set(running):  # the new engine is the new revision
+        raise up.StartFailed(f"{engine.name} runs without {flags}: {running}")
     _routed_again(gateway, engine, 60)
     print(f"  [{time.monotonic() - t0:6.1f}s] rollout: {engine.name} back, routed", flush=True)
     return Replaced(engine.name, at - t0, drained - at, time.monotonic() - drained, answer)
