@@ -428,6 +428,8 @@ class Replaced:
     drain_s: float
     ready_s: float
     answer: dict[str, object]
+    sent_bytes: float
+    """KV bytes the victim's sidecar sent during its drain (the peers' pulls of moved KV)."""
 
 
 def _sidecar(children: list[Service], engine: Service) -> Service:
@@ -468,11 +470,16 @@ def _with_flags(argv: list[str], flags: list[str]) -> list[str]:
     return out
 
 
+def _sent(sidecar: Service) -> float:
+    side = httpx.get(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5).text
+    return metric_value(side, "dsv4_kv_transfer_bytes_total", direction="sent")
+
+
 def _replace(
     engine: Service, sidecar: Service, gateway: Service, flags: list[str], t0: float
 ) -> Replaced:
     """Drain ``engine`` by moving its streams, stop it once idle, start it with ``flags``."""
-    at = time.monotonic()
+    at, sent0 = time.monotonic(), _sent(sidecar)
     print(f"  [{at - t0:6.1f}s] rollout: POST /drain {engine.name}", flush=True)
     answer = httpx.post(f"{engine.url}/drain", json={"migrate": True}, timeout=10).json()
     last = (-1, -1.0)
@@ -481,7 +488,7 @@ def _replace(
             print(f"    in flight {busy[0]}, exports held {busy[1]:g}", flush=True)
             last = busy
         time.sleep(0.05)
-    drained = time.monotonic()
+    drained, sent = time.monotonic(), _sent(sidecar) - sent0
     engine.stop(timeout_s=15.0)
     engine.argv = _with_flags(engine.argv, flags)
     up.restart(engine, timeout_s=180)
@@ -490,7 +497,7 @@ def _replace(
         raise up.StartFailed(f"{engine.name} runs without {flags}: {running}")
     _routed_again(gateway, engine, 60)
     print(f"  [{time.monotonic() - t0:6.1f}s] rollout: {engine.name} back, routed", flush=True)
-    return Replaced(engine.name, at - t0, drained - at, time.monotonic() - drained, answer)
+    return Replaced(engine.name, at - t0, drained - at, time.monotonic() - drained, answer, sent)
 
 
 def rollout(
@@ -554,7 +561,8 @@ def rollout_report(
         print(
             f"  {t.name}: drain {t.drain_s:.3f}s (the longest remaining generation: "
             f"{remaining:.3f}s), back and routed {t.ready_s:.1f}s later; "
-            f"asked to move {t.answer.get('migrating')} of {t.answer.get('in_flight')}"
+            f"asked to move {t.answer.get('migrating')} of {t.answer.get('in_flight')}, "
+            f"{t.sent_bytes / 1e6:.2f} MB of KV sent meanwhile"
         )
     print(f"decode requests recomputed (failed or refused KV pull): {recomputed:g}")
     for s in failed[:3]:
