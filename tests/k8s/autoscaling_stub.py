@@ -4,7 +4,9 @@
 ``/metrics``: the gateway's latency histograms (vLLM's names; every scrape adds a steady
 trickle of fast requests, so the window is never empty), the engine's queue gauges (what a
 drain reads from its victim) and the sidecar's held exports. ``/instances``: the gateway's view
-of one prefill and one decode engine with the waiting counts the test sets.
+of one prefill and one decode engine with the waiting counts the test sets. ``POST /drain``
+and ``DELETE /drain``: answered as an engine does (``running`` in flight, ``migrating`` of them
+asked to move) and recorded in ``drain_calls`` (method, body), for the migration drain.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class MetricsStub:
         self.waiting = Gauge("vllm:num_requests_waiting", "", registry=r)
         self.exports = Gauge("dsv4_kv_active_exports", "", registry=r)
         self.scrapes = 0
+        self.migrating = 0
+        self.in_flight = 0.0
+        self.drain_calls: list[tuple[str, Any]] = []
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,6 +49,27 @@ class MetricsStub:
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                if self.path != "/drain":
+                    self.send_error(404)
+                    return
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer(stub._drain("POST", json.loads(raw) if raw.strip() else None))
+
+            def do_DELETE(self) -> None:
+                if self.path != "/drain":
+                    self.send_error(404)
+                    return
+                self._answer(stub._drain("DELETE", None))
+
+            def _answer(self, doc: dict[str, Any]) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -72,6 +98,8 @@ class MetricsStub:
                     setattr(self, key, value)
                 else:
                     getattr(self, key).set(value)
+                if key == "running":
+                    self.in_flight = value
 
     def _metrics(self) -> bytes:
         with self.lock:
@@ -80,6 +108,23 @@ class MetricsStub:
                 self.ttft.observe(0.08)
                 self.itl.observe(0.02)
             return generate_latest(self.registry)
+
+    def _drain(self, method: str, body: Any) -> dict[str, Any]:
+        with self.lock:
+            self.drain_calls.append((method, body))
+            if method == "DELETE":
+                return {"draining": False}
+            return {
+                "draining": True,
+                "migrating": self.migrating,
+                "in_flight": int(self.in_flight),
+                "kv": True,
+            }
+
+    def drains(self, method: str) -> list[Any]:
+        """The bodies of the ``method`` calls to ``/drain`` so far."""
+        with self.lock:
+            return [b for m, b in self.drain_calls if m == method]
 
     def _instances(self) -> list[dict[str, Any]]:
         with self.lock:

@@ -123,8 +123,9 @@ def test_scale_up_drain_restart_and_timeout(
     assert _cond(st, "AutoscalingActive")["status"] == "True"
     assert st["autoscaling"]["source"] == "Gateway"
     table = cluster.kubectl("get", "dsv4", name, "-n", ns).splitlines()
-    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "PHASE", "TTFT", "TPOT", "AGE"]
-    assert table[1].split()[4:6] == ["0.095s", "23.5ms"]
+    head = ["NAME", "PREFILL", "DECODE", "PHASE", "UPDATED", "TTFT", "TPOT", "AGE"]
+    assert table[0].split() == head
+    assert table[1].split()[5:7] == ["0.095s", "23.5ms"]
 
     # prefill queue 10 per instance (>= 1.5 x 2: at once): 1 -> 2, a new StatefulSet, ScaledUp
     stub.set(prefill_waiting=10)
@@ -140,6 +141,8 @@ def test_scale_up_drain_restart_and_timeout(
         "PREFILL",
         "DECODE",
         "PHASE",
+        "UPDATED",
+        "REVISION",
         "TTFT",
         "TPOT",
         "SCALING",
@@ -155,7 +158,9 @@ def test_scale_up_drain_restart_and_timeout(
         3,
     )
 
-    # load drops; the victim still has requests: listed draining, its StatefulSet stays
+    # load drops; the victim still has requests: listed draining, its StatefulSet stays, and
+    # its engine is asked to move its streams (POST /drain, migrate: the stub says 2 move)
+    stub.migrating = 2
     stub.set(prefill_waiting=0, running=3)
     st = wait_for(
         "prefill-1 draining",
@@ -165,6 +170,17 @@ def test_scale_up_drain_restart_and_timeout(
     assert st["prefill"]["draining"] == [f"{name}-prefill-1"] and st["prefill"]["desired"] == 1
     assert _routing(cluster, ns, name) == [f"{name}-prefill-1"]
     assert "DrainStarted" in _reasons(cluster, ns, name)
+    wait_for("POST /drain", lambda: stub.drains("POST"))
+    assert set(map(json.dumps, stub.drains("POST"))) == {'{"migrate": true}'}
+    migrating = wait_for(
+        "DrainMigrating",
+        lambda: [
+            e["message"] for e in _events(cluster, ns, name) if e["reason"] == "DrainMigrating"
+        ],
+    )
+    assert migrating == [
+        f"prefill instance {name}-prefill-1: 2 stream(s) moving with their KV, 3 in flight"
+    ]
     _stays(
         "the busy victim's StatefulSet",
         lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
@@ -225,8 +241,10 @@ def test_scale_up_drain_restart_and_timeout(
         lambda: _status(cluster, ns, name)["prefill"].get("draining") == [f"{name}-prefill-1"],
         timeout_s=60,
     )
+    deletes = len(stub.drains("DELETE"))
     stub.set(prefill_waiting=10)
     wait_for("DrainCancelled", lambda: "DrainCancelled" in _reasons(cluster, ns, name))
+    wait_for("DELETE /drain of the victim", lambda: len(stub.drains("DELETE")) > deletes)
     st = wait_for(
         "draining emptied by the cancel",
         lambda: (s := _status(cluster, ns, name))["prefill"].get("draining") == [] and s,

@@ -11,8 +11,9 @@ gateway watches, and the load is ``dsv4 bench --schedule`` against that gateway.
   0 errors.
 - ``test_drain_with_real_engines_loses_no_stream``: REAL engines (dsv4-tiny): with 16 long
   streams in flight, ``kubectl scale dsv4rs`` (External mode) drains one of two decode
-  instances, then one of two prefill instances while decode engines pull its KV: no new
-  request reaches the victim, all 16 streams end with their full token count, 0 fail.
+  instances (the operator's ``POST /drain`` moves its streams with their KV to the other, which
+  recomputes none of them), then one of two prefill instances while decode engines pull its KV:
+  no new request reaches the victim, all 16 streams end with their full token count, 0 fail.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import httpx
 import pytest
 
 from dsv4_common.ports import KV_PORT, sidecar_metrics_port
-from dsv4_common.process import dsv4_argv
+from dsv4_common.process import dsv4_argv, metric_value
 from dsv4_devcluster.process_nodes import ProcessNodes
 from tests.helpers import wait_for
 from tests.k8s.operator_fixtures import OperatorService, apply_yaml, kubectl_json
@@ -347,6 +348,25 @@ def _drain_one(
     return {"victim": victim.name, "started": started, "completed": reasons[done[0]][1]}
 
 
+def _moved_with_their_kv(cluster: Any, ns: str, name: str, victim: Any, gateway: str) -> None:
+    """The operator's ``POST /drain`` moved the victim's streams with their KV (DrainMigrating),
+    the gateway continued them, and the victim was deleted with no export held (the drain
+    waited for the peer's pulls)."""
+    moving = [
+        e["message"]
+        for e in _events(cluster, ns, name)
+        if e["reason"] == "DrainMigrating" and victim.name in e["message"]
+    ]
+    assert len(moving) == 1 and "moving with their KV" in moving[0], moving
+    assert int(moving[0].split(": ")[1].split(" ")[0]) >= 1, moving
+    continued = httpx.get(f"{gateway}/metrics", timeout=5).text
+    assert metric_value(continued, "dsv4_gateway_stream_migrations_total", outcome="continued") >= 1
+    # (its core's running gauge may still count the moved streams: the operator goes by the
+    # engine's own in-flight count, drain.with_answer)
+    at_stop = wait_for(f"{victim.name}'s last read", lambda: victim.at_stop, timeout_s=30)
+    assert at_stop["dsv4_kv_active_exports"] == 0
+
+
 def test_drain_with_real_engines_loses_no_stream(
     k8s_cluster: Any, operator_kubeconfig: Path, namespace: str, nodes_for: Any
 ) -> None:
@@ -383,9 +403,14 @@ def test_drain_with_real_engines_loses_no_stream(
         for s in streams:
             assert s.started.wait(120)
         victim = next(i for i in nodes.by_role("decode") if i.name.endswith("-1"))
+        peer = next(i for i in nodes.by_role("decode") if i is not victim)
         assert victim.engine.metric("vllm:num_requests_running") >= 1  # it has streams to finish
+        recomputes = peer.engine.metric("dsv4_kv_recomputes_total")
         decode = _drain_one(cluster, ns, name, nodes, "decode", streams)
         _finished_all(streams, n)
+        _moved_with_their_kv(cluster, ns, name, victim, gw.url)
+        # the peer pulled every moved stream's KV: it recomputed none
+        assert peer.engine.metric("dsv4_kv_recomputes_total") == recomputes
 
         # prefill: long prompts, drained while a decode engine pulls the victim's KV
         victim = next(i for i in nodes.by_role("prefill") if i.name.endswith("-1"))
@@ -396,8 +421,6 @@ def test_drain_with_real_engines_loses_no_stream(
         exports_url = f"http://127.0.0.1:{victim.sidecar.metrics_port}/metrics"
 
         def exports() -> float:
-            from dsv4_common.process import metric_value
-
             return metric_value(httpx.get(exports_url, timeout=2).text, "dsv4_kv_active_exports")
 
         held = wait_for("an export held on the prefill victim", exports, timeout_s=60, every_s=0.02)

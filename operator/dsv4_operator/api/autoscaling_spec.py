@@ -280,9 +280,9 @@ class AutoscalingSpec:
     )
     drain_timeout_s: int = prop(
         integer(
-            "Longest wait for a scaled-down instance to finish its requests before it is "
-            "deleted anyway.",
-            default=600,
+            "Longest wait for a scaled-down instance to move its streams to peers (POST "
+            "/drain) and finish the rest before it is deleted anyway.",
+            default=120,
             minimum=1,
             maximum=86400,
         ),

@@ -158,6 +158,8 @@ class _Tick:
         self.state: State | None = None
         self.window: GatewayWindow | None = None
         self.drains: dict[Role, drains.Drain] = {}
+        self.undrain: set[tuple[Role, str]] = set()
+        """Cancelled drains whose engine has yet to answer ``DELETE /drain``."""
         self.resumed = False
         self.posted: dict[tuple[str, str], float] = {}
         self.last_scale: str | None = None
@@ -266,12 +268,13 @@ class _Tick:
                 dr = self.drains.pop(r, None)
                 if dr is not None:
                     events.append(drains.cancel(dr, f"{r} scales up again"))
+                    self.undrain.add((r, dr.instance))
                 targets[r] = max(targets[r], d.target)
                 self.last_scale = iso_now()
             elif d.direction == "down" and r not in self.drains and targets[r] > 0:
                 targets[r] -= 1
                 victim = names.instance_name(spec, r, targets[r])
-                read = await self._read_victim(http, spec, r, victim)
+                read = await self._read_victim(http, spec, victim)
                 self.drains[r], started = drains.start(victim, r, now, read)
                 events.append(started)
 
@@ -285,8 +288,13 @@ class _Tick:
     ) -> None:
         """Each drain one step on: an instance done (or out of time) is removed."""
         timeout_s = spec.autoscaling.drain_timeout_s
+        await self._undrain(http, spec)
         for r, dr in list(self.drains.items()):
-            read = await self._read_victim(http, spec, r, dr.instance)
+            answer = await self._ask_drain(http, spec, dr.instance)
+            dr, migrating = drains.asked(dr, answer)
+            if migrating is not None:
+                events.append(migrating)
+            read = drains.with_answer(await self._read_victim(http, spec, dr.instance), answer)
             dr, outcome, stepped = drains.step(dr, read, now, timeout_s, DRAIN_MIN_GAP_S)
             self.drains[r] = dr
             if stepped is not None:
@@ -408,24 +416,69 @@ class _Tick:
             return None
         return observations(values, counts)
 
-    async def _read_victim(
-        self, http: aiohttp.ClientSession, spec: DeploymentSpec, role: Role, instance: str
-    ) -> drains.IdleRead | None:
-        """The victim's rank-0 engine queue and (prefill) its sidecar's held KV exports."""
-        pod = next(
+    def _rank0(self, spec: DeploymentSpec, instance: str) -> Mapping[str, Any] | None:
+        """The instance's rank-0 pod: the only one serving HTTP (the other ranks of a
+        multi-node instance have no front end)."""
+        return next(
             (p for p in self.o.cache.pods(spec) if p["metadata"]["name"] == f"{instance}-0"),
             None,
         )
-        engine = self._address(pod, ENGINE_PORT)
+
+    def _engine_address(self, spec: DeploymentSpec, instance: str) -> str | None:
+        return self._address(self._rank0(spec, instance), ENGINE_PORT)
+
+    async def _ask_drain(
+        self, http: aiohttp.ClientSession, spec: DeploymentSpec, instance: str
+    ) -> drains.DrainAnswer | None:
+        """``POST /drain {"migrate": true}`` on the victim (idempotent: asked on every tick of
+        the drain, so a failed call is retried and a stream that was still in its prefill at
+        the last call moves at this one). None: no answer (the drain waits instead)."""
+        engine = self._engine_address(spec, instance)
         if engine is None:
             return None
         try:
+            async with http.post(f"http://{engine}/drain", json={"migrate": True}) as resp:
+                resp.raise_for_status()
+                return drains.parse_answer(await resp.json(content_type=None))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.warning("POST /drain to %s failed: %s", instance, e)
+            return None
+
+    async def _undrain(self, http: aiohttp.ClientSession, spec: DeploymentSpec) -> None:
+        """``DELETE /drain`` on each instance a scale-up took back, until it answers (409: it
+        got a SIGTERM meanwhile, nothing to call off); an instance whose pod is gone is
+        dropped."""
+        for r, instance in sorted(self.undrain):
+            if any(d.instance == instance for d in self.drains.values()):
+                self.undrain.discard((r, instance))  # drained again since
+                continue
+            engine = self._engine_address(spec, instance)
+            if engine is None:
+                self.undrain.discard((r, instance))
+                continue
+            try:
+                async with http.delete(f"http://{engine}/drain") as resp:
+                    if resp.status != 409:
+                        resp.raise_for_status()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("DELETE /drain to %s failed (retried next tick): %s", instance, e)
+                continue
+            self.undrain.discard((r, instance))
+
+    async def _read_victim(
+        self, http: aiohttp.ClientSession, spec: DeploymentSpec, instance: str
+    ) -> drains.IdleRead | None:
+        """The victim's rank-0 engine queue and its sidecar's held KV exports (a prefill's for
+        remote decodes; a decode's streams moved by ``POST /drain``, until the peers pulled)."""
+        pod = self._rank0(spec, instance)
+        engine = self._address(pod, ENGINE_PORT)
+        sidecar = self._address(pod, spec.kv.metrics_port)
+        if engine is None or sidecar is None:
+            return None
+        try:
             text = await _get_text(http, f"http://{engine}/metrics")
-            exports = 0.0
-            if role == "prefill":
-                sidecar = self._address(pod, spec.kv.metrics_port)
-                side = await _get_text(http, f"http://{sidecar}/metrics")
-                exports = metric_value(side, "dsv4_kv_active_exports")
+            side = await _get_text(http, f"http://{sidecar}/metrics")
+            exports = metric_value(side, "dsv4_kv_active_exports")
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             log.warning("drain read of %s failed: %s", instance, e)
             return None

@@ -61,7 +61,7 @@ def test_spec_autoscaling_becomes_the_policy() -> None:
 def test_defaults_of_the_study() -> None:
     a = _spec().autoscaling
     assert (a.enabled, a.mode, a.interval_s, a.window_s) == (False, "Builtin", 15, 60)
-    assert (a.stabilization_s, a.drain_timeout_s, a.metrics.source) == (300, 600, "Gateway")
+    assert (a.stabilization_s, a.drain_timeout_s, a.metrics.source) == (300, 120, "Gateway")
     assert a.prefill.tokens_per_second is None and a.prefill_decode_ratio is None
     assert (
         a.prefill.waiting_per_instance,
