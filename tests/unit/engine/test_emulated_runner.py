@@ -47,7 +47,8 @@ def _runner(k: int = 0) -> tuple[EmulatedRunner, list[float]]:
         dummy=None,
         samples=True,
         k=k,
-        prepare=lambda sched: None,
+        inputs=lambda sched, prepared: None,
+        prepare_s=0.0,
     )
     # a clock that stands still: the sleep is the whole step time
     runner = EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=slept.append, clock=lambda: 0.0)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from dsv4_serving.engine.request import Logprob
 
 if TYPE_CHECKING:
     from dsv4_serving.engine.core.sched.scheduler import RunnerResult, SchedulerOutput
-    from dsv4_serving.engine.worker.model_runner import ModelRunner
+    from dsv4_serving.engine.worker.model_runner import ModelRunner, PreparedStep
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +83,23 @@ class EmulatedRunner:
     def next_token(self, position: int, previous: int) -> int:
         return emulated_token(position, previous, self.vocab_size, self.eos)
 
+    def prepare_ahead(self, out: SchedulerOutput) -> PreparedStep | None:
+        return self.real.prepare_ahead(out)
+
     def execute(
-        self, out: SchedulerOutput, mtp_chain: bool | None = None
+        self,
+        out: SchedulerOutput,
+        mtp_chain: bool | None = None,
+        prepared: PreparedStep | None = None,
     ) -> dict[str, RunnerResult]:
         del mtp_chain  # no MoE calls to keep in step with other DP ranks
         if not out.scheduled:
             return {}
         self.forwards += 1
-        started = self._clock()
-        self.real.prepare(out.scheduled)
+        # the real preparation, or the fill of the one the core made ahead (async scheduling)
+        self.real.inputs(out.scheduled, prepared)
         device = self._clock()
-        self.prepare_s = device - started
+        self.prepare_s = self.real.prepare_s
         results = self._sample(out)
         # the step's tokens are the device's work: the step ends ``StepTime`` after it began,
         # so computing them here is not counted as host overhead (a real step samples on the

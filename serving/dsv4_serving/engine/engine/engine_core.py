@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from dsv4_serving.engine.kv_connector.worker_side import SidecarConnectorWorker
+    from dsv4_serving.engine.worker.model_runner import PreparedStep
     from dsv4_serving.structured.backend import CompiledGrammar
     from dsv4_serving.structured.manager import GrammarManager
     from dsv4_serving.structured.spec import GrammarSpec
@@ -325,7 +326,9 @@ class EngineCore:
         nxt = None
         if batch.scheduled or batch.finished_ids or batch.state_copies:
             t0 = time.time_ns() if self.tracing is not None else 0
-            nxt = (out, steps.submit(batch, chain), t0)
+            # N+1's inputs too, while N runs (without MTP: ``ModelRunner.prepare_ahead``)
+            prepared = self.runner.prepare_ahead(batch)
+            nxt = (out, steps.submit(batch, chain, prepared), t0)
         prev, self._in_flight = self._in_flight, nxt
         if prev is None:
             outputs = self.scheduler.take_extra_outputs()
@@ -350,11 +353,13 @@ class EngineCore:
             self._host_spans.append(spans)
         return outputs
 
-    def _run_step(self, out: SchedulerOutput, chain: bool | None) -> dict[str, RunnerResult]:
+    def _run_step(
+        self, out: SchedulerOutput, chain: bool | None, prepared: PreparedStep | None
+    ) -> dict[str, RunnerResult]:
         """One step on the step thread; the TP followers get it from there too (its
         placeholders filled), so every broadcast to them keeps the steps' order."""
         self._tell_followers(RunStep(out, chain))
-        return self.runner.execute(out, chain)
+        return self.runner.execute(out, chain, prepared)
 
     def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
         """What this rank runs and whether it chains MTP calls: under DP every rank runs a

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
 from dsv4_serving.distributed.comm import broadcast_object
 from dsv4_serving.distributed.groups import SOLO, Group
+from dsv4_serving.engine.core.sched.async_scheduler import PLACEHOLDER
 from dsv4_serving.engine.core.sched.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
 from dsv4_serving.engine.sample.logits_processors import TokenHistory
 from dsv4_serving.engine.sample.sampler import compute_logprobs, sample_and_verify
@@ -38,6 +40,20 @@ if TYPE_CHECKING:
     from dsv4_serving.eplb.balancer import Balancer
 
 DUMMY_REQUEST = "dsv4-dummy"  # an idle DP rank's batch: its tokens are not load
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's inputs built ahead of its run (async scheduling: on the core's thread while
+    the step before it runs). ``rows``: the input rows that hold ``PLACEHOLDER``, in the order
+    of the requests (``holders``: their indices in ``sched``) whose tokens fill them."""
+
+    sched: list[ScheduledRequest]
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    rows: torch.Tensor
+    holders: list[int]
+    prepare_s: float
 
 
 class ModelRunner:
@@ -115,10 +131,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, mtp_chain: bool | None = None
+        self,
+        out: SchedulerOutput,
+        mtp_chain: bool | None = None,
+        prepared: PreparedStep | None = None,
     ) -> dict[str, RunnerResult]:
         """``mtp_chain``: run the k - 1 chained MTP calls (under DP every rank must, when any
-        rank drafts); None = when this batch drafts."""
+        rank drafts); None = when this batch drafts. ``prepared``: this step's inputs from
+        ``prepare_ahead`` (its placeholders are filled here)."""
         for rid in out.finished_ids:
             self._gens.pop(rid, None)
             self._hists.pop(rid, None)
@@ -132,13 +152,52 @@ class ModelRunner:
         self.forwards += 1
         if self.eplb is not None:
             self.eplb.begin(real=sched[0].request_id != DUMMY_REQUEST)
-        started = time.perf_counter()
-        input_ids, meta = self.prepare(sched)
-        self.prepare_s = time.perf_counter() - started
+        input_ids, meta = self.inputs(sched, prepared)
         results = self._run(sched, input_ids, meta, mtp_chain)
         if self.eplb is not None:
             self.eplb.end_step()  # may move one MoE layer's experts: between two forwards
         return results
+
+    def inputs(
+        self, sched: list[ScheduledRequest], prepared: PreparedStep | None
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's inputs: ``prepared``'s with its placeholder rows filled from ``sched``
+        (one indexed write), or prepared now; ``prepare_s`` times either."""
+        started = time.perf_counter()
+        if prepared is None:
+            input_ids, meta = self.prepare(sched)
+            self.prepare_s = time.perf_counter() - started
+            return input_ids, meta
+        assert prepared.sched is sched, "a step prepared for another batch"
+        input_ids = prepared.input_ids
+        if prepared.holders:
+            # the step thread has put the previous step's tokens in place of the placeholders
+            vals = [t for i in prepared.holders for t in sched[i].token_ids]
+            assert len(vals) == prepared.rows.numel(), "placeholder rows changed length"
+            input_ids[prepared.rows] = torch.tensor(vals, dtype=torch.long, device=self.device)
+        self.prepare_s = prepared.prepare_s + time.perf_counter() - started
+        return input_ids, prepared.meta
+
+    def prepare_ahead(self, out: SchedulerOutput) -> PreparedStep | None:
+        """Async scheduling: build ``out``'s inputs on the core's thread while the step before
+        it runs, all but its placeholder tokens. None with MTP (the step thread moves a
+        placeholder row's position back by the drafts the step before rejected, which the
+        positions and slots depend on; and the drafter writes the block table while its step
+        runs): those steps prepare on the step thread, as without async scheduling."""
+        if self.k or not out.scheduled:
+            return None
+        started = time.perf_counter()
+        sched = out.scheduled
+        input_ids, meta = self.prepare(sched)
+        rows: list[int] = []
+        holders: list[int] = []
+        for i, s in enumerate(sched):
+            if s.token_ids and s.token_ids[0] == PLACEHOLDER:
+                a = meta.query_start_loc[i]
+                rows.extend(range(a, a + len(s.token_ids)))
+                holders.append(i)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return PreparedStep(sched, input_ids, meta, index, holders, time.perf_counter() - started)
 
     def prepare(self, sched: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's inputs: token ids and attention metadata, block tables from the

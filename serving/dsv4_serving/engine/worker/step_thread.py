@@ -10,18 +10,25 @@ and its writes into reused blocks all come after step N ended. Before it runs st
 thread puts the tokens step N sampled where N+1's inputs hold ``PLACEHOLDER``
 (``fill_placeholders``), as vLLM's model runner takes them from its previous step's output;
 with MTP also N's new drafts, and N+1's position moved back by the drafts N rejected.
+Without MTP the core has built N+1's input tensors already (``ModelRunner.prepare_ahead``,
+beside step N): the thread's share is one indexed write of those tokens into them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from dsv4_serving.engine.core.sched.async_scheduler import PLACEHOLDER
 from dsv4_serving.engine.core.sched.scheduler import RunnerResult, SchedulerOutput
 
-# a step and whether it chains the MTP calls (DP: decided by the ranks together, None: alone)
-Execute = Callable[[SchedulerOutput, bool | None], dict[str, RunnerResult]]
+if TYPE_CHECKING:
+    from dsv4_serving.engine.worker.model_runner import PreparedStep  # torch: core only
+
+# a step, whether it chains the MTP calls (DP: decided by the ranks together, None: alone) and
+# its inputs when the core prepared them ahead
+Execute = Callable[[SchedulerOutput, bool | None, "PreparedStep | None"], dict[str, RunnerResult]]
 
 
 def fill_placeholders(
@@ -54,13 +61,18 @@ class StepThread:
         self._results: dict[str, RunnerResult] = {}
 
     def submit(
-        self, out: SchedulerOutput, mtp_chain: bool | None = None
+        self,
+        out: SchedulerOutput,
+        mtp_chain: bool | None = None,
+        prepared: PreparedStep | None = None,
     ) -> Future[dict[str, RunnerResult]]:
-        return self._pool.submit(self._run, out, mtp_chain)
+        return self._pool.submit(self._run, out, mtp_chain, prepared)
 
-    def _run(self, out: SchedulerOutput, mtp_chain: bool | None) -> dict[str, RunnerResult]:
+    def _run(
+        self, out: SchedulerOutput, mtp_chain: bool | None, prepared: PreparedStep | None
+    ) -> dict[str, RunnerResult]:
         fill_placeholders(out, self._prev, self._results)
-        results = self._execute(out, mtp_chain)
+        results = self._execute(out, mtp_chain, prepared)
         self._prev, self._results = out, results
         return results
 
