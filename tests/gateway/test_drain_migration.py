@@ -21,7 +21,8 @@ import httpx
 import openai
 import pytest
 
-from dsv4_common.process import Service
+from dsv4_common.process import Service, metric_value
+from dsv4_kvtransfer.launch import SidecarService
 from dsv4_serving.chat.tool_ids import derived_tool_call_id
 from tests.gateway.conftest import gateway, pd_pair, running
 from tests.structured_requests import NO_THINKING, TOOLS, WEATHER
@@ -36,6 +37,7 @@ class Stack(NamedTuple):
     gateway: Service
     prefill: Service
     decodes: tuple[Service, Service]
+    sidecars: dict[str, SidecarService]  # each decode engine's, by the engine's url
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     gw = gateway("gateway-mig", "--prefill", pe.url, "--decode", d0.url, "--decode", d1.url)
     with running(ps, pe, d0s, d0, d1s, d1, timeout_s=900), running(gw) as (g,):
-        yield Stack(g, pe, (d0, d1))
+        yield Stack(g, pe, (d0, d1), {d0.url: d0s, d1.url: d1s})
 
 
 def _prompt(i: int) -> str:
@@ -120,12 +122,19 @@ def _transfers(e: Service, direction: str) -> float:
     return e.metric("dsv4_kv_engine_transfers_total", direction=direction, outcome="ok")
 
 
+def _active_exports(s: SidecarService) -> float:
+    """Exports ``s`` holds now (the gauge an operator's drain waits on to reach 0)."""
+    text = httpx.get(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=5).text
+    return metric_value(text, "dsv4_kv_active_exports")
+
+
 def test_a_drain_moves_every_stream_with_its_kv(
     stack: Stack, uninterrupted: list[list[int]]
 ) -> None:
     g, (d0, d1) = stack.gateway, stack.decodes
     assert all(len(ids) == MAX_TOKENS for ids in uninterrupted)
     before = {d.url: (_transfers(d, "pull"), _transfers(d, "export")) for d in (d0, d1)}
+    prefilled = _transfers(stack.prefill, "export")
     recomputes = {d.url: d.metric("dsv4_kv_recomputes_total") for d in (d0, d1)}
     drained: list[tuple[Service, dict[str, Any], float]] = []
 
@@ -150,11 +159,19 @@ def test_a_drain_moves_every_stream_with_its_kv(
         time.sleep(0.05)
     assert _running(victim) == 0
     assert httpx.get(f"{victim.url}/ready", timeout=5).status_code == 503
+    # and its sidecar holds no export within 5 s of the drain: the peer released each moved
+    # stream's export once it had the KV (not the 30 s lease)
+    sidecar = stack.sidecars[victim.url]
+    while _active_exports(sidecar) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert _active_exports(sidecar) == 0, f"{victim.name}'s sidecar still holds moved exports"
     # each moved stream's KV went out of the victim and into the peer, and nothing was
     # recomputed after a failed pull
     assert _transfers(victim, "export") - before[victim.url][1] == moved
     assert _transfers(peer, "pull") - before[peer.url][0] >= moved
     assert peer.metric("dsv4_kv_recomputes_total") == recomputes[peer.url]
+    # ... nor by a new prefill (a continuation without the KV is a PD request of its own)
+    assert _transfers(stack.prefill, "export") - prefilled == STREAMS
     assert g.metric("dsv4_gateway_stream_migrations_total", reason="drain") == moved
     assert g.metric("dsv4_gateway_stream_migrations_total", outcome="failed") == 0
     # re-admitted: the engine admits again, the gateway routes to it again

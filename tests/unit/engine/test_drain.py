@@ -5,13 +5,22 @@ whose step is in flight gets no next step and moves once that step returned."""
 
 from __future__ import annotations
 
+from dsv4_kvtransfer.pd_protocol import RemotePrefillParams
 from dsv4_serving.engine.core.kv_cache_manager import KVCacheManager
 from dsv4_serving.engine.core.sched.async_scheduler import AsyncScheduler
 from dsv4_serving.engine.core.sched.scheduler import RunnerResult, Scheduler, SchedulerConfig
 from dsv4_serving.engine.engine.drain import Migrations
 from dsv4_serving.engine.kv_connector.scheduler_side import SidecarConnectorScheduler
-from dsv4_serving.engine.request import EngineCoreRequest, Request, RequestStatus
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
+
+
+def _params(host_port: int, tid: str) -> RemotePrefillParams:
+    return RemotePrefillParams("e", "r", (0,), "127.0.0.1", host_port, tid, 0.0, 10, 1)
+
+
+PULLED = _params(1, "from-the-prefill")
+EXPORTED = _params(2, "the-moved-sequence")
 
 
 def make(cls: type[Scheduler] = Scheduler, connector: bool = True) -> Scheduler:
@@ -52,6 +61,29 @@ def test_a_named_request_moves_at_its_next_boundary_with_its_kv_kept_for_export(
         ("a", [], "migrate")
     ]
     assert s.kv.block_ids("a") == blocks  # kept until the export ended (``saves_done``)
+
+
+def test_the_migrate_output_waits_for_the_export_and_carries_its_params() -> None:
+    """The moved stream's last output goes out only with its export's params (the gateway
+    continues it by pulling them); a decode's request carries its own pull's params, which
+    must not decide it (it went out without them, and the export stayed until its lease)."""
+    s, m = make(), Migrations()
+    r = req("a", 10)
+    s.add_request(r)
+    step(s, m, 100)
+    step(s, m, 101)
+    r.kv_transfer_params = PULLED  # as on a decode engine: how its prompt's KV came
+    m.add(["a"])
+    m.run(s)
+    outs = s.take_extra_outputs()
+    s.hold_saving_outputs(outs)
+    assert outs == []  # held: its export runs
+    later: list[EngineCoreOutput] = []
+    s.saves_done({"a": EXPORTED}, later)
+    assert [(o.request_id, o.finish_reason, o.kv_transfer_params) for o in later] == [
+        ("a", "migrate", EXPORTED)
+    ]
+    assert s.kv.block_ids("a") == []  # freed with the export's end
 
 
 def test_a_request_still_prefilling_moves_after_its_first_token() -> None:

@@ -200,13 +200,19 @@ class Scheduler:
         )
 
     def hold_saving_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        """Take the last outputs of prefills whose KV export just started out of ``outputs``:
-        each goes out with its ``kv_transfer_params`` (or the error) once the export ended."""
+        """Take the last outputs of prefills (and of sequences a drain moved) whose KV export
+        just started out of ``outputs``: each goes out with its ``kv_transfer_params`` (or the
+        error) once the export ended."""
         keep = []
         for o in outputs:
             saving = self._saving.get(o.request_id)
-            # an offer to the host tier holds nothing back: only a PD export's params do
-            pd = saving is not None and isinstance(saving.kv_transfer_params, PrefillRequestParams)
+            # an offer to the host tier holds nothing back: only a PD export's params do, and a
+            # moved sequence's (a decode's: its own params, if any, are its pull's), else its
+            # migrate block went out with no params and nobody pulled the export
+            pd = saving is not None and (
+                isinstance(saving.kv_transfer_params, PrefillRequestParams)
+                or saving.status == RequestStatus.FINISHED_MIGRATED
+            )
             if pd and o.finish_reason is not None:
                 self._held[o.request_id] = o
             else:
