@@ -19,8 +19,7 @@ and pulled tokens alike), which the gateway sums in ``dsv4_gateway_actual_cached
 Per variant: reused / reusable over turns 2..T, and TTFT p50 / p90 over every request of turns
 2..T (streamed). Goals (issue 31): (d) reuses >= 95% of the reusable tokens, and its TTFT p90
 <= 0.5 x (b)'s. A JSON file and a PNG (TTFT p50 per turn, one line per variant) go to ``--out``.
-The engines run with ``--async-scheduling off`` (a decode engine snapshots the boundaries of
-its answer only then, docs/cluster-kv.md) and without MTP, in every variant alike.
+The engines run without MTP (``--num-speculative-tokens=0``), in every variant alike.
 
     .venv/bin/python benchmarks/prefix_routing.py --sessions 8 --turns 8
     .venv/bin/python benchmarks/prefix_routing.py --sessions 2 --turns 2 --user-len 8 \\
@@ -56,7 +55,7 @@ QUERIES = sessions.QUERIES
 ACTUAL_CACHED = "dsv4_gateway_actual_cached_tokens_total"
 GATEWAY_PULLS = "dsv4_gateway_prefix_pulls_total"
 PULL_OUTCOMES = ("attached", "declined", "loaded", "computed")
-ENGINE_ARGS = ["--async-scheduling=off", "--num-speculative-tokens=0"]
+ENGINE_ARGS = ["--num-speculative-tokens=0"]
 
 
 def variant_flags(variant: str, host_bytes: str) -> dict[str, list[str]]:

@@ -63,7 +63,7 @@ def test_prefix_routing_adds_each_variants_flags_to_dsv4_ups_plan(tmp_path: Path
     finally:
         sys.path.remove(str(BENCHMARKS))
     args = bench.parse_args(["--prefill", "1", "--decode", "2", "--host-bytes", "64M"])
-    assert args.engine_arg == ["--async-scheduling=off", "--num-speculative-tokens=0"]
+    assert args.engine_arg == ["--num-speculative-tokens=0"]
     for variant in ("a", "d"):
         children = up.plan(bench.sessions.stack_args("pd", args, tmp_path), tmp_path)
         bench.configure(children, variant, args.host_bytes)
