@@ -16,11 +16,12 @@ from dsv4_serving.commands import up
 from dsv4_serving.platform.threads import parse_cpu_list
 from tests.gateway.conftest import LOG_DIR
 
-# An engine core's own threads besides torch's intra-op workers, by role: its main thread and
-# its result queue's feeder thread, and a prefill engine's KV exporter thread (a decode
-# engine's pulls run on threads that end with the pull). torch's pool adds (intra-op threads
-# - 1) workers; without the budget, two CPUs give a core two more threads than this.
-CORE_THREADS = {"prefill": 3, "decode": 2}
+# An engine core's own threads besides torch's intra-op workers, by role: its main thread, its
+# result queue's feeder thread and the async scheduler's step thread (async is on for
+# dsv4-tiny's MTP), and a prefill engine's KV exporter thread (a decode engine's pulls run on
+# threads that end with the pull). torch's pool adds (intra-op threads - 1) workers; without
+# the budget, two CPUs give a core two more threads than this.
+CORE_THREADS = {"prefill": 4, "decode": 3}
 
 
 def _children(pid: int) -> list[int]:
