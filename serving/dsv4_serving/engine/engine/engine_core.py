@@ -544,10 +544,6 @@ def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
     stats_due = True
     published = (-1, -1)  # the (running, waiting) counts the front end last got
     while True:
-        if core.scheduler.load() != published:
-            # a count changed outside a published step (a moved request's export ended while
-            # the core idles): the gauges a drain polls must not stay stale
-            stats_due = True
         msgs: list[ToCore] = []
         if not core.has_unfinished_requests():
             with contextlib.suppress(queue.Empty):  # idle: block briefly, do not spin
@@ -568,13 +564,17 @@ def _loop(core: EngineCore, in_q: Any, out_q: Any, parent: int) -> None:
             if core.idle_waiting_for_kv and not stats_due:
                 core.wait_for_kv(0.02)  # only parked requests: no busy loop, no message flood
                 continue
-            out_q.put(Outputs(outputs, core.stats()))
-            stats_due, published = False, core.scheduler.load()
+            stats = core.stats()
+            out_q.put(Outputs(outputs, stats))
+            stats_due, published = False, (stats.num_running, stats.num_waiting)
         else:
             core.kv_housekeeping()
             core.heartbeat()
-            if stats_due:
-                out_q.put(Outputs([], core.stats()))
-                stats_due, published = False, core.scheduler.load()
+            # idle, a count may still change (a moved request's export ended): the gauges a
+            # drain polls must not stay stale
+            if stats_due or core.scheduler.load() != published:
+                stats = core.stats()
+                out_q.put(Outputs([], stats))
+                stats_due, published = False, (stats.num_running, stats.num_waiting)
             elif os.getppid() != parent:
                 return  # the front end died without telling us
