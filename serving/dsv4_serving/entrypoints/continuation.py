@@ -150,7 +150,7 @@ def prime(
     (the parser's result does not depend on how its text is cut)."""
     if out is not None:
         out.feed(text)
-    logprobs.ids.extend(cont.token_ids)
+    logprobs.prime(list(cont.token_ids))
 
 
 def resume_args(cont: Continuation | None) -> dict[str, Any]:

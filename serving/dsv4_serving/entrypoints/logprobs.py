@@ -40,6 +40,9 @@ class ChoiceLogprobs:
     def __init__(self, tokenizer: Tokenizer, chat: bool, as_token_ids: bool = False) -> None:
         self.tok, self.chat, self.as_token_ids = tokenizer, chat, as_token_ids
         self.ids: list[int] = []  # the choice's tokens so far
+        # the decode window (``_offsets``): its context's first token, its first token, the
+        # characters before its first token and those of its context
+        self._ctx = self._base = self._chars = self._ctx_chars = 0
 
     def _text(self, i: int) -> str | None:
         """The token's own text, or None when it has none (part of a character)."""
@@ -50,31 +53,35 @@ class ChoiceLogprobs:
         text = None if self.as_token_ids else self._text(i)
         return f"token_id:{i}" if text is None else text
 
-    def _offsets(self, new: list[int], final: bool) -> list[int]:
+    def _offsets(self, new: list[int]) -> list[int]:
         """Where each of ``new`` (tokens after ``ids``) starts in the choice's text: the index
-        of the character holding its first byte. Text decoded before a token ends in U+FFFD
-        both where a character is unfinished and where the text has a real U+FFFD (or bytes
-        that are no UTF-8), so the offset is what that text shares with the text decoded past
-        the token, less the last U+FFFD when the token itself continues it (it adds no
-        character and has no text of its own). Until the choice is final, the text's own
-        trailing U+FFFD are held back, as the answer's are (``IncrementalDetokenizer``)."""
-        ids = self.ids + new
-        text = self.tok.decode(ids)
-        if not final:
-            text = text.rstrip(_PARTIAL)
+        of the character holding its first byte. Each token's offset depends on the tokens up
+        to it only, so it is the same however a stream's tokens are grouped into increments
+        (coalesced steps, a continued stream). A trailing U+FFFD is either a character still
+        being written (a token that adds no character continues it) or settled (bytes that are
+        no UTF-8: the next token starts a new character); the text before and after the token
+        tells which. Decoding is windowed as ``IncrementalDetokenizer`` does, from the last
+        place the text ended on a whole character, so a long answer costs no more per token."""
         out = []
-        before = self.tok.decode(self.ids)
-        for k in range(len(self.ids), len(ids)):
-            after = self.tok.decode(ids[: k + 1])
-            offset = _common_prefix(before, text)
-            continues = (
-                before.endswith(_PARTIAL)
-                and len(after) == len(before)
-                and self.tok.decode([ids[k]]).startswith(_PARTIAL)
-            )
-            out.append(min(offset, len(before) - 1) if continues else offset)
-            before = after
+        for i in new:
+            self.ids.append(i)
+            k = len(self.ids)
+            window = self.ids[self._ctx : k - 1]
+            before = self.tok.decode(window)[self._ctx_chars :]
+            after = self.tok.decode([*window, i])[self._ctx_chars :]
+            offset = _common_prefix(before, after)
+            if after == before and before.endswith(_PARTIAL) and self.tok.decode([i]):
+                offset -= 1  # it continues the character being written
+            out.append(self._chars + offset)
+            if after and not after.endswith(_PARTIAL):  # a whole character: a new window
+                self._chars += len(after)
+                self._ctx, self._base = self._base, k
+                self._ctx_chars = len(self.tok.decode(self.ids[self._ctx : self._base]))
         return out
+
+    def prime(self, ids: list[int]) -> None:
+        """The tokens the client already has (a continued stream), rendering nothing."""
+        self._offsets(ids)
 
     def _top(self, lp: Logprob) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -95,8 +102,7 @@ class ChoiceLogprobs:
             "bytes": list(text.encode()) if text is not None else None,
         }
 
-    def render(self, lps: list[Logprob] | None, final: bool = True) -> dict[str, Any] | None:
-        """``final``: the choice ends with these (a stream's last chunk, or a whole answer)."""
+    def render(self, lps: list[Logprob] | None) -> dict[str, Any] | None:
         if lps is None:
             return None
         if self.chat:
@@ -109,9 +115,7 @@ class ChoiceLogprobs:
                     for lp in lps
                 ]
             }
-        new = [lp.token_id for lp in lps]
-        offsets = self._offsets(new, final)
-        self.ids.extend(new)
+        offsets = self._offsets([lp.token_id for lp in lps])
         return {
             "tokens": [self.spell(lp.token_id) for lp in lps],
             "token_logprobs": [_value(lp.logprob) for lp in lps],

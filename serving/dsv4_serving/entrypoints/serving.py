@@ -295,7 +295,7 @@ class CompletionGenerator:
                     return
                 last[i] = o
                 token_ids[i].extend(o.delta_token_ids)
-                logprobs = lps[i].render(o.delta_logprobs, o.finished)
+                logprobs = lps[i].render(o.delta_logprobs)
                 if chats:
                     choices = _chat_chunks(chats[i], i, o, logprobs, return_token_ids)
                 else:

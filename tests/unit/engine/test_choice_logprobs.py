@@ -3,7 +3,9 @@ with dsv4-tiny's byte-level tokenizer (bytes 128-255 are no text on their own)."
 
 from __future__ import annotations
 
+import codecs
 import math
+import random
 
 from dsv4_serving.engine.engine.tokenizer import load_tokenizer
 from dsv4_serving.engine.request import Logprob
@@ -84,7 +86,7 @@ def _offsets_point_at_their_tokens(ids: list[int], chunks: list[int]) -> list[in
     start = 0
     for size in chunks:
         end = start + size
-        out = lp.render([Logprob(i, -1.0, []) for i in ids[start:end]], final=end == len(ids))
+        out = lp.render([Logprob(i, -1.0, []) for i in ids[start:end]])
         assert out is not None
         offsets += out["text_offset"]
         start = end
@@ -110,3 +112,46 @@ def test_text_offset_after_bytes_that_never_become_a_character() -> None:
     ids = [0xE4, ord("x"), ord("y")]  # a lone lead byte: U+FFFD in the text, then "xy"
     assert TOK.decode(ids) == "\ufffdxy"
     assert _offsets_point_at_their_tokens(ids, [3]) == [0, 1, 2]
+
+
+def _byte_truth(ids: list[int]) -> list[int]:
+    """Each byte token's character, by Python's own UTF-8 decoder: the character being written
+    while bytes are pending, else the last one written."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    chars, out = 0, []
+    for b in ids:
+        chars += len(decoder.decode(bytes([b])))
+        out.append(chars if decoder.getstate()[0] else chars - 1)
+    return out
+
+
+def test_text_offset_is_the_same_however_the_tokens_are_grouped() -> None:
+    """Random byte soup (what a random tiny model writes): every grouping of the tokens into
+    increments, and a stream continued after any cut (``prime``), gives the one-by-one offsets,
+    and those are the characters Python's decoder puts each byte in. Lead bytes whose second
+    byte's range is narrowed (E0, ED, F0, F4) or never valid (F5-FF) are left out of that last
+    check: Python decides those one byte later than the tokenizer's (Rust) decoder."""
+    rng = random.Random(0)
+    alphabet = [*b"ab ", *"é中\ufffd😀".encode(), 0xE4, 0x80, 0xC3, 0xE0, 0xF0, 0xED]
+    narrowed = {0xE0, 0xED, 0xF0, 0xF4, *range(0xF5, 256)}
+    for _ in range(500):
+        ids = [rng.choice(alphabet) if rng.random() < 0.7 else rng.randrange(256) for _ in range(9)]
+        one_by_one = _offsets_point_at_their_tokens(ids, [1] * len(ids))
+        if not narrowed & set(ids):
+            assert one_by_one == _byte_truth(ids), ids
+        cuts = sorted(rng.sample(range(1, len(ids)), 3))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+        assert _offsets_point_at_their_tokens(ids, sizes) == one_by_one, (ids, sizes)
+        lp = ChoiceLogprobs(TOK, chat=False)
+        lp.prime(ids[: cuts[0]])
+        out = lp.render([Logprob(i, -1.0, []) for i in ids[cuts[0] :]])
+        assert out is not None and out["text_offset"] == one_by_one[cuts[0] :], ids
+
+
+def test_a_token_after_an_invalid_byte_starts_a_new_character() -> None:
+    # "3p", a stray continuation byte (settled U+FFFD), a lead byte cut off by "b" (another)
+    ids = [51, 112, 0xBF, 0xEF, ord("b")]
+    assert TOK.decode(ids) == "3p\ufffd\ufffdb"
+    want = [0, 1, 2, 3, 4]
+    assert _offsets_point_at_their_tokens(ids, [1] * 5) == want
+    assert _offsets_point_at_their_tokens(ids, [5]) == want
