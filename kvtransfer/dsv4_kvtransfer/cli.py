@@ -109,13 +109,14 @@ def _config(args: argparse.Namespace) -> SidecarConfig:
 def _start(cfg: SidecarConfig, log: logging.Logger) -> tuple[Sidecar, ControlServer, int]:
     """The sidecar listening for peers and its control API (and metrics) serving."""
     from dsv4_kvtransfer.control import ControlServer
+    from dsv4_kvtransfer.disk_tier import DiskTierError
     from dsv4_kvtransfer.sidecar import Sidecar
     from dsv4_kvtransfer.staging import StagingError
     from dsv4_kvtransfer.transports import TransportUnavailable
 
     try:
         sidecar = Sidecar(cfg, log)
-    except (TransportUnavailable, StagingError) as e:
+    except (TransportUnavailable, StagingError, DiskTierError) as e:
         raise _Refused(str(e)) from None
     try:
         port = sidecar.start()

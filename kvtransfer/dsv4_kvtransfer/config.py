@@ -18,6 +18,7 @@ TransportName = Literal["tcp", "shm", "hccl", "rdma", "gloo"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 MAX_LEASE_S = 3600.0
 MIN_FRAME_BYTES = 4096
+MIN_DISK_BYTES = 1 << 20
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -76,6 +77,12 @@ class SidecarConfig:
     offered (finished requests' blocks and boundary state), pullable by id by this engine and
     its peers, evicted least recently used and whenever an export or a pull needs the room
     (0: off)."""
+    kv_disk_bytes: int = field(default=0, metadata=_SIZE_FLAG)
+    """The disk tier: host-tier entries its LRU evicts spill to files in --kv-disk-dir, at
+    most this many bytes of them (least recently spilled dropped first), and come back into
+    the host tier when pulled (0: off; else at least 1M, with --kv-host-bytes)."""
+    kv_disk_dir: str | None = None
+    """The disk tier's directory (created; the tier's files in it are removed at start)."""
     shm_name: str = "dsv4-kv"
     """Name of the staging region; the command line's default is dsv4-kv-PORT."""
     shm_dir: str = "/dev/shm"
@@ -142,9 +149,23 @@ class SidecarConfig:
                 f"kv_host_bytes must be in [0, staging_bytes={self.staging_bytes}], "
                 f"not {self.kv_host_bytes}"
             )
+        self._check_disk_tier()
         if self.copy_threads < 0:
             raise ValueError(f"copy_threads must be >= 0, not {self.copy_threads}")
         for name in ("port", "control_port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be a port number (0-65535), not {value}")
+
+    def _check_disk_tier(self) -> None:
+        n = self.kv_disk_bytes
+        if n != 0 and n < MIN_DISK_BYTES:
+            raise ValueError(f"--kv-disk-bytes must be 0 (off) or at least 1M, not {n}")
+        if n and not self.kv_host_bytes:
+            raise ValueError(
+                "--kv-disk-bytes needs --kv-host-bytes: the disk tier takes what the host tier evicts"
+            )
+        if n and not self.kv_disk_dir:
+            raise ValueError("--kv-disk-bytes needs --kv-disk-dir (where its files go)")
+        if self.kv_disk_dir and not n:
+            raise ValueError("--kv-disk-dir without --kv-disk-bytes: the disk tier is off")

@@ -17,7 +17,8 @@ Cached exports are the **host tier**: an engine offers a finished request's pref
 content-derived transfer id (``pd_protocol.prefix_transfer_id``). Once committed it has no
 lease and a pull's ``RELEASE`` leaves it: it stays, pullable by anyone holding its id, until
 it is evicted least recently used first, when cached bytes would exceed ``host_bytes`` or when
-an export or an import finds no free extent (the tier only ever lends the region's idle room).
+an export or an import finds no free extent (the tier only ever lends the region's idle room);
+``spill`` may keep an evicted entry elsewhere first (the disk tier).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dsv4_kvtransfer.allocator import ExtentAllocator
 from dsv4_kvtransfer.buffers import Layout
 
 ExportState = Literal["reserved", "ready"]
-FreeReason = Literal["pulled", "expired", "aborted", "evicted"]
+FreeReason = Literal["pulled", "expired", "aborted", "evicted", "spilled"]
 
 
 class LedgerError(Exception):
@@ -95,6 +96,9 @@ class Ledger:
     """Cached exports' transfer ids -> extent bytes, least recently used first."""
     evicted: list[Freed] = field(default_factory=list)
     """Cached exports evicted since the owner last took them (``take_evicted``)."""
+    spill: Callable[[Export], bool] | None = None
+    """Offered each cached export the LRU evicts, before its extent is freed: True when it
+    kept the entry (the disk tier: freed as ``spilled``, not ``evicted``)."""
 
     @property
     def cached_bytes(self) -> int:
@@ -109,7 +113,8 @@ class Ledger:
         for tid in self.cached:
             exp = self.exports[tid]
             if exp.pins == 0 and exp.state == "ready":
-                self.evicted.append(self._free_export(exp, "evicted"))
+                kept = self.spill is not None and self.spill(exp)
+                self.evicted.append(self._free_export(exp, "spilled" if kept else "evicted"))
                 return True
         return False
 

@@ -78,6 +78,31 @@ class SidecarMetrics:
         self.host_tier_entries = Gauge(
             "dsv4_kv_host_tier_entries", "Cached prefixes in the host tier", registry=r
         )
+        self.disk_tier_bytes = Gauge(
+            "dsv4_kv_disk_tier_bytes",
+            "Bytes of the disk tier's files (prefixes the host tier spilled)",
+            registry=r,
+        )
+        self.disk_tier_entries = Gauge(
+            "dsv4_kv_disk_tier_entries", "Cached prefixes in the disk tier", registry=r
+        )
+        self.disk_tier_spills = Counter(
+            "dsv4_kv_disk_tier_spills",
+            "Host-tier entries the LRU evicted that went to the disk tier",
+            registry=r,
+        )
+        self.disk_tier_hits = Counter(
+            "dsv4_kv_disk_tier_hits",
+            "Disk-tier entries read back (checked) for a pull, into the host tier",
+            registry=r,
+        )
+        self.disk_tier_drops = Counter(
+            "dsv4_kv_disk_tier_drops",
+            "Entries the disk tier dropped or did not take, by reason (evicted, not_taken, "
+            "write_error, read_error, checksum_mismatch, fingerprint_mismatch)",
+            ["reason"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

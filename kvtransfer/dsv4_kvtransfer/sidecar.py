@@ -19,6 +19,7 @@ from typing import Any
 from dsv4_common import tracing
 from dsv4_kvtransfer.allocator import ExtentAllocator
 from dsv4_kvtransfer.config import SidecarConfig
+from dsv4_kvtransfer.disk_tier import DiskTier
 from dsv4_kvtransfer.exports import Exports
 from dsv4_kvtransfer.frames import FrameLimits
 from dsv4_kvtransfer.kv_spans import SidecarSpans
@@ -52,6 +53,17 @@ class Sidecar:
         # exports published in the region (a trailer each): a same-host shm pull of them
         # needs no round trip to this sidecar before its copy
         self.store = StagingStore(region, ledger, self.metrics, rdma_session, publish=True)
+        self.disk: DiskTier | None = None
+        if cfg.kv_disk_bytes:
+            assert cfg.kv_disk_dir is not None  # (SidecarConfig checks it)
+            self.disk = DiskTier(cfg.kv_disk_dir, cfg.kv_disk_bytes, self.metrics)
+            try:
+                self.disk.open()  # DiskTierError: the caller refuses to start
+            except BaseException:
+                self.transport.close()
+                region.close()
+                raise
+            self.store.attach_disk(self.disk)
         self.port = cfg.port
         self.exports = Exports(self.store, cfg, lambda: self.port)
         self.puller = Puller(self.store, self.transport, cfg, self.metrics, self.log)
@@ -135,6 +147,8 @@ class Sidecar:
         self.peer.stop()
         self.puller.stop()
         self.transport.close()
+        if self.disk is not None:
+            self.disk.close()
         self.store.region.close()
 
     def _sweep_loop(self) -> None:
@@ -180,10 +194,19 @@ class Sidecar:
             "host_bytes": self.cfg.kv_host_bytes,
             "host_tier_bytes": u.cached_bytes,
             "host_tier_entries": u.cached_entries,
+            **self._disk_info(),
             "pulls": self.puller.count(),
             "lease_seconds": self.cfg.lease_seconds,
             "max_frame_bytes": self.cfg.max_frame_bytes,
             "fast_socket": self.fast_socket,
+        }
+
+    def _disk_info(self) -> dict[str, Any]:
+        used, entries = self.disk.usage() if self.disk is not None else (0, 0)
+        return {
+            "disk_bytes": self.cfg.kv_disk_bytes,
+            "disk_tier_bytes": used,
+            "disk_tier_entries": entries,
         }
 
     def health(self) -> dict[str, Any]:

@@ -4,11 +4,16 @@ and the peer server share.
 Every ledger call takes the lock; every extent freed (whoever frees it, for whatever reason) is
 counted in the metrics and the gauges follow, here and nowhere else. It is the peer server's
 ``ExportSource``; the puller reserves, completes and drops its imports through it.
+
+With a disk tier (``attach_disk``) the host tier's LRU spills into it, and an export asked for
+by id that the host tier no longer holds but the disk tier does is read back into the host
+tier first (``_promote``), so every pull path serves it unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -16,12 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_kvtransfer.buffers import Layout
+from dsv4_kvtransfer.disk_tier import DiskTier
 from dsv4_kvtransfer.host_evictions import EvictionLog
 from dsv4_kvtransfer.integrity import META_KEY
 from dsv4_kvtransfer.kv_spans import SidecarSpans
 from dsv4_kvtransfer.ledger import Export, Freed, FreeReason, Import, Ledger, LedgerError
 from dsv4_kvtransfer.metrics import SidecarMetrics
 from dsv4_kvtransfer.staging import TRAILER, StagingRegion
+
+log = logging.getLogger("dsv4.kv.store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +114,16 @@ class StagingStore:
         self._rdma_session = rdma_session
         self._lock = threading.Lock()
         self.spans: SidecarSpans | None = None
+        self.disk: DiskTier | None = None
+        self._promote_lock = threading.Lock()  # one read-back at a time
         metrics.staging_total.set(ledger.alloc.size)
         self._gauges()
+
+    def attach_disk(self, disk: DiskTier) -> None:
+        """Spill the host tier's LRU evictions into ``disk`` (opened), read them back on use."""
+        self.disk = disk
+        disk.on_gone = self.host_evictions.add
+        self.ledger.spill = self._spill
 
     # ---- accounting ------------------------------------------------------------------------
 
@@ -116,8 +132,8 @@ class StagingStore:
         with self._lock:
             evicted = self.ledger.take_evicted()
             freed = freed + evicted
-        if evicted:
-            self.host_evictions.add(f.key for f in evicted)
+        if evicted:  # (a spilled one is still here: on disk)
+            self.host_evictions.add(f.key for f in evicted if f.reason == "evicted")
         for f in freed:
             self.metrics.releases.labels(f.kind, f.reason).inc()
             if f.reason == "expired":
@@ -161,7 +177,18 @@ class StagingStore:
         cached: bool = False,
     ) -> ExportView:
         """Raises ``LedgerError`` (``staging_full``, ``duplicate``; ``no_host_tier`` for a
-        cached export that cannot fit the tier)."""
+        cached export that cannot fit the tier). An offer of an entry the disk tier holds
+        replaces that copy."""
+        if cached and self.disk is not None:
+            self.disk.discard(transfer_id)
+        view = self._reserve(transfer_id, layout, meta, ttl, cached)
+        self.metrics.exports.inc()
+        self._settle([])
+        return view
+
+    def _reserve(
+        self, transfer_id: str, layout: Layout, meta: dict[str, Any], ttl: float, cached: bool
+    ) -> ExportView:
         manifest = manifest_bytes(layout, meta) if self.publish else b""
         trailer = TRAILER.size + len(manifest) if manifest else 0
         with self._lock:
@@ -170,10 +197,7 @@ class StagingStore:
             )
             if trailer:
                 self._manifests[transfer_id] = manifest
-            view = _view(exp)
-        self.metrics.exports.inc()
-        self._settle([])
-        return view
+            return _view(exp)
 
     def commit_export(
         self, transfer_id: str, ttl: float, integrity: dict[str, Any] | None = None
@@ -220,12 +244,49 @@ class StagingStore:
     # ---- exports: the peer server's side (ExportSource) ------------------------------------
 
     def ready_export(self, transfer_id: str) -> Export:
+        self._promote(transfer_id)
         with self._lock:
             return self.ledger.ready_export(transfer_id)
 
     def pin_export(self, transfer_id: str) -> Export:
+        self._promote(transfer_id)
         with self._lock:
             return self.ledger.pin(transfer_id)
+
+    # ---- the disk tier -----------------------------------------------------------------------
+
+    def _spill(self, exp: Export) -> bool:
+        """The ledger's hook (under our lock): offer an evicted entry to the disk tier."""
+        assert self.disk is not None
+        data = bytes(self.region.view(exp.offset, exp.layout.total_bytes))
+        return self.disk.spill(exp.transfer_id, exp.layout, dict(exp.meta), data)
+
+    def _promote(self, transfer_id: str, ttl: float = 30.0) -> None:
+        """An entry asked for that the host tier spilled: read it back (checked) into the
+        host tier, as a committed cached export (its manifest, integrity record included, as
+        it was). If the host tier has no room it goes back to disk."""
+        disk = self.disk
+        if disk is None or transfer_id not in disk:
+            return
+        with self._promote_lock:
+            with self._lock:
+                if transfer_id in self.ledger.exports:
+                    return
+            got = disk.take(transfer_id)
+            if got is None:
+                return
+            layout, meta, data = got
+            try:
+                view = self._reserve(transfer_id, layout, meta, ttl, cached=True)
+            except LedgerError as e:
+                log.info("disk tier: %s stays on disk (%s)", transfer_id, e)
+                if not disk.spill(transfer_id, layout, meta, bytes(data)):
+                    self.host_evictions.add([transfer_id])
+                self._settle([])
+                return
+            self.region.view(view.offset, layout.total_bytes)[:] = data
+            self.commit_export(transfer_id, ttl)
+        self._settle([])
 
     def unpin_export(self, transfer_id: str) -> None:
         with self._lock:
