@@ -309,6 +309,31 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("C8 on", _cr(features={"c8": "on"}), "features.c8 is not supported yet"),
     (
+        "negative host tier",
+        _cr(kvCache={"hostBytes": "-1Gi"}),
+        "kvCache.hostBytes must be a Kubernetes quantity such as 4Gi (0: off)",
+    ),
+    (
+        "negative disk tier",
+        _cr(kvCache={"hostBytes": "1Gi", "diskBytes": "-20Gi"}),
+        "kvCache.diskBytes must be 0 (off) or a Kubernetes quantity of at least 1Mi",
+    ),
+    (
+        "disk tier too small",
+        _cr(kvCache={"hostBytes": "1Gi", "diskBytes": "1k"}),
+        "kvCache.diskBytes must be 0 (off) or a Kubernetes quantity of at least 1Mi",
+    ),
+    (
+        "disk tier not a quantity",
+        _cr(kvCache={"hostBytes": "1Gi", "diskBytes": "20GB"}),
+        "kvCache.diskBytes must be 0 (off) or a Kubernetes quantity of at least 1Mi",
+    ),
+    (
+        "disk tier without a host tier",
+        _cr(kvCache={"diskBytes": "20Gi"}),
+        "kvCache.diskBytes needs kvCache.hostBytes",
+    ),
+    (
         "unknown weight format",
         _cr(model={"path": "/data/v4", "servedName": "v4", "quantization": "int4"}),
         'spec.model.quantization: Unsupported value: "int4"',
@@ -358,6 +383,7 @@ def test_knobs_at_their_defaults_or_acted_on_are_accepted(k8s_control_plane, dsv
             "hccnConf": {"hostPath": "/opt/npu-1.2/hccn.conf"},
         },
         model={"path": "/data/v4", "servedName": "v4", "quantization": "none"},
+        kvCache={"hostBytes": "4Gi", "diskBytes": "20Gi"},
     )
     res = _apply(k8s_control_plane, cr)
     assert res.returncode == 0, res.stderr

@@ -340,13 +340,28 @@ class RoleSpec:
         return self.parallelism.ranks // self.nodes_per_instance
 
 
+_ZERO = "quantity('0')"
+
+
 @crd_object(
     defaulted=True,
     rules=[
         (
-            "isQuantity(self.hostBytes)",
+            f"isQuantity(self.hostBytes) && quantity(self.hostBytes).compareTo({_ZERO}) >= 0",
             "kvCache.hostBytes must be a Kubernetes quantity such as 4Gi (0: off)",
-        )
+        ),
+        (
+            f"isQuantity(self.diskBytes) && (quantity(self.diskBytes).compareTo({_ZERO}) == 0 "
+            "|| quantity(self.diskBytes).compareTo(quantity('1Mi')) >= 0)",
+            "kvCache.diskBytes must be 0 (off) or a Kubernetes quantity of at least 1Mi, "
+            "such as 20Gi",
+        ),
+        (
+            f"!isQuantity(self.diskBytes) || quantity(self.diskBytes).compareTo({_ZERO}) == 0 "
+            f"|| (isQuantity(self.hostBytes) && quantity(self.hostBytes).compareTo({_ZERO}) > 0)",
+            "kvCache.diskBytes needs kvCache.hostBytes: the disk tier keeps what the host tier "
+            "evicts",
+        ),
     ],
 )
 @dataclass(frozen=True, kw_only=True)
@@ -357,6 +372,17 @@ class KVCacheSpec:
             "finished requests offered, for this engine and its peers to pull instead of "
             "recomputing (evicted least recently used; 0: off). At most the staging region "
             "(shmSize minus 256Mi).",
+            default="0",
+            max_length=32,
+        )
+    )
+    disk_bytes: str = prop(
+        string(
+            "The KV sidecar's disk tier: entries the host tier evicts spill to files, at most "
+            "this many bytes of them, and are read back (checked) when pulled (least recently "
+            "spilled dropped first; 0: off). Needs hostBytes. The files live on an emptyDir "
+            "volume of the pod (node disk, sized this plus hostBytes plus 64Mi), emptied when "
+            "the pod goes.",
             default="0",
             max_length=32,
         )

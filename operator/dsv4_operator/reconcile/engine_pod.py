@@ -15,6 +15,7 @@ from dsv4_operator.reconcile import names
 from dsv4_operator.reconcile.cpu_ranks import rank_threads
 from dsv4_operator.reconcile.engine_config import ENGINE_CONFIG_KEY
 from dsv4_operator.reconcile.identity import RANKTABLE_DIR, Identity
+from dsv4_operator.reconcile.kv_disk import disk_tier_flags, disk_tier_mounts, disk_tier_volume
 from dsv4_operator.reconcile.shm import host_tier_bytes, staging_bytes
 from dsv4_operator.reconcile.shutdown import role_shutdown
 from dsv4_operator.reconcile.tracing import tracing_args
@@ -127,6 +128,7 @@ def sidecar_command(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         str(staging_bytes(role.role, role.shm_size)),
         "--kv-host-bytes",
         str(host_tier_bytes(role.role, spec.kv_cache.host_bytes, role.shm_size)),
+        *disk_tier_flags(spec),
         "--shutdown-timeout",
         str(role_shutdown(role).drain_s),
         *tracing_args(spec),
@@ -195,6 +197,8 @@ def _volumes(
                 {"name": "hccn-conf", "hostPath": {"path": hccn.host_path, "type": "File"}}
             )
             mounts.append({"name": "hccn-conf", "mountPath": "/etc/hccn.conf", "readOnly": True})
+    host = host_tier_bytes(role.role, spec.kv_cache.host_bytes, role.shm_size)
+    volumes += disk_tier_volume(spec, host)  # last: the other volumes keep their indices
     return volumes, mounts
 
 
@@ -248,6 +252,7 @@ def pod_template(
         "volumeMounts": [
             {"name": "shm", "mountPath": "/dev/shm"},
             {"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True},
+            *disk_tier_mounts(spec),
         ],
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "kv-metrics"},
