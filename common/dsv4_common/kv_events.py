@@ -37,6 +37,8 @@ SNAPSHOT_GROUP = 1
 SNAPSHOT_KIND = "dsv4_state_snapshot"
 MEDIUM_DEVICE = "GPU"  # vLLM's name for accelerator memory, whatever the accelerator
 MEDIUM_HOST = "CPU"  # the sidecar's host tier (vLLM's connectors' name for host memory)
+MEDIUM_DISK = "DISK"  # the sidecar's disk tier under it
+SIDECAR_MEDIA = (MEDIUM_HOST, MEDIUM_DISK)  # a prefix pullable from the events' host_tier
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 
 BlockHash = bytes

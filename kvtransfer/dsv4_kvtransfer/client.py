@@ -305,6 +305,13 @@ class SidecarClient:
         r = self.request("GET", f"/v1/host-tier/evictions?since={since}")
         return int(r["next"]), [str(t) for t in r["transfer_ids"]], bool(r["lost"])
 
+    def host_tier_moves(self, since: int) -> tuple[int, list[tuple[str, str | None]], bool]:
+        """As ``host_evictions``, with every record in order: (transfer id, the medium its
+        entry is in now: ``"DISK"``, ``"CPU"``, or None when it is gone)."""
+        r = self.request("GET", f"/v1/host-tier/evictions?since={since}")
+        moves = [(str(t), None if m is None else str(m)) for t, m in r.get("moves", [])]
+        return int(r["next"]), moves, bool(r["lost"])
+
     def region(self, tag: str | None = None) -> StagingRegion:
         """The sidecar's staging region, mapped once. With ``tag`` (from a reservation or a
         finished pull), a mapping of an older region (the sidecar restarted) is replaced: KV

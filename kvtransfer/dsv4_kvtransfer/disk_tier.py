@@ -198,13 +198,6 @@ class DiskTier:
         self.metrics.disk_tier_hits.inc()
         return e.layout, meta, data
 
-    def discard(self, transfer_id: str) -> None:
-        """Forget an entry that is in the host tier again (offered anew): not a drop."""
-        with self._lock:
-            self._forget(transfer_id)
-            self.index.remove(transfer_id)
-        self._gauges()
-
     def __contains__(self, transfer_id: str) -> bool:
         with self._lock:
             return transfer_id in self._entries

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4_common.kv_events import MEDIUM_DISK, MEDIUM_HOST
 from dsv4_kvtransfer.buffers import Layout
 from dsv4_kvtransfer.disk_tier import DiskTier
 from dsv4_kvtransfer.host_evictions import EvictionLog
@@ -134,6 +135,8 @@ class StagingStore:
             freed = freed + evicted
         if evicted:  # (a spilled one is still here: on disk)
             self.host_evictions.add(f.key for f in evicted if f.reason == "evicted")
+            spilled = [f.key for f in evicted if f.reason == "spilled"]
+            self.host_evictions.add_moves(spilled, MEDIUM_DISK)
         for f in freed:
             self.metrics.releases.labels(f.kind, f.reason).inc()
             if f.reason == "expired":
@@ -178,9 +181,9 @@ class StagingStore:
     ) -> ExportView:
         """Raises ``LedgerError`` (``staging_full``, ``duplicate``; ``no_host_tier`` for a
         cached export that cannot fit the tier). An offer of an entry the disk tier holds
-        replaces that copy."""
-        if cached and self.disk is not None:
-            self.disk.discard(transfer_id)
+        reads it back (a use, as a duplicate offer is in the host tier): ``duplicate``."""
+        if cached:
+            self._promote(transfer_id)
         view = self._reserve(transfer_id, layout, meta, ttl, cached)
         self.metrics.exports.inc()
         self._settle([])
@@ -286,7 +289,8 @@ class StagingStore:
                 return
             self.region.view(view.offset, layout.total_bytes)[:] = data
             self.commit_export(transfer_id, ttl)
-        self._settle([])
+            self._settle([])  # (those spilled for its room are logged first)
+            self.host_evictions.add_moves([transfer_id], MEDIUM_HOST)
 
     def unpin_export(self, transfer_id: str) -> None:
         with self._lock:

@@ -85,8 +85,10 @@ def test_an_entry_spilled_to_disk_is_served_back_exact(
     info = src.info()
     assert (info["host_tier_entries"], info["disk_tier_entries"]) == (2, 1)
     assert info["disk_bytes"] == 8 * MB and int(str(info["disk_tier_bytes"])) > 0
-    assert src.client.host_evictions(0) == (0, [], False)  # on disk: not gone
     tid, params, data = entries[0]
+    # on disk, not gone: the engine announces it moved (medium "DISK")
+    assert src.client.host_tier_moves(0) == (1, [(tid, "DISK")], False)
+    assert src.client.host_evictions(0) == (1, [], False)
     assert disk_files(d)[0].startswith(tid)
     assert pull(dst, params) == data  # a peer's pull: read back, exact
     # it is in the host tier again (the second spilled for its room), its file gone
@@ -98,6 +100,7 @@ def test_an_entry_spilled_to_disk_is_served_back_exact(
         10,
         0.05,
     )
+    assert src.client.host_tier_moves(1) == (3, [(entries[1][0], "DISK"), (tid, "CPU")], False)
     # the serve-back: the offering engine's own sidecar pulls the entry the disk tier holds
     assert pull(src, entries[1][1]) == entries[1][2]
     assert src.metric("dsv4_kv_disk_tier_spills_total") == 3
@@ -122,7 +125,7 @@ def test_a_corrupted_file_is_never_served_and_is_dropped_counted_and_announced(
     assert e.value.reason == "unknown_transfer"  # the engine computes the prefix instead
     assert src.metric("dsv4_kv_disk_tier_drops_total", reason="checksum_mismatch") == 1
     assert src.metric("dsv4_kv_disk_tier_hits_total") == 0
-    assert src.client.host_evictions(0) == (1, [tid], False)
+    assert src.client.host_tier_moves(0) == (2, [(tid, "DISK"), (tid, None)], False)
     assert disk_files(d) == [] and src.info()["disk_tier_entries"] == 0
     assert pull(dst, entries[2][1]) == entries[2][2]  # the rest serve on
 

@@ -63,3 +63,43 @@ def test_role_args_reach_their_role_only(tmp_path: Path) -> None:
 def test_no_pd_refuses_prefill_args_by_name() -> None:
     with pytest.raises(SystemExit, match="--prefill-arg has no meaning with --no-pd"):
         main(["up", "--no-pd", "--prefill-arg=--seed=1"])
+
+
+def test_the_sidecar_tiers_reach_every_sidecar(tmp_path: Path) -> None:
+    argv = ["up", "--kv-host-bytes", "64M", "--kv-disk-bytes", "1G"]
+    args = build_parser().parse_args(argv)
+    up.check_tiers(args)
+    sidecars = [c for c in up.plan(args, tmp_path) if c.name.endswith("sidecar")]
+    assert len(sidecars) == 2
+    for c in sidecars:
+        name = c.name.removesuffix("-sidecar")
+        i = c.argv.index("--kv-host-bytes")
+        assert c.argv[i : i + 2] == ["--kv-host-bytes", str(64 << 20)]
+        i = c.argv.index("--kv-disk-bytes")
+        assert c.argv[i : i + 4] == [
+            "--kv-disk-bytes",
+            str(1 << 30),
+            "--kv-disk-dir",
+            str(tmp_path / f"{name}-kv-disk"),
+        ]
+    plain = up.plan(build_parser().parse_args(["up"]), tmp_path)
+    assert all("--kv-host-bytes" not in c.argv and "--kv-disk-dir" not in c.argv for c in plain)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--no-pd", "--kv-host-bytes", "1M"], "--kv-host-bytes has no meaning with --no-pd"),
+        (["--kv-host-bytes", "1G"], "--kv-host-bytes must be at most the sidecars' staging"),
+        (["--kv-host-bytes", "1M", "--kv-disk-bytes", "1K"], "--kv-disk-bytes must be 0 (off)"),
+        (["--kv-disk-bytes", "1G"], "--kv-disk-bytes needs --kv-host-bytes"),
+    ],
+)
+def test_bad_tiers_are_refused_by_name(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        up.check_tiers(build_parser().parse_args(["up", *argv]))
+
+
+def test_a_negative_tier_is_not_a_size() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--kv-disk-bytes=-1G"])

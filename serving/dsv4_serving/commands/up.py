@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsv4_common.process import Service, dsv4_argv, free_ports
+from dsv4_kvtransfer.config import MIN_DISK_BYTES, parse_size
 from dsv4_serving.commands.launch import engine_service, engine_with_sidecar, in_share
 from dsv4_serving.platform.threads import (
     MODES,
@@ -28,6 +29,8 @@ from dsv4_serving.platform.threads import (
     openmp_runtime,
     plan_cpus,
 )
+
+STAGING_BYTES = 256 << 20  # each sidecar's region
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +57,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["tcp", "shm"],
         default="tcp",
         help="how decode pulls KV (default tcp)",
+    )
+    p.add_argument(
+        "--kv-host-bytes",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="each sidecar's host tier of offered prefixes (e.g. 64M; at most its 256M staging "
+        "region; default 0: off)",
+    )
+    p.add_argument(
+        "--kv-disk-bytes",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="each sidecar's disk tier under its host tier (e.g. 1G; needs --kv-host-bytes), "
+        "its files under the log directory (default 0: off)",
     )
     p.add_argument(
         "--load-format",
@@ -143,6 +162,35 @@ def check_counts(args: argparse.Namespace) -> None:
         )
 
 
+def check_tiers(args: argparse.Namespace) -> None:
+    """The sidecars' host and disk tiers, or a CLI error naming the flag."""
+    host, disk = args.kv_host_bytes, args.kv_disk_bytes
+    for flag, value in (("--kv-host-bytes", host), ("--kv-disk-bytes", disk)):
+        if value and args.no_pd:
+            raise SystemExit(f"dsv4 up: error: {flag} has no meaning with --no-pd (no sidecars)")
+    if host > STAGING_BYTES:
+        raise SystemExit(
+            f"dsv4 up: error: --kv-host-bytes must be at most the sidecars' staging region "
+            f"({STAGING_BYTES} bytes), got {host}"
+        )
+    if disk and disk < MIN_DISK_BYTES:
+        raise SystemExit(
+            f"dsv4 up: error: --kv-disk-bytes must be 0 (off) or at least 1M, got {disk}"
+        )
+    if disk and not host:
+        raise SystemExit("dsv4 up: error: --kv-disk-bytes needs --kv-host-bytes")
+
+
+def _tiers(args: argparse.Namespace, run_dir: Path, name: str) -> dict[str, object]:
+    """The sidecar settings of ``name``'s tiers (none when off)."""
+    out: dict[str, object] = {}
+    if args.kv_host_bytes:
+        out["kv_host_bytes"] = args.kv_host_bytes
+    if args.kv_disk_bytes:
+        out.update(kv_disk_bytes=args.kv_disk_bytes, kv_disk_dir=str(run_dir / f"{name}-kv-disk"))
+    return out
+
+
 def _count(value: int | None) -> int:
     return 1 if value is None else value
 
@@ -210,7 +258,8 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Service]:
             shm_prefix=f"dsv4-up-{os.getpid()}",
             engine_args=engine_args,
             transport=args.kv_transport,
-            staging_bytes=256 << 20,
+            staging_bytes=STAGING_BYTES,
+            **_tiers(args, run_dir, name),
             **traced,
         )
         children += [
@@ -322,6 +371,7 @@ def restart(child: Service, timeout_s: float = 120.0) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_counts(args)
+    check_tiers(args)
     if not 0 < args.port < 65536:
         raise SystemExit(f"dsv4 up: error: --port must be in 1..65535, got {args.port}")
     if not _port_free(args.host, args.port):

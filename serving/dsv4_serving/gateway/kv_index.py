@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dsv4_common.kv_events import (
-    MEDIUM_HOST,
+    SIDECAR_MEDIA,
     SNAPSHOT_GROUP,
     AllBlocksCleared,
     BlockRemoved,
@@ -68,7 +68,8 @@ class RankCache:
     blocks: set[bytes] = field(default_factory=set)
     snapshots: set[bytes] = field(default_factory=set)
     host: set[bytes] = field(default_factory=set)
-    """Snapshot keys of prefixes in the rank's sidecar host tier (medium ``"CPU"``)."""
+    """Snapshot keys of prefixes in the rank's sidecar host tier (medium ``"CPU"``) or its
+    disk tier (``"DISK"``): both pulled alike, from ``host_tier``."""
     host_tier: str | None = None
     """``HOST:PORT`` of that sidecar (the batches' ``host_tier``): where a pull goes."""
     # each host key's boundary block hash, and how many keys end at each boundary
@@ -96,7 +97,7 @@ class RankCache:
         self.host_tier = batch.host_tier
         for ev in batch.events:
             target = self.snapshots if _group(ev) == SNAPSHOT_GROUP else self.blocks
-            if getattr(ev, "medium", None) == MEDIUM_HOST:
+            if getattr(ev, "medium", None) in SIDECAR_MEDIA:  # the host tier or its disk
                 if isinstance(ev, BlockStored):
                     self._host_stored(ev)
                 elif isinstance(ev, BlockRemoved):

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_common.kv_events import MEDIUM_HOST, BlockRemoved, BlockStored, snapshot_hash
+from dsv4_common.kv_events import (
+    MEDIUM_DISK,
+    MEDIUM_HOST,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    snapshot_hash,
+)
 from dsv4_kvtransfer.buffers import BufferSpec
 from dsv4_kvtransfer.client import SidecarClient, SidecarError
 from dsv4_kvtransfer.config import SidecarConfig
@@ -27,14 +34,29 @@ def test_the_log_numbers_evictions_and_says_when_some_are_lost() -> None:
     log = EvictionLog(capacity=3)
     assert log.since(0) == Evictions(0, [], False)
     log.add(["a", "b"])
-    assert log.since(0) == Evictions(2, ["a", "b"], False)
-    assert log.since(1) == Evictions(2, ["b"], False)
+    assert log.since(0) == Evictions(2, ["a", "b"], False, [("a", None), ("b", None)])
+    assert log.since(1) == Evictions(2, ["b"], False, [("b", None)])
     assert log.since(2) == Evictions(2, [], False)
     assert log.since(1 << 62) == Evictions(2, [], False)  # past the end: just the number
     log.add(["c", "d"])  # "a" falls out
-    assert log.since(0) == Evictions(4, ["b", "c", "d"], True)
-    assert log.since(1) == Evictions(4, ["b", "c", "d"], False)
-    assert log.since(3).to_dict() == {"next": 4, "transfer_ids": ["d"], "lost": False}
+    assert log.since(0) == Evictions(4, ["b", "c", "d"], True, [(k, None) for k in "bcd"])
+    assert log.since(1).transfer_ids == ["b", "c", "d"] and not log.since(1).lost
+    assert log.since(3).to_dict() == {
+        "next": 4,
+        "transfer_ids": ["d"],
+        "lost": False,
+        "moves": [["d", None]],
+    }
+
+
+def test_moves_between_tiers_are_numbered_in_order_with_the_evictions() -> None:
+    log = EvictionLog()
+    log.add_moves(["a"], MEDIUM_DISK)  # spilled
+    log.add(["b"])  # gone
+    log.add_moves(["a"], MEDIUM_HOST)  # read back for a pull
+    assert log.since(0) == Evictions(
+        3, ["b"], False, [("a", MEDIUM_DISK), ("b", None), ("a", MEDIUM_HOST)]
+    )
 
 
 BS = 4
@@ -67,6 +89,50 @@ def test_the_engine_announces_an_announced_entrys_eviction() -> None:
     assert removed == BlockRemoved([key], medium=MEDIUM_HOST, group_idx=1)
     kv.host_evicted([tid])  # once only
     assert kv.take_events() == []
+
+
+def test_the_engine_announces_an_entrys_moves_to_disk_and_back_and_its_drop() -> None:
+    kv = KVCacheManager(
+        16, BS, 2, enable_caching=True, has_state=True, num_snapshot_slots=2, enable_events=True
+    )
+    tid, key = _offered(kv, "a", list(range(1, 9)))
+    kv.offer_stored(Request(EngineCoreRequest("a", list(range(1, 9)), SamplingParams()), 0))
+    kv.take_events()
+    kv.host_tier_moved([(tid, MEDIUM_DISK), ("f" * 24, MEDIUM_DISK)])  # not ours: ignored
+    removed, stored = kv.take_events()
+    assert removed == BlockRemoved([key], medium=MEDIUM_HOST, group_idx=1)
+    assert isinstance(stored, BlockStored) and stored.medium == MEDIUM_DISK
+    assert stored.block_hashes == [key]
+    kv.host_tier_moved([(tid, MEDIUM_DISK)])  # no change: nothing
+    assert kv.take_events() == []
+    kv.host_tier_moved([(tid, MEDIUM_HOST), (tid, MEDIUM_DISK), (tid, None)])
+    events = kv.take_events()
+    assert [(type(e).__name__, e.medium) for e in events] == [
+        ("BlockRemoved", MEDIUM_DISK),
+        ("BlockStored", MEDIUM_HOST),
+        ("BlockRemoved", MEDIUM_HOST),
+        ("BlockStored", MEDIUM_DISK),
+        ("BlockRemoved", MEDIUM_DISK),  # dropped from disk: gone from the medium it was in
+    ]
+    kv.host_tier_moved([(tid, MEDIUM_HOST)])  # gone already
+    assert kv.take_events() == []
+
+
+def test_the_gateways_index_keeps_a_prefix_moved_to_disk_pullable() -> None:
+    from dsv4_serving.gateway.kv_index import RankCache
+
+    key, parent = b"k" * 32, b"p" * 32
+    stored = BlockStored([key], parent, [], BS, None, medium=MEDIUM_HOST, group_idx=1)
+    rc = RankCache()
+    rc.apply(0, KVEventBatch(0.0, [stored]))
+    to_disk = [
+        BlockRemoved([key], medium=MEDIUM_HOST, group_idx=1),
+        BlockStored([key], parent, [], BS, None, medium=MEDIUM_DISK, group_idx=1),
+    ]
+    rc.apply(1, KVEventBatch(0.0, to_disk))
+    assert rc.host == {key} and rc.snapshots == set()
+    rc.apply(2, KVEventBatch(0.0, [BlockRemoved([key], medium=MEDIUM_DISK, group_idx=1)]))
+    assert rc.host == set()
 
 
 def test_an_entry_evicted_before_its_offer_came_back_is_never_announced() -> None:
@@ -119,7 +185,7 @@ def test_a_sidecar_reports_its_evictions_to_the_engines_watcher(tmp_path: Path) 
         assert watcher.take() == []
         ids += [offer(k) for k in range(4, 6)]
         watcher.poll()
-        assert watcher.take() == ids[1:3]
+        assert watcher.take() == [(i, None) for i in ids[1:3]]
         watcher.poll()
         assert watcher.take() == []
         with pytest.raises(SidecarError, match="since"):

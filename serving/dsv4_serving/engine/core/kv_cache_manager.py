@@ -96,6 +96,7 @@ class KVCacheManager:
         # host-tier entries announced, by transfer id (their eviction is announced too), and
         # ids evicted before their offer's result came back (never announced then)
         self._host_keys: dict[str, BoundaryKey] = {}
+        self._host_media: dict[str, str] = {}  # those announced on disk ("CPU" if absent)
         self._host_gone: OrderedDict[str, None] = OrderedDict()
         # async scheduling: (boundary, slot) reserved for steps in flight that may start there
         self._landing: dict[str, list[Landing]] = {}
@@ -303,14 +304,30 @@ class KVCacheManager:
             del self._host_gone[tid]
             return
         self._host_keys[tid] = key
+        self._host_media.pop(tid, None)
         self._record_snapshot(key, stored=True, medium=MEDIUM_HOST)
 
+    def host_tier_moved(self, moves: list[tuple[str, str | None]]) -> None:
+        """Our sidecar's records, in order: an announced entry now in another tier ("DISK" or
+        "CPU") is announced gone from the old medium and stored in the new one; None: gone."""
+        for tid, medium in moves:
+            key = self._host_keys.get(tid)
+            if medium is None:
+                self.host_evicted([tid])
+            elif key is not None and medium != self._host_media.get(tid, MEDIUM_HOST):
+                self._record_snapshot(
+                    key, stored=False, medium=self._host_media.get(tid, MEDIUM_HOST)
+                )
+                self._record_snapshot(key, stored=True, medium=medium)
+                self._host_media[tid] = medium
+
     def host_evicted(self, transfer_ids: list[str]) -> None:
-        """Our sidecar's host tier evicted these entries: announce each announced one gone."""
+        """Our sidecar's tiers dropped these entries: announce each announced one gone."""
         for tid in transfer_ids:
             key = self._host_keys.pop(tid, None)
             if key is not None:
-                self._record_snapshot(key, stored=False, medium=MEDIUM_HOST)
+                medium = self._host_media.pop(tid, MEDIUM_HOST)
+                self._record_snapshot(key, stored=False, medium=medium)
                 continue
             self._host_gone[tid] = None
             if len(self._host_gone) > 1024:

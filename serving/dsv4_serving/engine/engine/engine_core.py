@@ -251,7 +251,7 @@ class EngineCore:
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
             if self.kv_worker is not None:
-                self.kv.host_evicted(self.kv_worker.take_host_evictions())
+                self.kv.host_tier_moved(self.kv_worker.take_host_evictions())
             events = self.kv.take_events()
             if events:
                 self.kv_events.publish(events)

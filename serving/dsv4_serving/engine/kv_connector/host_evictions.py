@@ -1,7 +1,9 @@
-"""Follow our sidecar's host-tier evictions (``GET /v1/host-tier/evictions``) on a thread of
-its own, so the engine core can announce each as a medium ``"CPU"`` ``BlockRemoved`` in its
-next step's KV events (the tier evicts on its own; without this the gateway's index would keep
-offering pulls of gone entries)."""
+"""Follow our sidecar's host-tier evictions and moves (``GET /v1/host-tier/evictions``) on a
+thread of its own, so the engine core can announce each in its next step's KV events: an entry
+gone as a ``BlockRemoved`` of the medium it was announced in, one moved between the host and
+the disk tier as a ``BlockRemoved`` of the old medium and a ``BlockStored`` of the new one (the
+tiers evict and spill on their own; without this the gateway's index would keep offering pulls
+of gone entries)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,14 @@ class HostEvictionWatcher:
     def __init__(self, client: SidecarClient, interval_s: float = INTERVAL_S) -> None:
         self.client, self.interval_s = client, interval_s
         self._since: int | None = None  # None: start from now (older ones are not ours)
-        self._ids: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ids: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-host-evictions", daemon=True)
         self._thread.start()
 
-    def take(self) -> list[str]:
-        """Transfer ids evicted since the last call."""
-        out: list[str] = []
+    def take(self) -> list[tuple[str, str | None]]:
+        """(transfer id, its medium now; None: gone) of each record since the last call."""
+        out: list[tuple[str, str | None]] = []
         while True:
             try:
                 out.append(self._ids.get_nowait())
@@ -36,7 +38,7 @@ class HostEvictionWatcher:
 
     def poll(self) -> None:
         try:
-            nxt, ids, lost = self.client.host_evictions(
+            nxt, ids, lost = self.client.host_tier_moves(
                 _LATEST if self._since is None else self._since
             )
         except (SidecarError, OSError, KeyError, ValueError) as e:

@@ -100,8 +100,8 @@ class SidecarConnectorWorker(KVConnectorWorker):
         if self._evictions is None:
             self._evictions = HostEvictionWatcher(self.client)
 
-    def take_host_evictions(self) -> list[str]:
-        """Transfer ids of host-tier entries evicted since the last call."""
+    def take_host_evictions(self) -> list[tuple[str, str | None]]:
+        """Host-tier entries evicted (medium None) or moved since the last call."""
         return self._evictions.take() if self._evictions is not None else []
 
     def _prefix_params(self, spec: LoadSpec) -> RemotePrefillParams:
