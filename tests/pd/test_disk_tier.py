@@ -152,3 +152,20 @@ def test_bad_disk_tier_settings_stop_the_sidecar_naming_the_flag(
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert message.format(tmp=tmp_path) in proc.stderr
+
+
+def test_a_same_host_pull_of_a_spilled_entry_is_exact(
+    sidecars: SidecarFactory, tiered: tuple[SidecarProc, SidecarProc, Path]
+) -> None:
+    """The params name where the entry was in the region when offered (``remote_shm``); once
+    spilled its trailer there is gone, so the in-place copy declines and the pull asks the
+    sidecar, which reads the entry back."""
+    src, _, d = tiered
+    dst = sidecars.start(transport="shm")
+    entries = [offer(src, k) for k in range(3)]
+    wait_for("the spill written", lambda: len(disk_files(d)) == 1, 10, 0.05)
+    _, params, data = entries[0]
+    assert "remote_shm" in params
+    assert pull(dst, params) == data
+    assert src.metric("dsv4_kv_disk_tier_hits_total") == 1
+    assert dst.metric("dsv4_kv_pulls_total", outcome="done") == 1
