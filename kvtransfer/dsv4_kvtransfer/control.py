@@ -4,7 +4,7 @@
     GET    /ready                       readiness: 200, or 503 while draining (SIGTERM)
     GET    /metrics                     Prometheus text
     GET    /v1/info                     staging region name and size, free bytes, counts
-    GET    /v1/host-tier/evictions?since=N  host-tier entries evicted from number N on
+    GET    /v1/host-tier/evictions?since=N  host-tier entries evicted or moved from number N on
     POST   /v1/exports                  reserve an extent for a request's KV buffers
     POST   /v1/exports/{id}/commit      the engine wrote the buffers: start the lease, get params
     GET    /v1/exports/{id}             state of an export
