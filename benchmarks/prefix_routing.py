@@ -13,7 +13,8 @@ variant, every variant with the same seeds, sizes and stack:
 
 The workload is an agent session (``sessions.AGENT_SESSION``, the defaults): a shared system
 prompt, then per turn a short new message after a long answer, so what (a)-(c) recompute each
-turn is mostly the previous answer (8x the new message), as in a V4 agent's sessions.
+turn is mostly the previous answer (8x the new message), as in a V4 agent's sessions. Its 6
+turns reach ~3.3K of dsv4-tiny's 4,096 positions: more turns need shorter answers.
 
 Reusable tokens are the whole history before the new message, the previous answer included
 (``sessions.reusable_tokens`` in its colocated sense): in PD only a pull can reuse the answer,
