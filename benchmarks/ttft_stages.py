@@ -12,7 +12,10 @@ step, the one that samples the first token):
                 requests it waited for
   prefill       its first prefill chunk's start to its last one's end (the steps computing
                 its new tokens; a step holds other requests' tokens too)
-  export        last chunk's end to the prefill answer (the KV copied to the sidecar)
+  export        last chunk's end to the prefill answer at the gateway: the KV copied to the
+                sidecar (a few ms), then the held answer waits until the core takes the
+                export's result, after the step that runs meanwhile (another request's
+                chunk, when the engine is busy), then the front end and the HTTP reply
   handoff       the prefill answer to the decode attempt's start (gateway)
   decode_kv     the decode attempt's start until its KV is in (HTTP, queue, the pull)
   first_step    from there to the end of the decode's first step (the first token)
