@@ -86,6 +86,13 @@ _WORDS = [
     "are",
 ]
 
+# An agent session's shape, the workload of ``prefix_routing.py`` (issue 31): a shared system
+# prompt, then per turn a short new message after a long answer (an agent turn's output with
+# its reasoning, which V4's template keeps in the history when the request has tools). A V4
+# agent answers in ~0.5-2K tokens to messages of ~50; scaled to dsv4-tiny (byte-level
+# vocabulary: a word here is ~3.7 tokens; 4,096 positions), 6 turns reach ~3.3K positions:
+# system ~260 tokens, messages ~55, answers 448 (the answer is 8x the new message).
+AGENT_SESSION = {"turns": 6, "system_len": 64, "user_len": 12, "output_len": 448}
 
 # ---- pure pieces (tests/unit/bench/test_sessions.py) ---------------------------------------
 
@@ -339,6 +346,7 @@ async def run_sessions(
                 print(f"  {mode}: --duration reached before turn {t}", flush=True)
                 break
             before = await scrape(engines)
+            started = time.time()
             jobs, turns = [], []
             for s in sessions:
                 s.messages.append(
@@ -350,6 +358,7 @@ async def run_sessions(
                 turns.append(turn)
                 jobs.append(send_turn(client, endpoint, body, turn, args.timeout))
             answers = await asyncio.gather(*jobs)
+            window = [started, time.time()]  # unix seconds: the turn's requests, for traces
             for s, turn, answer in zip(sessions, turns, answers, strict=True):
                 if mode == "pd":  # the client's usage is the decode's, not the prefill's
                     turn.cached_tokens = None
@@ -359,6 +368,7 @@ async def run_sessions(
             after = await settled(engines, before, sum(t.prompt_tokens for t in turns if t.ok))
             rows.append(turn_row(turns, after[0] - before[0], after[1] - before[1]))
             rows[-1]["per_session"] = [per_session(t) for t in turns]
+            rows[-1]["window_unix_s"] = window
             print(f"  {mode} turn {t}: {format_row(rows[-1])}", flush=True)
             if args.think_time and t < args.turns:
                 await asyncio.sleep(args.think_time)

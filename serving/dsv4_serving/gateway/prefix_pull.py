@@ -5,11 +5,15 @@ step cost).
 
     gain  = holder's prefix - the chosen instance's own cached prefix      (tokens)
     pull <=> gain >= min_tokens  and
-             fixed_s + gain * bytes_per_token / rate  <  (1 - margin) * gain * prefill_s_per_token
+             fixed_s + prefix * bytes_per_token / rate  <  (1 - margin) * gain * prefill_s_per_token
 
-At V4-Flash's 9.8 KB/token and a few GB/s a pull costs 1-4 ms per 1K tokens against tens to
-hundreds of milliseconds of prefill, so it nearly always wins; the rule guards slow paths and
-tiny gains, where the pull's fixed cost dominates.
+A pull moves the holder's whole entry (``prefix`` tokens: an entry is one export, and the
+engine copies only the blocks past its own hit into its cache), so its transfer is charged
+for every token of it while only the gain saves compute: a long context whose local hit
+already covers nearly all of it is not worth pulling for a short tail. At V4-Flash's 9.8
+KB/token and a few GB/s a pull costs 1-4 ms per 1K tokens of entry against tens to hundreds of
+milliseconds of prefill per 1K tokens of gain, so it wins unless the gain is a small part of
+a long entry; the rule also guards slow paths and tiny gains.
 """
 
 from __future__ import annotations
@@ -43,14 +47,18 @@ class PullCosts:
             raise ValueError("margin in [0, 1), fixed_s >= 0, min_tokens >= 1")
 
 
-def pull_seconds(gain_tokens: int, costs: PullCosts) -> float:
-    return costs.fixed_s + gain_tokens * costs.bytes_per_token / costs.rate_bytes_s
+def pull_seconds(moved_tokens: int, costs: PullCosts) -> float:
+    """A pull of an entry of ``moved_tokens`` tokens (all of them cross the wire)."""
+    return costs.fixed_s + moved_tokens * costs.bytes_per_token / costs.rate_bytes_s
 
 
-def should_pull(gain_tokens: int, costs: PullCosts) -> bool:
+def should_pull(gain_tokens: int, costs: PullCosts, moved_tokens: int | None = None) -> bool:
+    """Pull an entry of ``moved_tokens`` (default: the gain alone) that spares computing
+    ``gain_tokens``."""
     if gain_tokens < costs.min_tokens:
         return False
-    return pull_seconds(gain_tokens, costs) < (
+    moved = gain_tokens if moved_tokens is None else max(moved_tokens, gain_tokens)
+    return pull_seconds(moved, costs) < (
         (1 - costs.margin) * gain_tokens * costs.prefill_s_per_token
     )
 
@@ -61,9 +69,9 @@ def pull_saving(own_cached: int, holders: Sequence[HostPrefix], costs: PullCosts
     ``prefix_pull``, so an idle instance that can pull competes with a busy holder."""
     best = max((h.num_tokens for h in holders), default=0)
     gain = best - own_cached
-    if not should_pull(gain, costs):
+    if not should_pull(gain, costs, best):
         return 0.0
-    return gain - pull_seconds(gain, costs) / costs.prefill_s_per_token
+    return gain - pull_seconds(best, costs) / costs.prefill_s_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +90,7 @@ def choose_pull(
     """The pull for an instance whose own cache serves ``own_cached`` prompt tokens: the
     deepest holder's prefix when it is worth pulling, else None (ties: the first holder)."""
     best = max(holders, key=lambda h: h.num_tokens, default=None)
-    if best is None or not should_pull(best.num_tokens - own_cached, costs):
+    if best is None or not should_pull(best.num_tokens - own_cached, costs, best.num_tokens):
         return None
     return PrefixPullParams(best.host, best.port, best.num_tokens, best.key.hex())
 

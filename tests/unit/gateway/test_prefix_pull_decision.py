@@ -36,6 +36,19 @@ def test_should_pull_weighs_the_transfer_against_the_prefill() -> None:
         PullCosts(10_000, 1e9, margin=1.0)
 
 
+def test_the_transfer_is_charged_for_the_whole_entry_the_saving_for_the_gain() -> None:
+    # gain 256 saves 0.8 * 25.6 ms; moving E tokens costs 1 ms + 10 us * E: E < 1948
+    assert should_pull(256, COSTS, 1947) and not should_pull(256, COSTS, 1949)
+    assert should_pull(256, COSTS) == should_pull(256, COSTS, 256)  # the entry is the gain
+    long = HostPrefix("10.0.0.1", 14579, 65536, b"\x01" * 32)
+    # a 64K-token entry whose last 256 tokens are all the instance lacks: 656 ms to move them
+    assert choose_pull(65536 - 256, [long], COSTS) is None
+    short = HostPrefix("10.0.0.1", 14579, 1936, b"\x02" * 32)
+    assert choose_pull(1936 - 256, [short], COSTS) == PrefixPullParams(
+        "10.0.0.1", 14579, 1936, "02" * 32
+    )
+
+
 def test_choose_pull_takes_the_deepest_holder_when_the_gain_is_worth_it() -> None:
     a = HostPrefix("10.0.0.1", 14579, 1024, b"\x01" * 32)
     b = HostPrefix("10.0.0.2", 14579, 4096, b"\x02" * 32)

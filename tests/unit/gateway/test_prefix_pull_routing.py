@@ -68,7 +68,8 @@ def test_pull_saving_is_the_gain_less_the_pull() -> None:
     deep = [HostPrefix("h", 1, 4096, b"\x01" * 32), HostPrefix("h", 2, 1024, b"\x02" * 32)]
     # gain 4096: 1 ms + 4.096 ms = 50.96 prefill tokens
     assert pull_saving(0, deep, COSTS) == 4096 - 50.96
-    assert pull_saving(1024, deep, COSTS) == 3072 - (1e-3 + 3072e-6) / 1e-4
+    # the whole entry crosses the wire, whatever the instance's own hit: 4096 tokens moved
+    assert pull_saving(1024, deep, COSTS) == 3072 - (1e-3 + 4096e-6) / 1e-4
     assert pull_saving(4096 - 63, deep, COSTS) == 0.0  # below min_tokens
     assert pull_saving(0, [], COSTS) == 0.0
 
