@@ -11,7 +11,9 @@
    is ``1 + ceil((output_len - 1) / (k + 1))`` steps (the prompt's step makes the first token,
    then each step k + 1: 200 steps for 200 tokens without MTP; figures before this benchmark
    counted 201). Reported: achieved / ideal step rate, host milliseconds per step (wall /
-   ideal steps - step), the steps the engine ran, and the engine's own spans per step (``GET /debug/host_times``, reset before each run): schedule, prepare, post-process and
+   ideal steps - step), the steps the engine ran (more than ideal when the admissions spread
+   over several steps), the steps it ran per second against 1 / step (the share of the wall
+   time the emulated device was busy), and the engine's own spans per step (``GET /debug/host_times``, reset before each run): schedule, prepare, post-process and
    stream, p50 / p99 in ms. Under async scheduling schedule, prepare and post-process overlap
    the device step; what is not hidden shows in the achieved rate.
 2. ``dsv4 up --decode 2`` (three engines, their sidecars and the gateway on this host) under
@@ -166,6 +168,9 @@ def overhead_row(
         "host_ms_per_step": max(0.0, wall_s * 1e3 / steps - step_ms),
         "steps_run": float(spans.get("schedule", {}).get("count", 0)),
     }
+    # the steps the engine ran per second against 1 / step: the device's idle share, apart
+    # from the steps the admissions' spread added (each counted in achieved / ideal)
+    row["step_rate_over_ideal"] = row["steps_run"] * step_ms / 1e3 / wall_s
     for phase in PHASES:
         got = spans.get(phase, {})
         row[f"{phase}_p50_ms"] = float(got.get("p50_ms", 0.0))
@@ -263,6 +268,7 @@ def overhead_table(rows: list[dict[str, float]]) -> str:
         line("achieved / ideal step rate", "{:.2f}", "achieved_over_ideal"),
         line("host time per step (ms)", "{:.1f}", "host_ms_per_step"),
         line("steps run (ideal + admission spread)", "{:.0f}", "steps_run"),
+        line("steps run per s / ideal (device busy share)", "{:.2f}", "step_rate_over_ideal"),
     ]
     for phase in PHASES:  # p50 / p99 in one cell
         cells = " | ".join(f"{r[f'{phase}_p50_ms']:.2f} / {r[f'{phase}_p99_ms']:.2f}" for r in rows)
