@@ -13,6 +13,7 @@ message is the host's **stream** time (``host_times.py``, with the core's spans 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -104,6 +105,8 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None
         self._ids = itertools.count()
         self.host_times = HostTimes()  # per step: the core's spans and this stream time
+        # a step's inter-token gaps: (seconds, tokens) -> requests (most share the last step's)
+        self._gaps: collections.Counter[tuple[float, int]] = collections.Counter()
         # streams a gateway can continue elsewhere: a drain moves them (``engine/drain.py``)
         self.movable: set[str] = set()
 
@@ -319,6 +322,9 @@ class AsyncLLM:
                 now = time.monotonic()  # the step's outputs arrived together
                 for o in outputs:
                     self._on_output(o, now)
+                for (gap, n), count in self._gaps.items():  # one observation per shared gap
+                    self.observer.inter_token(gap, n, count)
+                self._gaps.clear()
                 if outputs:
                     self.host_times.add_stream(time.perf_counter() - started)
                 self.stats, self.rank_stats = stats, ranks or (stats,)
@@ -340,7 +346,8 @@ class AsyncLLM:
 
     def _hold(self, st: _State, o: EngineCoreOutput, now: float) -> None:
         """A collected answer's middle increment: its tokens wait for the last one."""
-        self.observer.inter_token(now - st.last_token, len(o.new_token_ids))  # type: ignore[operator]
+        assert st.last_token is not None
+        self._gaps[now - st.last_token, len(o.new_token_ids)] += 1
         st.last_token = now
         st.held_ids += o.new_token_ids
         if o.new_logprobs is not None:
@@ -368,7 +375,7 @@ class AsyncLLM:
         if st.last_token is None:
             self.observer.first_token(now - st.arrival, st.prompt_len)
         else:
-            self.observer.inter_token(now - st.last_token, len(o.new_token_ids))
+            self._gaps[now - st.last_token, len(o.new_token_ids)] += 1
         st.last_token = now
         finish = o.finish_reason
         stop_reason: str | int | None = o.stop_token_id
