@@ -5,11 +5,15 @@
    CPU's speed. For each ``--scheduling`` mode (``--async-scheduling off``: synchronous, ``on``:
    async) and each ``--mtp`` value (``--num-speculative-tokens``; the emulated drafts are
    always accepted, so a step makes k + 1 tokens), and for each batch size N, N concurrent
-   non-streamed requests of ``--output-len`` tokens from one async client. The ideal wall time
+   non-streamed requests of ``--output-len`` tokens from one asyncio client over raw
+   keep-alive HTTP/1.1 connections, opened before the clock starts (the client shares the
+   host's cores: an ``httpx`` client cost more CPU than the engine's front end). The ideal wall time
    is ``1 + ceil((output_len - 1) / (k + 1))`` steps (the prompt's step makes the first token,
    then each step k + 1: 200 steps for 200 tokens without MTP; figures before this benchmark
    counted 201). Reported: achieved / ideal step rate, host milliseconds per step (wall /
-   ideal steps - step), the steps the engine ran, and the engine's own spans per step (``GET /debug/host_times``, reset before each run): schedule, prepare, post-process and
+   ideal steps - step), the steps the engine ran (more than ideal when the admissions spread
+   over several steps), the steps it ran per second against 1 / step (the share of the wall
+   time the emulated device was busy), and the engine's own spans per step (``GET /debug/host_times``, reset before each run): schedule, prepare, post-process and
    stream, p50 / p99 in ms. Under async scheduling schedule, prepare and post-process overlap
    the device step; what is not hidden shows in the achieved rate.
 2. ``dsv4 up --decode 2`` (three engines, their sidecars and the gateway on this host) under
@@ -34,7 +38,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from charts import line_chart
 
 from dsv4_common.process import Service, dsv4_argv, free_port
@@ -84,28 +87,68 @@ def emulated_engine(args: argparse.Namespace, log_dir: Path, scheduling: str, k:
     return Service("emulated", argv, log, f"http://127.0.0.1:{port}")
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection with nothing but what these requests need: the
+    client shares the host's cores with the engine, and an ``httpx`` client spent more CPU
+    per request than the engine's front end (at 256 requests, its sends spread the
+    admissions over many steps, and its parsing of the answers ends the run late)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> Connection:
+        host, port = url.removeprefix("http://").split(":")
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def request(self, head: bytes, body: bytes = b"") -> Any:
+        """Send a request (its head and body, prepared by ``http_request``); -> its JSON."""
+        self.writer.write(head + body)
+        status = await self.reader.readuntil(b"\r\n\r\n")
+        lines = status.decode("latin-1").split("\r\n")
+        length = next(
+            int(line.split(":", 1)[1])
+            for line in lines
+            if line.lower().startswith("content-length:")
+        )
+        payload = await self.reader.readexactly(length)
+        code = int(lines[0].split()[1])
+        if code != 200:
+            raise RuntimeError(f"HTTP {code}: {payload[:200]!r}")
+        return json.loads(payload)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def http_request(method: str, path: str, body: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
 async def timed_run(url: str, n: int, output_len: int) -> tuple[float, dict[str, Any]]:
     """Seconds for ``n`` concurrent non-streamed requests of ``output_len`` tokens, and the
-    engine's host spans over them."""
+    engine's host spans over them. The connections are open before the clock starts."""
     body = {"model": "dsv4-tiny", "prompt": "hello world", "max_tokens": output_len}
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
+    post = http_request("POST", "/v1/completions", json.dumps(body).encode())
+    conns = [await Connection.open(url) for _ in range(n)]
+    try:
 
-        async def one() -> None:
-            r = await client.post(f"{url}/v1/completions", json=body)
-            r.raise_for_status()
-            got = r.json()["usage"]["completion_tokens"]
+        async def one(conn: Connection) -> None:
+            got = (await conn.request(post))["usage"]["completion_tokens"]
             if got != output_len:
                 raise RuntimeError(f"asked {output_len} tokens, got {got}")
 
-        await one()  # warm the connection and the code paths
-        (await client.get(f"{url}/debug/host_times", params={"reset": "true"})).raise_for_status()
+        await one(conns[0])  # warm the code paths
+        await conns[0].request(http_request("GET", "/debug/host_times?reset=true"))
         t = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(n)))
+        await asyncio.gather(*(one(c) for c in conns))
         wall = time.perf_counter() - t
-        spans = await client.get(f"{url}/debug/host_times")
-        spans.raise_for_status()
-        return wall, spans.json()
+        spans = await conns[0].request(http_request("GET", "/debug/host_times"))
+        return wall, spans
+    finally:
+        for c in conns:
+            c.close()
 
 
 def ideal_steps(output_len: int, k: int) -> int:
@@ -125,6 +168,9 @@ def overhead_row(
         "host_ms_per_step": max(0.0, wall_s * 1e3 / steps - step_ms),
         "steps_run": float(spans.get("schedule", {}).get("count", 0)),
     }
+    # the steps the engine ran per second against 1 / step: the device's idle share, apart
+    # from the steps the admissions' spread added (each counted in achieved / ideal)
+    row["step_rate_over_ideal"] = row["steps_run"] * step_ms / 1e3 / wall_s
     for phase in PHASES:
         got = spans.get(phase, {})
         row[f"{phase}_p50_ms"] = float(got.get("p50_ms", 0.0))
@@ -222,6 +268,7 @@ def overhead_table(rows: list[dict[str, float]]) -> str:
         line("achieved / ideal step rate", "{:.2f}", "achieved_over_ideal"),
         line("host time per step (ms)", "{:.1f}", "host_ms_per_step"),
         line("steps run (ideal + admission spread)", "{:.0f}", "steps_run"),
+        line("steps run per s / ideal (device busy share)", "{:.2f}", "step_rate_over_ideal"),
     ]
     for phase in PHASES:  # p50 / p99 in one cell
         cells = " | ".join(f"{r[f'{phase}_p50_ms']:.2f} / {r[f'{phase}_p99_ms']:.2f}" for r in rows)

@@ -173,6 +173,7 @@ class CompletionGenerator:
                 traceparent,
                 **resumed,
                 movable=continuation is not None and stream and n == 1,
+                collect=not stream,
             )
             for i in range(n)
         ]

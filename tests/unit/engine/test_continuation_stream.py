@@ -46,6 +46,7 @@ class ResumingEngine(ScriptedEngine):
         continued: Sequence[int] = (),
         sent_chars: int = 0,
         movable: bool = False,
+        collect: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         assert list(continued) == self.script[: len(continued)]
         self.continued_with.append(list(continued))

@@ -3,6 +3,7 @@ the runner's step (sleep, tokens, draft verification) over a stand-in for the re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -90,3 +91,13 @@ def test_drafts_of_the_chain_are_accepted_and_a_wrong_one_stops_verification() -
     wrong = r.execute(SchedulerOutput([_req("a", [40, t5 + 1, t6], 4, spec=2)], [], [], 3))["a"]
     assert wrong.token_ids == [t5]
     assert wrong.draft_ids[0] == t6
+
+
+def test_an_emulated_core_runs_one_torch_thread_unless_told() -> None:
+    from dsv4_serving.engine.engine.engine_core import core_threads
+
+    emulated = EngineConfig(model="dsv4-tiny", emulate_step_time="10,0,0")
+    assert core_threads(emulated, 16) == 1
+    assert core_threads(replace(emulated, threads_per_rank=3), 16) == 3
+    assert core_threads(EngineConfig(model="dsv4-tiny"), 16) == 0  # torch's own default
+    assert core_threads(EngineConfig(model="dsv4-tiny", tensor_parallel_size=2), 16) == 8

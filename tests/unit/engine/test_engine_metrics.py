@@ -30,6 +30,23 @@ def test_request_events_become_vllms_histograms_and_counters() -> None:
     assert _metric(m, "vllm:generation_tokens_total") == 4
 
 
+def test_a_steps_shared_gap_counts_as_its_requests_observations() -> None:
+    grouped, one_by_one = EngineMetrics("tiny"), EngineMetrics("tiny")
+    for seconds, tokens, count in ((0.011, 1, 256), (0.3, 3, 2), (0.02, 1, 1), (99.0, 1, 5)):
+        grouped.inter_token(seconds, tokens, count)
+        for _ in range(count):
+            one_by_one.inter_token(seconds, tokens)
+
+    def buckets(m: EngineMetrics) -> list[str]:
+        text = m.render().decode().splitlines()
+        return [line for line in text if line.startswith("vllm:inter_token_latency_seconds_b")]
+
+    assert len(buckets(grouped)) > 3 and buckets(grouped) == buckets(one_by_one)
+    assert _metric(grouped, "vllm:inter_token_latency_seconds_count") == 256 + 6 + 1 + 5
+    total = _metric(one_by_one, "vllm:inter_token_latency_seconds_sum")
+    assert _metric(grouped, "vllm:inter_token_latency_seconds_sum") == pytest.approx(total)
+
+
 def test_aborts_and_kv_errors_are_counted_by_reason() -> None:
     m = EngineMetrics("tiny")
     m.aborted()

@@ -13,7 +13,9 @@ message is the host's **stream** time (``host_times.py``, with the core's spans 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -50,7 +52,7 @@ from dsv4_serving.engine.engine.messages import (
 from dsv4_serving.engine.engine.observer import EngineObserver, NullObserver
 from dsv4_serving.engine.engine.stop_strings import StopStrings
 from dsv4_serving.engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest
+from dsv4_serving.engine.request import EngineCoreOutput, EngineCoreRequest, Logprob
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,11 @@ class _State:
     arrival: float = field(default_factory=time.monotonic)
     last_token: float | None = None
     finished: bool = False
+    # ``generate``'s ``collect``: the tokens (and logprobs) since the first increment, held
+    # undecoded until the last
+    collect: bool = False
+    held_ids: list[int] = field(default_factory=list)
+    held_logprobs: list[Logprob] | None = None
 
 
 class AsyncLLM:
@@ -99,6 +106,8 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None
         self._ids = itertools.count()
         self.host_times = HostTimes()  # per step: the core's spans and this stream time
+        # a step's inter-token gaps: (seconds, tokens) -> requests (most share the last step's)
+        self._gaps: collections.Counter[tuple[float, int]] = collections.Counter()
         # streams a gateway can continue elsewhere: a drain moves them (``engine/drain.py``)
         self.movable: set[str] = set()
 
@@ -166,8 +175,14 @@ class AsyncLLM:
         return f"rank {rank} of {len(self._ranks.procs)} exited with code {code}"
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start delivering core messages to ``loop`` (call from inside it)."""
+        """Start delivering core messages to ``loop`` (call from inside it, once the server is
+        built)."""
         self._loop = loop
+        # the server's startup heap is never garbage: out of the collector's sight, so a full
+        # collection scans only the requests' objects (one over it all took ~40 ms at 256
+        # sequences, admissions and answers waiting); as the core does
+        gc.collect()
+        gc.freeze()
         self._reader = threading.Thread(target=self._read, name="dsv4-core-reader", daemon=True)
         self._reader.start()
 
@@ -235,13 +250,18 @@ class AsyncLLM:
         continued: Sequence[int] = (),
         sent_chars: int = 0,
         movable: bool = False,
+        collect: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Increments until the request finishes; closing the iterator early aborts it.
         ``data_parallel_rank``: the DP rank to run on (None: the least loaded). ``continued``:
         output another engine generated, whose text's first ``sent_chars`` characters the
         client has (``entrypoints/continuation.py``): the core computes it with the prompt,
         and it counts as output here. ``movable``: a drain (``migrate``) may end it with
-        ``finish_reason`` "migrate" for another engine to continue."""
+        ``finish_reason`` "migrate" for another engine to continue. ``collect``: the consumer
+        reads the answer whole (not streamed): after the first increment (it tells ``n`` > 1
+        that the prompt is cached) the next come as one, the last, so neither the
+        detokenizer nor the consumer runs per step; not with stop strings (they need each
+        step's text)."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "engine core is not running")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -249,7 +269,7 @@ class AsyncLLM:
         if continued:
             detok.add(list(continued), final=False)
             stops.sent = sent_chars
-        st = _State(len(prompt_token_ids), detok, stops)
+        st = _State(len(prompt_token_ids), detok, stops, collect=collect and not params.stop)
         self._states[request_id] = st
         req = EngineCoreRequest(
             request_id,
@@ -306,8 +326,12 @@ class AsyncLLM:
         match msg:
             case Outputs(outputs=outputs, stats=stats, rank_stats=ranks):
                 started = time.perf_counter()
+                now = time.monotonic()  # the step's outputs arrived together
                 for o in outputs:
-                    self._on_output(o)
+                    self._on_output(o, now)
+                for (gap, n), count in self._gaps.items():  # one observation per shared gap
+                    self.observer.inter_token(gap, n, count)
+                self._gaps.clear()
                 if outputs:
                     self.host_times.add_stream(time.perf_counter() - started)
                 self.stats, self.rank_stats = stats, ranks or (stats,)
@@ -327,11 +351,24 @@ class AsyncLLM:
             case _:
                 assert_never(msg)
 
-    def _on_output(self, o: EngineCoreOutput) -> None:
+    def _hold(self, st: _State, o: EngineCoreOutput, now: float) -> None:
+        """A collected answer's middle increment: its tokens wait for the last one."""
+        assert st.last_token is not None
+        self._gaps[now - st.last_token, len(o.new_token_ids)] += 1
+        st.last_token = now
+        st.held_ids += o.new_token_ids
+        if o.new_logprobs is not None:
+            if st.held_logprobs is None:
+                st.held_logprobs = []
+            st.held_logprobs += o.new_logprobs
+
+    def _on_output(self, o: EngineCoreOutput, now: float) -> None:
         st = self._states.get(o.request_id)
         if st is None:
             return  # aborted here already
-        now = time.monotonic()
+        if st.collect and st.last_token is not None and o.finish_reason is None and not o.error:
+            self._hold(st, o, now)
+            return
         if o.finish_reason == "migrate" and o.error is not None:
             # the export failed: the stream moves without its KV (recomputed where it goes)
             log.warning("request %s: moving without its KV: %s", o.request_id, o.error.message)
@@ -345,14 +382,19 @@ class AsyncLLM:
         if st.last_token is None:
             self.observer.first_token(now - st.arrival, st.prompt_len)
         else:
-            self.observer.inter_token(now - st.last_token, len(o.new_token_ids))
+            self._gaps[now - st.last_token, len(o.new_token_ids)] += 1
         st.last_token = now
         finish = o.finish_reason
         stop_reason: str | int | None = o.stop_token_id
         # a moved request's held-back text (a partial character, a stop string's prefix) is
         # the continuing engine's to send
         final = finish is not None and finish != "migrate"
-        text = st.detok.add(o.new_token_ids, final=final)
+        ids, logprobs = o.new_token_ids, o.new_logprobs
+        if st.held_ids:
+            ids, st.held_ids = st.held_ids + ids, []
+            if st.held_logprobs is not None:
+                logprobs, st.held_logprobs = st.held_logprobs + (logprobs or []), None
+        text = st.detok.add(ids, final=final)
         delta, stop = st.stops.update(text, final=final)
         if stop is not None:
             if finish is None:  # the core would go on: stop it
@@ -361,8 +403,8 @@ class AsyncLLM:
         out = RequestOutput(
             request_id=o.request_id,
             delta_text=delta,
-            delta_token_ids=list(o.new_token_ids),
-            delta_logprobs=o.new_logprobs,
+            delta_token_ids=list(ids),
+            delta_logprobs=logprobs,
             num_prompt_tokens=st.prompt_len,
             num_output_tokens=len(st.detok.token_ids),
             num_cached_tokens=o.num_cached_tokens,

@@ -12,9 +12,9 @@ class EngineObserver(Protocol):
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
         """A request's first output arrived ``seconds`` after it did."""
 
-    def inter_token(self, seconds: float, num_tokens: int) -> None:
+    def inter_token(self, seconds: float, num_tokens: int, count: int = 1) -> None:
         """``num_tokens`` tokens (more than one with speculative decoding) came ``seconds``
-        after the request's previous ones."""
+        after the request's previous ones, for ``count`` requests (a step's share a gap)."""
 
     def finished(
         self, seconds: float, reason: str, prompt_tokens: int, generation_tokens: int
@@ -37,7 +37,7 @@ class NullObserver:
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
         pass
 
-    def inter_token(self, seconds: float, num_tokens: int) -> None:
+    def inter_token(self, seconds: float, num_tokens: int, count: int = 1) -> None:
         pass
 
     def finished(
