@@ -257,6 +257,10 @@ class SidecarConnectorWorker(KVConnectorWorker):
         except KVPromptMismatch as e:
             raise KVIncompatible(f"the host tier's entry is of other tokens: {e}") from None
 
+    def wake(self) -> None:
+        """Ends a ``wait_for_event`` (the core waits for its step and for KV alike)."""
+        self._event.set()
+
     def wait_for_event(self, timeout_s: float) -> None:
         """Until a pull or a save ends (both set the event) or ``timeout_s`` passes."""
         if self._event.wait(timeout_s):
