@@ -21,9 +21,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from dsv4_serving.attention.cp import CPShare
 from dsv4_serving.attention.kv_cache.v4 import V4LayerCache
 from dsv4_serving.attention.v4_compressor import Compressor, Indexer, rotate_tail
-from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.attention.v4_prefill_plan import (
     PoolPlan,
     PrefillChunks,
