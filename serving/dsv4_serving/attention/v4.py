@@ -398,7 +398,7 @@ class V4Attention(nn.Module):
             assert cache.comp is not None
             e = chunks.ratio(self.ratio, cache.comp.shape[1]).entries.shape[1]
         idx_heads = self.indexer.n_heads if self.indexer is not None else 0
-        # indexer scores and their weighted copies (f32), the mask, sort order and cidx (i64)
+        # indexer scores and their weighted copies (f32), the mask, tie counts and cidx (i64)
         per_col = e * (8 * idx_heads + 8 + 17)
         if not kernel:  # logits, masked copies and probabilities over window and entries
             per_col += 12 * self.n_heads * (wp.kpos.shape[1] + e + 1)
