@@ -12,7 +12,7 @@ through the front end (``AsyncLLM``) with
 on the same CPUs: output and prompt tokens/s of each, the ratio to the first layout, and each
 layout's time in collectives per forward step (each rank measures it, ``DSV4_COMM_PROFILE``;
 waiting for a slower peer counts too). Under CP each rank also counts its per-layer gathers
-(``attention/v4_cp.py:CPStats``): printed per attention layer of a split step (bytes received
+(``attention/cp.py:CPStats``): printed per attention layer of a split step (bytes received
 and milliseconds inside the gather, the warm-up's steps included) and per layer over the
 whole run. Two cores cannot show a speed-up; the ratio shows the overhead. A layout name
 ending in ``-gloo`` (``tp2-gloo``) runs with the shared-memory collectives off
@@ -77,6 +77,7 @@ class CPCost:
     bytes_received: int
     seconds: float
     layers: int
+    threads: int  # the rank's torch threads as it ran
 
     def per_gather(self) -> tuple[float, float]:
         """(MiB received, ms) per gather: one attention layer of one split step."""
@@ -169,6 +170,7 @@ def run_layout(name: str, prompts: list[list[int]], output: int, model: str, chu
             r0["cp_bytes_received"],
             r0["cp_gather_s"],
             layers,
+            r0.get("cp_threads", 0),
         )
     return Result(
         name,
@@ -225,7 +227,8 @@ def _report(results: list[Result], model: str, a: argparse.Namespace) -> None:
             continue
         (gm, gms), (lm, lms) = r.cp.per_gather(), r.cp.per_layer()
         print(
-            f"{r.layout} rank 0: {r.cp.split_steps} split steps, {r.cp.gathers} gathers; per "
+            f"{r.layout} rank 0 ({r.cp.threads} thread{'s' * (r.cp.threads > 1)}): "
+            f"{r.cp.split_steps} split steps, {r.cp.gathers} gathers; per "
             f"layer and split step {gm:.2f} MiB received in {gms:.2f} ms; per layer over the "
             f"run {lm:.1f} MiB in {lms:.1f} ms"
         )

@@ -1,13 +1,13 @@
 """Rank bodies of the context-parallel dist tests (module-level, so spawned ranks can import
 them): dsv4-tiny's and dsv3-small's (MLA) prefill and decode steps with a step's rows split
-over the CP group (``attention/v4_cp.py:CPShare``) against the same model in one process."""
+over the CP group (``attention/cp.py:CPShare``) against the same model in one process."""
 
 from __future__ import annotations
 
 import torch
 
 from dsv4_serving.attention.metadata import AttentionMetadata, SeqChunk
-from dsv4_serving.attention.v4_cp import CPShare, CPStats
+from dsv4_serving.attention.cp import CPShare, CPStats
 from dsv4_serving.distributed.groups import ModelParallel
 from dsv4_serving.distributed.parallel_state import destroy_distributed, get_world_group
 from dsv4_serving.distributed.topology import Topology

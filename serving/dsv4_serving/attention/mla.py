@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_serving.attention.cp import CPShare
 from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.attention.mla_step import MLAStep
-from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.distributed.groups import SOLO, Group
 from dsv4_serving.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dsv4_serving.layers.norm import RMSNorm

@@ -21,9 +21,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from dsv4_serving.attention.cp import CPShare
 from dsv4_serving.attention.kv_cache.v4 import V4LayerCache
 from dsv4_serving.attention.v4_compressor import Compressor, Indexer, rotate_tail
-from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.attention.v4_prefill_plan import (
     PoolPlan,
     PrefillChunks,
@@ -44,6 +44,22 @@ from dsv4_serving.models.config import DeepseekV4Config
 # a prefill slice's query-side buffers (indexer scores, entry masks, torch-path logits) stay
 # under this many bytes: a 64K-token prompt's indexer scores alone are O(rows x entries)
 SLICE_BYTES = 256 << 20
+
+
+def stable_topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[n, E]`` bool: each row's ``k`` highest scores, ties broken by entry order (the
+    first ``k`` of a stable descending sort), so a query picks the same entries whether its
+    sequence arrived whole, chunked or decoded token by token (ReLU makes exact zeros common;
+    ``topk``'s own tie order depends on the number of entries). O(E) per row: everything
+    above the k-th value, then the ties at it in order until ``k`` are taken."""
+    k = min(k, scores.shape[-1])
+    if k == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > kth
+    tie = scores == kth
+    need = k - above.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    return above | (tie & (tie.cumsum(dim=-1, dtype=torch.int32) <= need))
 
 
 class V4Attention(nn.Module):
@@ -310,20 +326,13 @@ class V4Attention(nn.Module):
         return torch.cat([*parts, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
     def _topk(self, scores: torch.Tensor, iw: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """``scores`` [n, H, E] (query-key dot products per indexer head), ``iw`` [n, H] ->
-        the ``index_topk`` best visible entries per query, [n, E] bool."""
+        """``scores`` [n, H, E] (query-key dot products per indexer head; overwritten), ``iw``
+        [n, H] -> the ``index_topk`` best visible entries per query, [n, E] bool."""
         assert self.indexer is not None
-        scores = scores.relu() * self.indexer.head_dim**-0.5
-        scores = (scores * iw[:, :, None]).sum(dim=1)  # [n, E]
-        scores = scores.masked_fill(~visible, -torch.inf)
-        k = min(self.indexer.topk, scores.shape[1])
-        # a stable sort breaks ties (ReLU makes exact zeros common) by entry order, so a
-        # query picks the same entries whether its sequence arrived whole, chunked or
-        # decoded token by token; topk's tie order depends on the number of entries
-        top = torch.argsort(scores, dim=-1, descending=True, stable=True)[:, :k]
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, top, True)
-        return chosen
+        scores = scores.relu_().mul_(self.indexer.head_dim**-0.5)
+        scores = scores.mul_(iw[:, :, None]).sum(dim=1)  # [n, E]
+        scores = scores.masked_fill_(~visible, -torch.inf)
+        return stable_topk_mask(scores, self.indexer.topk)
 
     def _prefill(
         self,
@@ -389,7 +398,7 @@ class V4Attention(nn.Module):
             assert cache.comp is not None
             e = chunks.ratio(self.ratio, cache.comp.shape[1]).entries.shape[1]
         idx_heads = self.indexer.n_heads if self.indexer is not None else 0
-        # indexer scores and their weighted copies (f32), the mask, sort order and cidx (i64)
+        # indexer scores and their weighted copies (f32), the mask, tie counts and cidx (i64)
         per_col = e * (8 * idx_heads + 8 + 17)
         if not kernel:  # logits, masked copies and probabilities over window and entries
             per_col += 12 * self.n_heads * (wp.kpos.shape[1] + e + 1)

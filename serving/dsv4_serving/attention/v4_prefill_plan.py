@@ -54,16 +54,17 @@ class EntryPlan:
         """``[S, n, E]`` bool: entry complete before the slice's query (``e < (t + 1) // r``).
         Built per slice: for the whole batch it is O(N x E)."""
         e = torch.arange(self.entries.shape[1], device=self.entries.device)
-        return e[None, None, :] < self.limit[:, part.cols, None]
+        return e[None, None, :] < self.limit.gather(1, part.cols)[:, :, None]
 
 
 @dataclass(frozen=True, slots=True)
 class RowSlice:
     """Columns ``cols`` of the padded batch ``[S, N]``: the query rows one pass of a layer's
     attention computes, so that the O(rows x context) buffers (indexer scores, entry masks,
-    the torch path's logits) stay bounded for long prompts."""
+    the torch path's logits) stay bounded for long prompts. A CP rank's slices hold its own
+    columns only, packed per sequence (``PrefillChunks.parts``)."""
 
-    cols: slice
+    cols: torch.Tensor  # [S, n] each cell's column of the padded batch (padding: any)
     index: torch.Tensor  # [S, n] rows in the flat batch (0: padding)
     pos: torch.Tensor  # [S, n] positions
     sel: torch.Tensor  # valid cells of [S * n]
@@ -147,27 +148,33 @@ class PrefillChunks:
 
     def parts(self, cols_per_part: int, local: torch.Tensor | None = None) -> list[RowSlice]:
         """The batch's columns in slices of ``cols_per_part`` (one slice: the whole batch).
-        ``local`` (bool over the flat batch's rows): only those rows, a CP rank's share."""
-        n = self.index.shape[1]
+        ``local`` (bool over the flat batch's rows): only those rows, a CP rank's share,
+        packed per sequence first (ascending, padding after), so the slices' O(rows x
+        context) work (indexer scores and top-k, entry masks) covers this rank's rows only."""
+        s, n = self.index.shape
+        if local is None:
+            cols, keep = self._j[None, :].expand(s, n), self.valid
+        else:
+            mine = self.valid & local[self.index]
+            n = int(mine.sum(1).max())
+            # a stable sort puts each sequence's own columns first, in order
+            cols = torch.sort((~mine).to(torch.uint8), dim=1, stable=True).indices[:, :n]
+            keep = mine.gather(1, cols)
         step = max(1, cols_per_part)
-        mine = self.valid if local is None else self.valid & local[self.index]
-        return [self._part(mine, j, min(n, j + step)) for j in range(0, n, step)]
+        return [self._part(cols[:, j : j + step], keep[:, j : j + step]) for j in range(0, n, step)]
 
-    def _part(self, mine: torch.Tensor, j0: int, j1: int) -> RowSlice:
-        cols = slice(j0, j1)
-        valid = mine[:, cols]
-        sel = valid.flatten().nonzero().flatten()
-        index = self.index[:, cols]
+    def _part(self, cols: torch.Tensor, keep: torch.Tensor) -> RowSlice:
+        sel = keep.flatten().nonzero().flatten()
+        index = self.index.gather(1, cols)
         r_of_cell = self.valid.flatten().cumsum(0).view_as(self.valid) - 1
-        seq = sel // valid.shape[1]
         return RowSlice(
             cols,
             index,
-            self.pos[:, cols],
+            self.pos.gather(1, cols),
             sel,
             index.flatten()[sel],
-            r_of_cell[:, cols].flatten()[sel],
-            seq,
+            r_of_cell.gather(1, cols).flatten()[sel],
+            sel // cols.shape[1],
         )
 
     def _tail(self, keep_max: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:

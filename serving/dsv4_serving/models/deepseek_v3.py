@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from dsv4_serving.attention.backends.mla_torch import MLATorch
+from dsv4_serving.attention.cp import CPShare
 from dsv4_serving.attention.kv_cache.mla import MLAKVCache
 from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.attention.mla import MLAttention
 from dsv4_serving.attention.mla_step import MLAStep
 from dsv4_serving.attention.selector import DeviceBackend
-from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.layers.moe import SwiGLU, V3MoE
 from dsv4_serving.layers.norm import RMSNorm

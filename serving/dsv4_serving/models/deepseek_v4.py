@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from dsv4_serving.attention.backends.v4_torch import V4Torch
+from dsv4_serving.attention.cp import CPShare
 from dsv4_serving.attention.kv_cache.v4 import V4KVCache
 from dsv4_serving.attention.metadata import AttentionMetadata
 from dsv4_serving.attention.selector import DeviceBackend
 from dsv4_serving.attention.v4 import V4Attention
-from dsv4_serving.attention.v4_cp import CPShare
 from dsv4_serving.attention.v4_step import V4Step
 from dsv4_serving.distributed.groups import SINGLE, ModelParallel
 from dsv4_serving.kernels.v4_attn import V4_ATTN

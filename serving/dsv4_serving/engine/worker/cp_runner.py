@@ -3,7 +3,7 @@ group, the rest of the step unsplit.
 
 Each step the runner calls ``CPForward`` instead of the model. When a prefill chunk of the
 step is long enough to split (``cp_plan.split_chunk``: at least ``2 x cp`` blocks), the step
-runs with a ``CPShare`` (``attention/v4_cp.py``): this rank computes its rows, the cache inputs
+runs with a ``CPShare`` (``attention/cp.py``): this rank computes its rows, the cache inputs
 are all-gathered per layer, and every CP rank writes the same (replicated) cache. Otherwise
 (decode steps, short chunks) every CP rank runs the whole step as one process would: no
 collective, the same cache. The result has the flat batch's rows; under CP only this rank's
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from dsv4_serving.attention.cp import CPShare, CPStats
 from dsv4_serving.attention.metadata import AttentionMetadata
-from dsv4_serving.attention.v4_cp import CPShare, CPStats
 from dsv4_serving.distributed import comm
 from dsv4_serving.distributed.cp_plan import split_chunk
 from dsv4_serving.distributed.groups import Group
@@ -94,6 +94,7 @@ class CPForward:
     def profile(self) -> dict[str, float]:
         """What the rank's profile (``DSV4_COMM_PROFILE``) records of CP."""
         return {
+            "cp_threads": torch.get_num_threads(),  # the rank's intra-op threads, as it ran
             "cp_split_steps": self.split_steps,
             "cp_mtp_split_steps": self.mtp_split_steps,
             **self.stats.as_dict(),
