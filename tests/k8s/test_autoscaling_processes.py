@@ -175,7 +175,7 @@ def test_low_high_low_scales_both_roles_and_back_without_an_error(
         bench = _bench(
             gw.url,
             tmp_path,
-            *("--schedule", "15s@0.5,60s@6,75s@0.5", "--input-len", "256", "--output-len", "48"),
+            *("--schedule", "8s@0.5,30s@6,45s@0.5", "--input-len", "256", "--output-len", "48"),
         )
 
         # the first drain: kill the operator in the middle of it, a successor takes it up
