@@ -239,6 +239,24 @@ def operator_release(cluster: Any) -> Iterator[None]:
         cluster.kubectl("uncordon", "ascend-node-0", check=False)
 
 
+@pytest.fixture(scope="session")
+def chart_operator(
+    real_handle: RealClusterHandle, real_cluster: Any, app_images: dict[str, str]
+) -> Iterator[None]:
+    """The chart's operator (``operator_release``), installed once for every deployment of the
+    tier (one at a time: each test module deletes its own). Where test_host_left_clean.py has
+    stopped the cluster already, it went with it."""
+    t0 = time.monotonic()
+    release = operator_release(real_cluster)
+    release.__enter__()
+    real_handle.timings["operator release installed (s)"] = time.monotonic() - t0
+    try:
+        yield
+    finally:
+        if real_handle.left is None:
+            release.__exit__(None, None, None)
+
+
 @contextlib.contextmanager
 def deployment(cluster: Any, cr: dict[str, Any], timeout: float = 420) -> Iterator[None]:
     """A DeepSeekV4Deployment in its own (new) namespace, Ready; the namespace deleted after."""
