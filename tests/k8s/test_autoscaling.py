@@ -332,18 +332,21 @@ def test_a_scheduled_minimum_scales_up_at_its_start_and_back_after_its_end(
     k8s_cluster: Any, scaler: list[Any], stub: MetricsStub, namespace: str
 ) -> None:
     """No load at all: the window alone takes prefill 1 -> 2 at its start and, after its end
-    and the stabilisation window, back through a drain."""
+    and the stabilisation window, back through a drain. The window is added once the deployment
+    is up, a few seconds ahead: its start does not depend on how long the deployment took."""
     cluster, ns, name = k8s_cluster, namespace, f"sch-{uuid.uuid4().hex[:4]}"
     stub.set(prefill_waiting=0, decode_waiting=0, running=0, waiting=0, exports=0)
-    start = time.time() + 20
-    window = {"name": "peak", "start": _utc(start), "end": _utc(start + 10), "prefill": 2}
-    apply_yaml(cluster, json.dumps(_cr(name, dict(FAST, scheduledMinimums=[window]))), ns)
+    apply_yaml(cluster, json.dumps(_cr(name, FAST)), ns)
     wait_for(
         "prefill 1/1",
         lambda: _status(cluster, ns, name).get("prefill", {}).get("summary") == "1/1",
         timeout_s=90,
     )
-    assert time.time() < start - 3, "the deployment took too long to come up for this test"
+    start = time.time() + 7
+    window = {"name": "peak", "start": _utc(start), "end": _utc(start + 6), "prefill": 2}
+    patch = {"spec": {"autoscaling": {"scheduledMinimums": [window]}}}
+    cluster.kubectl("patch", "dsv4", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    assert time.time() < start - 3, "the patch took too long for this test"
     _stays(
         "one prefill instance before the window",
         lambda: f"StatefulSet/{name}-prefill-1" not in _children(cluster, ns, name),
@@ -363,11 +366,11 @@ def test_a_scheduled_minimum_scales_up_at_its_start_and_back_after_its_end(
     _stays(
         "two prefill instances during the window",
         lambda: f"StatefulSet/{name}-prefill-1" in _children(cluster, ns, name),
-        start + 9 - time.time(),
+        start + 5 - time.time(),
     )
     # after the end, the 5 s stabilisation, then the usual drain (the stub says idle)
     _idle_then_removed(cluster, stub, ns, name, f"{name}-prefill-1")
-    assert time.time() >= start + 10 + 4
+    assert time.time() >= start + 6 + 4
     cluster.kubectl("delete", "dsv4", name, "-n", ns, "--wait=true")
 
 

@@ -52,39 +52,37 @@ def _query(prom: str, promql: str) -> float | None:
 def test_autoscaler_p90_agrees_with_the_bench_within_one_bucket(tmp_path: Path) -> None:
     a = engine("acc-a", "--num-speculative-tokens", "0", "--num-kv-blocks", "300")
     b = engine("acc-b", "--num-speculative-tokens", "0", "--num-kv-blocks", "300")
-    with running(a, b) as (a, b):
-        g = gateway("acc-gateway", "--engine", a.url, "--engine", b.url)
-        with running(g) as (g,):
-            target = g.url.removeprefix("http://")
-            prom = PrometheusService(tmp_path / "prom", target, "acc", "ns")
-            with running(prom, timeout_s=60):
-                q = Queries("acc", "ns", 0)
-                sel = q._m("vllm:time_to_first_token_seconds_count", "gateway")
-                wait_for("a first scrape", lambda: _query(prom.url, f"count({sel})"), 30)
-                time.sleep(2.5)  # a scrape of the quiet gateway: the window's start
-                window = GatewayWindow(3600.0)
-                window.add("gw", _snapshot(g.url))
-                t0 = time.time()
-                res = subprocess.run(
-                    dsv4_argv(
-                        "bench",
-                        *("--url", g.url, "--json", "--no-progress", "--seed", "5"),
-                        *("--num-requests", "60", "--concurrency", "6"),
-                        *("--input-len", "48", "--input-range", "0.5", "--output-len", "16"),
-                    ),
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                assert res.returncode == 0, res.stderr[-2000:]
-                bench = json.loads(res.stdout)
-                assert bench["failed"] == 0
-                window.add("gw", _snapshot(g.url))
-                time.sleep(2.5)  # Prometheus' next scrape has every request
-                span = int(time.time() - t0) + 4
-                promq = Queries("acc", "ns", float(span)).all()
-                prom_ttft = _query(prom.url, promq["ttft_p90"])
-                prom_tpot = _query(prom.url, promq["tpot_p90"])
+    g = gateway("acc-gateway", "--engine", a.url, "--engine", b.url)
+    prom = PrometheusService(tmp_path / "prom", g.url.removeprefix("http://"), "acc", "ns")
+    # all four start at once (the gateway health-checks the engines until they answer)
+    with running(a, b, g, prom):
+        q = Queries("acc", "ns", 0)
+        sel = q._m("vllm:time_to_first_token_seconds_count", "gateway")
+        wait_for("a first scrape", lambda: _query(prom.url, f"count({sel})"), 30)
+        time.sleep(2.5)  # a scrape of the quiet gateway: the window's start
+        window = GatewayWindow(3600.0)
+        window.add("gw", _snapshot(g.url))
+        t0 = time.time()
+        res = subprocess.run(
+            dsv4_argv(
+                "bench",
+                *("--url", g.url, "--json", "--no-progress", "--seed", "5"),
+                *("--num-requests", "60", "--concurrency", "6"),
+                *("--input-len", "48", "--input-range", "0.5", "--output-len", "16"),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        bench = json.loads(res.stdout)
+        assert bench["failed"] == 0
+        window.add("gw", _snapshot(g.url))
+        time.sleep(2.5)  # Prometheus' next scrape has every request
+        span = int(time.time() - t0) + 4
+        promq = Queries("acc", "ns", float(span)).all()
+        prom_ttft = _query(prom.url, promq["ttft_p90"])
+        prom_tpot = _query(prom.url, promq["tpot_p90"])
 
     counts = {r: RoleCounts(ready=1) for r in ("prefill", "decode")}
     obs = window.observations(counts)  # type: ignore[arg-type]

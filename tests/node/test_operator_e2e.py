@@ -21,7 +21,6 @@ from tests.node.conftest import (
     apply,
     busybox_pod,
     deployment,
-    operator_release,
     wait_pod,
 )
 
@@ -72,9 +71,14 @@ def tiny_on_real_node(images: dict[str, str], ns: str = NS) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tiny(real_cluster: Any, real_handle: RealClusterHandle, app_images: dict[str, str]) -> Any:
+def tiny(
+    real_cluster: Any,
+    real_handle: RealClusterHandle,
+    app_images: dict[str, str],
+    chart_operator: None,
+) -> Any:
     t0 = time.monotonic()
-    with operator_release(real_cluster), deployment(real_cluster, tiny_on_real_node(app_images)):
+    with deployment(real_cluster, tiny_on_real_node(app_images)):
         real_handle.timings["tiny Ready after apply"] = time.monotonic() - t0
         yield real_cluster
 
@@ -265,9 +269,14 @@ def test_network_policies_are_enforced_as_rendered(
 
 
 def _pod_uid(cluster: Any, role: str) -> tuple[str, str, bool]:
-    pod = json.loads(
+    """The role's pod: name, uid, Ready; ("", "", False) between a deleted pod and its
+    replacement (the StatefulSet creates it once the old one is gone)."""
+    items = json.loads(
         cluster.kubectl("get", "pods", "-n", NS, "-l", f"serving.dsv4.io/role={role}", "-o", "json")
-    )["items"][0]
+    )["items"]
+    if not items:
+        return "", "", False
+    pod = items[0]
     ready = any(
         c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.node.conftest import RealClusterHandle, deployment, operator_release
+from tests.node.conftest import RealClusterHandle, deployment
 from tests.node.test_operator_e2e import gateway_url, greedy_completion, tiny_on_real_node
 
 NS = "dsv4-duo"
@@ -34,10 +34,13 @@ def duo_on_real_node(images: dict[str, str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def duo(
-    real_cluster: Any, real_handle: RealClusterHandle, app_images: dict[str, str]
+    real_cluster: Any,
+    real_handle: RealClusterHandle,
+    app_images: dict[str, str],
+    chart_operator: None,
 ) -> Iterator[Any]:
     t0 = time.monotonic()
-    with operator_release(real_cluster), deployment(real_cluster, duo_on_real_node(app_images)):
+    with deployment(real_cluster, duo_on_real_node(app_images)):
         real_handle.timings["2-node duo Ready after apply"] = time.monotonic() - t0
         yield real_cluster
 

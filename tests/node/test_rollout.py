@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.node.conftest import RealClusterHandle, deployment, operator_release
+from tests.node.conftest import RealClusterHandle, deployment
 from tests.node.test_operator_e2e import gateway_url, tiny_on_real_node
 
 NS = "dsv4-rollout"
@@ -79,12 +79,12 @@ class Load:
 
 @pytest.mark.timeout(1200)  # two pod starts per role after the deployment's own
 def test_a_rolling_update_under_streaming_load_fails_no_request(
-    real_cluster: Any, real_handle: RealClusterHandle, app_images: dict[str, str]
+    real_cluster: Any,
+    real_handle: RealClusterHandle,
+    app_images: dict[str, str],
+    chart_operator: None,
 ) -> None:
-    with (
-        operator_release(real_cluster),
-        deployment(real_cluster, tiny_on_real_node(app_images, NS)),
-    ):
+    with deployment(real_cluster, tiny_on_real_node(app_images, NS)):
         url = gateway_url(real_cluster, NS, "tiny")
         before = _status(real_cluster).get("revision")
         assert before, "the deployment reports no revision"
