@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             model_path=args.allow_host_path_models, privileged=args.allow_privileged
         ),
     )
+    if not args.standalone:
+        _forget_dead_peers(args)
     operator = kopf.operator(
         clusterwide=not args.namespace,
         namespaces=list(args.namespace),
@@ -130,6 +132,29 @@ def run(args: argparse.Namespace) -> int:
         memo=memo,
     )
     return run_until_stopped(lambda: asyncio.run(operator), stop, memo.idle)
+
+
+def _forget_dead_peers(args: argparse.Namespace) -> None:
+    """In a pod (``POD_ID``, ``POD_NAMESPACE`` from the chart): drop the peering entries of
+    replicas whose pods are gone, so this one does not pause for their expiry (``peers.py``).
+    Best effort: on any error kopf's expiry still applies."""
+    own, pod_ns = os.environ.get("POD_ID"), os.environ.get("POD_NAMESPACE")
+    if not own or not pod_ns:
+        return
+    from dsv4_operator.kube import Kube, load_api_client
+    from dsv4_operator.peers import forget_dead_peers
+
+    kube = Kube(load_api_client(args.kubeconfig))
+    targets = (
+        [("KopfPeering", ns) for ns in args.namespace]
+        if args.namespace
+        else [("ClusterKopfPeering", "")]
+    )
+    for kind, ns in targets:
+        try:
+            forget_dead_peers(kube, kind, ns, args.peering, own, pod_ns)
+        except Exception as e:
+            logging.getLogger(__name__).warning("peering entries left to expire: %s", e)
 
 
 EXIT_WITHIN_S = 7.0

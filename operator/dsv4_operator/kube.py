@@ -207,6 +207,17 @@ class Kube:
         )
         return res
 
+    def merge_patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
+        """A JSON merge patch of the object itself (kopf's peering objects have no status
+        subresource: their status is patched this way)."""
+        self._call(
+            "merge_patch",
+            "PATCH",
+            KINDS[kind].path(namespace, name),
+            body=body,
+            content_type="application/merge-patch+json",
+        )
+
     def create(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
         self._call("create", "POST", KINDS[obj["kind"]].path(meta["namespace"]), body=obj)
