@@ -31,7 +31,13 @@ using dsv4::widen;
 // multi-query attention: every head reads the same latents, so this is where the reuse is.
 // Per (query, head) the sums still run in a fixed order, independent of the batch.
 constexpr int HB = 4;  // heads per tile
-constexpr int TB = 3;  // keys per score tile (HB * TB accumulators + TB keys + 1 query: 16 ymm)
+// keys per score tile: HB * TB accumulators + TB keys + 1 query fit the 16 ymm registers of
+// AVX2, or the 32 of AVX-512 (its ymm16-31); a tile's sums run in the same order either way
+#if defined(DSV4_VEC_AVX512)
+constexpr int TB = 6;
+#else
+constexpr int TB = 3;
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -90,6 +96,25 @@ template <int NH, typename K>
 inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const K* kv,
                        int64_t width, int64_t keys) {
   int64_t c = 0;
+#if defined(DSV4_VEC_AVX512)
+  // 64 channels x NH heads in zmm registers: each channel still sums its keys in order with
+  // one FMA each, as the 8-lane loop below does, so the widths agree bit for bit
+  for (; c + 64 <= dv; c += 64) {
+    __m512 a[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) a[h][u] = _mm512_loadu_ps(acc + h * dv + c + 16 * u);
+    for (int64_t t = 0; t < keys; ++t) {
+      __m512 k[4];
+      for (int u = 0; u < 4; ++u) k[u] = dsv4::load16(kv + t * width + c + 16 * u);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 pv = _mm512_set1_ps(p[h * ld + t]);
+        for (int u = 0; u < 4; ++u) a[h][u] = _mm512_fmadd_ps(pv, k[u], a[h][u]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + h * dv + c + 16 * u, a[h][u]);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   for (; c + 16 <= dv; c += 16) {
     __m256 a[NH][2];
