@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace {
@@ -253,5 +255,8 @@ torch::Tensor paged_mla_attention(torch::Tensor q, torch::Tensor pool, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (const char* isa = dsv4::build_lacks())
+    throw std::runtime_error(std::string("this build of paged_mla needs ") + isa +
+                             ", which this CPU lacks (a cached build from another machine?)");
   m.def("paged_mla_attention", &paged_mla_attention);
 }
