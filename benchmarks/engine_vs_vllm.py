@@ -186,6 +186,7 @@ class PhaseProfile:
         model = core.runner.model
         self.stack: list[list[Any]] = []  # [part, start, time of nested parts]
         self.phase = "decode"
+        self.done_phase = "decode"  # the phase of the last forward that ended
         self.totals: dict[str, dict[str, float]] = {}
         self.steps: dict[str, int] = {}
         self.handles = []
@@ -225,14 +226,19 @@ class PhaseProfile:
             self.stack[-1][2] += took
         else:
             row["outside model"] -= took  # the step's total minus every timed part
+            if part == "rest of model":  # the model's own forward ended
+                self.done_phase = self.phase
 
     def _timed_step(self) -> Any:
         t = time.perf_counter()
         out = self._step()
         took = time.perf_counter() - t
-        row = self.totals.setdefault(self.phase, dict.fromkeys(self.PARTS, 0.0))
+        # under async scheduling the forward runs on the core's step thread and the next one
+        # may have begun before this call returns: the call's time belongs to the forward it
+        # waited for, the last one that ended (so a phase's parts and its steps' time match)
+        row = self.totals.setdefault(self.done_phase, dict.fromkeys(self.PARTS, 0.0))
         row["outside model"] += took
-        self.steps[self.phase] = self.steps.get(self.phase, 0) + 1
+        self.steps[self.done_phase] = self.steps.get(self.done_phase, 0) + 1
         return out
 
     def close(self) -> None:
@@ -250,6 +256,8 @@ class PhaseProfile:
             if not row:
                 continue
             total = sum(row.values())
+            if total <= 0:  # no step's time landed in this phase: nothing to share out
+                continue
             cells = " | ".join(f"{row[p]:>6.2f} ({row[p] / total:>3.0%})" for p in self.PARTS)
             lines.append(f"{phase:<8} | {self.steps.get(phase, 0):>5} | {total:>7.2f} | {cells}")
         return "\n".join(lines)

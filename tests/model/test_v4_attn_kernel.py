@@ -5,7 +5,8 @@ window and many CSA / HCA blocks; and a query row's result does not depend on th
 batch. ``test_deepseek_v4.py`` checks the kernel path against transformers.
 
 bfloat16 queries and / or key rows: the kernel's result is bit for bit its float32 result on the
-same (widened) values, rounded once, in every build (the AVX2 one and the scalar one); and a
+same (widened) values, rounded once, in every build (AVX-512, AVX2 and scalar), the AVX-512
+and AVX2 builds agree bit for bit (their head tiles and lane widths keep every sum's order); and a
 bfloat16 model's logits through the kernel are no further from the float32 model's than the
 torch path's in bfloat16 (which rounds the rotated queries and the output before its inverse
 rotation)."""
@@ -117,10 +118,13 @@ def test_rope_matches_the_torch_rotation() -> None:
 
 
 def builds() -> list:  # type: ignore[type-arg]
-    """The default build and the scalar one (a CPU without AVX2, and the vector loops' tails)."""
+    """The default build, the AVX2 one (on an AVX-512 machine) and the scalar one (a CPU
+    without AVX2, and the vector loops' tails)."""
     if not available("v4_attn"):
         pytest.fail("the v4_attn kernel does not build here (g++ and ninja: make install)")
-    return [build("v4_attn", v) for v in ("", "scalar") if available("v4_attn", v)]
+    exts = [build("v4_attn")]
+    variants = ("avx2", "scalar") if exts[0].path == "avx512" else ("scalar",)
+    return exts + [build("v4_attn", v) for v in variants if available("v4_attn", v)]
 
 
 @pytest.mark.parametrize("d", [72, 128, 61])
@@ -137,6 +141,7 @@ def test_bf16_is_the_float32_kernel_rounded_once(d: int) -> None:
     sink = torch.randn(h, generator=g)
     cos, sin = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
     none = torch.empty(0)
+    fma: list[torch.Tensor] = []
     for ext in builds():
         for c, s in ((none, none), (cos, sin)):
             want = ext.v4_attn(
@@ -147,11 +152,17 @@ def test_bf16_is_the_float32_kernel_rounded_once(d: int) -> None:
             # float32 queries over a bfloat16 cache: the float32 result itself
             mixed = ext.v4_attn(q.float(), ksrc, kidx, csrc, cidx, sink, d**-0.5, c, s)
             assert mixed.dtype == torch.float32 and torch.equal(mixed, want), ext.path
+            if ext.path != "scalar":  # head tiles and lane widths keep every sum's order
+                fma.append(want)
             for inverse in (False, True):
                 rot = ext.rope_tail(q, cos, sin, inverse)
                 assert torch.equal(rot, ext.rope_tail(q.float(), cos, sin, inverse).bfloat16())
         with pytest.raises(RuntimeError, match="csrc has the wrong dtype"):
             ext.v4_attn(q, ksrc, kidx, csrc.float(), cidx, sink, d**-0.5, none, none)
+    # two results per vector build (without, with rope): the AVX-512 build (4 heads a tile,
+    # 16 lanes) and the AVX2 one (2 heads, 8 lanes) give the same bits
+    for i in range(2, len(fma), 2):
+        assert torch.equal(fma[0], fma[i]) and torch.equal(fma[1], fma[i + 1])
 
 
 def test_bf16_model_is_nearer_float32_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

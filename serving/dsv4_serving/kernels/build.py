@@ -122,6 +122,7 @@ ALL = (
     ("mhc", "avx2"),
     ("mhc", "scalar"),
     ("v4_attn", ""),
+    ("v4_attn", "avx2"),
     ("v4_attn", "scalar"),
 )
 

@@ -5,15 +5,26 @@
 // per (query, head). Each block is read from memory once and stays in cache while every query
 // and head of the sequence uses it; heads and keys are tiled in registers (below). Sequences are independent and each is reduced in a fixed
 // order, so a sequence's result does not depend on the rest of the batch.
+//
+// bfloat16 latents are widened in registers as they are loaded (vec.h: exact, the 16 bits moved
+// up), so the arithmetic is the float32 path's on the same values; a widened float32 copy of
+// each block cost a scalar pass over all its rows and pushed the block out of L1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "vec.h"
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace {
+
+using dsv4::bf16;
+using dsv4::widen;
 
 // Heads and keys are tiled so that each loaded vector feeds several FMAs: the score tile
 // holds HB heads x TB keys of dot products in registers (one load of each key's chunk serves
@@ -22,7 +33,13 @@ namespace {
 // multi-query attention: every head reads the same latents, so this is where the reuse is.
 // Per (query, head) the sums still run in a fixed order, independent of the batch.
 constexpr int HB = 4;  // heads per tile
-constexpr int TB = 3;  // keys per score tile (HB * TB accumulators + TB keys + 1 query: 16 ymm)
+// keys per score tile: HB * TB accumulators + TB keys + 1 query fit the 16 ymm registers of
+// AVX2, or the 32 of AVX-512 (its ymm16-31); a tile's sums run in the same order either way
+#if defined(DSV4_VEC_AVX512)
+constexpr int TB = 6;
+#else
+constexpr int TB = 3;
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -36,8 +53,8 @@ inline float hsum(__m256 v) {
 #endif
 
 // out[h * ld + t] = sc * dot(q[h], kv[t]) for h < NH, t < NT.
-template <int NH, int NT>
-inline void score_tile(const float* q, const float* kv, int64_t width, float* out, int64_t ld,
+template <int NH, int NT, typename K>
+inline void score_tile(const float* q, const K* kv, int64_t width, float* out, int64_t ld,
                        float sc) {
   float sums[NH][NT];
   int64_t i = 0;
@@ -47,7 +64,7 @@ inline void score_tile(const float* q, const float* kv, int64_t width, float* ou
     for (int t = 0; t < NT; ++t) acc[h][t] = _mm256_setzero_ps();
   for (; i + 8 <= width; i += 8) {
     __m256 k[NT];
-    for (int t = 0; t < NT; ++t) k[t] = _mm256_loadu_ps(kv + t * width + i);
+    for (int t = 0; t < NT; ++t) k[t] = dsv4::load8(kv + t * width + i);
     for (int h = 0; h < NH; ++h) {
       const __m256 qv = _mm256_loadu_ps(q + h * width + i);
       for (int t = 0; t < NT; ++t) acc[h][t] = _mm256_fmadd_ps(qv, k[t], acc[h][t]);
@@ -62,24 +79,44 @@ inline void score_tile(const float* q, const float* kv, int64_t width, float* ou
   for (int h = 0; h < NH; ++h)
     for (int t = 0; t < NT; ++t) {
       float s = sums[h][t];
-      for (int64_t j = i; j < width; ++j) s += q[h * width + j] * kv[t * width + j];
+      for (int64_t j = i; j < width; ++j) s += q[h * width + j] * widen(kv[t * width + j]);
       out[h * ld + t] = s * sc;
     }
 }
 
-template <int NH>
-inline void score_rows(const float* q, const float* kv, int64_t width, int64_t keys, float* out,
+template <int NH, typename K>
+inline void score_rows(const float* q, const K* kv, int64_t width, int64_t keys, float* out,
                        int64_t ld, float sc) {
   int64_t t = 0;
-  for (; t + TB <= keys; t += TB) score_tile<NH, TB>(q, kv + t * width, width, out + t, ld, sc);
-  for (; t < keys; ++t) score_tile<NH, 1>(q, kv + t * width, width, out + t, ld, sc);
+  for (; t + TB <= keys; t += TB)
+    score_tile<NH, TB, K>(q, kv + t * width, width, out + t, ld, sc);
+  for (; t < keys; ++t) score_tile<NH, 1, K>(q, kv + t * width, width, out + t, ld, sc);
 }
 
 // acc[h * dv + c] += sum over t < keys of p[h * ld + t] * kv[t * width + c], for h < NH.
-template <int NH>
-inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const float* kv,
+template <int NH, typename K>
+inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const K* kv,
                        int64_t width, int64_t keys) {
   int64_t c = 0;
+#if defined(DSV4_VEC_AVX512)
+  // 64 channels x NH heads in zmm registers: each channel still sums its keys in order with
+  // one FMA each, as the 8-lane loop below does, so the widths agree bit for bit
+  for (; c + 64 <= dv; c += 64) {
+    __m512 a[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) a[h][u] = _mm512_loadu_ps(acc + h * dv + c + 16 * u);
+    for (int64_t t = 0; t < keys; ++t) {
+      __m512 k[4];
+      for (int u = 0; u < 4; ++u) k[u] = dsv4::load16(kv + t * width + c + 16 * u);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 pv = _mm512_set1_ps(p[h * ld + t]);
+        for (int u = 0; u < 4; ++u) a[h][u] = _mm512_fmadd_ps(pv, k[u], a[h][u]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + h * dv + c + 16 * u, a[h][u]);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   for (; c + 16 <= dv; c += 16) {
     __m256 a[NH][2];
@@ -88,8 +125,8 @@ inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const
       a[h][1] = _mm256_loadu_ps(acc + h * dv + c + 8);
     }
     for (int64_t t = 0; t < keys; ++t) {
-      const __m256 k0 = _mm256_loadu_ps(kv + t * width + c);
-      const __m256 k1 = _mm256_loadu_ps(kv + t * width + c + 8);
+      const __m256 k0 = dsv4::load8(kv + t * width + c);
+      const __m256 k1 = dsv4::load8(kv + t * width + c + 8);
       for (int h = 0; h < NH; ++h) {
         const __m256 pv = _mm256_broadcast_ss(p + h * ld + t);
         a[h][0] = _mm256_fmadd_ps(pv, k0, a[h][0]);
@@ -105,7 +142,7 @@ inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const
   for (; c < dv; ++c)
     for (int h = 0; h < NH; ++h) {
       float s = acc[h * dv + c];
-      for (int64_t t = 0; t < keys; ++t) s += p[h * ld + t] * kv[t * width + c];
+      for (int64_t t = 0; t < keys; ++t) s += p[h * ld + t] * widen(kv[t * width + c]);
       acc[h * dv + c] = s;
     }
 }
@@ -113,13 +150,14 @@ inline void value_tile(float* acc, int64_t dv, const float* p, int64_t ld, const
 // One query (all heads) over `keys` consecutive latents `kv`: online-softmax update of its
 // running max `m`, sum `l` and unnormalised output `acc` [heads, dv]. `sbuf` holds
 // heads x ld scores, then the probabilities.
-void attend_block(const float* q, const float* kv, int64_t heads, int64_t width, int64_t dv,
+template <typename K>
+void attend_block(const float* q, const K* kv, int64_t heads, int64_t width, int64_t dv,
                   int64_t keys, float sc, float* sbuf, int64_t ld, float* m, float* l,
                   float* acc) {
   int64_t h = 0;
   for (; h + HB <= heads; h += HB)
-    score_rows<HB>(q + h * width, kv, width, keys, sbuf + h * ld, ld, sc);
-  for (; h < heads; ++h) score_rows<1>(q + h * width, kv, width, keys, sbuf + h * ld, ld, sc);
+    score_rows<HB, K>(q + h * width, kv, width, keys, sbuf + h * ld, ld, sc);
+  for (; h < heads; ++h) score_rows<1, K>(q + h * width, kv, width, keys, sbuf + h * ld, ld, sc);
   for (h = 0; h < heads; ++h) {
     float* s = sbuf + h * ld;
     float mx = m[h];
@@ -138,8 +176,8 @@ void attend_block(const float* q, const float* kv, int64_t heads, int64_t width,
     l[h] = sum;
   }
   for (h = 0; h + HB <= heads; h += HB)
-    value_tile<HB>(acc + h * dv, dv, sbuf + h * ld, ld, kv, width, keys);
-  for (; h < heads; ++h) value_tile<1>(acc + h * dv, dv, sbuf + h * ld, ld, kv, width, keys);
+    value_tile<HB, K>(acc + h * dv, dv, sbuf + h * ld, ld, kv, width, keys);
+  for (; h < heads; ++h) value_tile<1, K>(acc + h * dv, dv, sbuf + h * ld, ld, kv, width, keys);
 }
 
 template <typename scalar_t>
@@ -156,7 +194,6 @@ void run(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor&
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> block(std::is_same<scalar_t, float>::value ? 0 : bs * width);
     std::vector<float> sbuf(heads * bs);
     std::vector<float> m, l;
     for (int64_t s = begin; s < end; ++s) {
@@ -171,14 +208,7 @@ void run(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor&
       TORCH_CHECK(nblocks <= max_blocks, "sequence ", s, " needs ", nblocks, " blocks, table has ", max_blocks);
       for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t blk = tp[s * max_blocks + b];
-        const float* kv;
-        if constexpr (std::is_same<scalar_t, float>::value) {
-          kv = pp + blk * bs * width;
-        } else {
-          const scalar_t* src = pp + blk * bs * width;
-          for (int64_t i = 0; i < bs * width; ++i) block[i] = static_cast<float>(src[i]);
-          kv = block.data();
-        }
+        const scalar_t* kv = pp + blk * bs * width;
         const int64_t first = b * bs;
         for (int64_t j = 0; j < n; ++j) {
           // query j sits at position len - n + j and sees keys up to it
@@ -217,7 +247,7 @@ torch::Tensor paged_mla_attention(torch::Tensor q, torch::Tensor pool, torch::Te
   if (pool.scalar_type() == torch::kFloat) {
     run<float>(q, pool, table, qsl, lens, scale, dv, out);
   } else if (pool.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, pool, table, qsl, lens, scale, dv, out);
+    run<bf16>(q, pool, table, qsl, lens, scale, dv, out);
   } else {
     TORCH_CHECK(false, "pool dtype must be float32 or bfloat16");
   }
@@ -225,5 +255,8 @@ torch::Tensor paged_mla_attention(torch::Tensor q, torch::Tensor pool, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (const char* isa = dsv4::build_lacks())
+    throw std::runtime_error(std::string("this build of paged_mla needs ") + isa +
+                             ", which this CPU lacks (a cached build from another machine?)");
   m.def("paged_mla_attention", &paged_mla_attention);
 }

@@ -10,8 +10,11 @@
 // result does not depend on the rest of the batch or on the thread count.
 //
 // q and the key rows are float32 or bfloat16 (each on its own: the cache may be stored in
-// another dtype than the model's). bfloat16 rows are widened 8 channels at a time (vec.h), all
-// arithmetic is float32, and a bfloat16 output is the float32 result rounded once.
+// another dtype than the model's). bfloat16 rows are widened 8 or 16 channels at a time (vec.h), all
+// arithmetic is float32, and a bfloat16 output is the float32 result rounded once. Heads are
+// tiled (HT a tile): a key row is loaded and widened once for the tile's heads, not once per
+// head; each (head, key) dot product and each output channel's sum keeps its order, so every
+// tile width and the AVX-512 and AVX2 builds give the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -25,8 +28,10 @@ namespace {
 
 using dsv4::bf16;
 
-#if defined(DSV4_VEC_AVX2)
-constexpr const char* PATH = "avx2";  // 8 lanes (vec.h's 16-lane helpers are not used here)
+#if defined(DSV4_VEC_AVX512)
+constexpr const char* PATH = "avx512";  // the value sums in 16 lanes, 4 heads a tile
+#elif defined(DSV4_VEC_AVX2)
+constexpr const char* PATH = "avx2";  // 8 lanes, 2 heads a tile
 #else
 constexpr const char* PATH = "scalar";
 #endif
@@ -84,6 +89,36 @@ inline void dot4(const float* q, const K* const* r, int64_t n, float* out) {
   for (int k = 0; k < 4; ++k) out[k] = dot(q, r[k], n);
 }
 
+// dot4 for NH heads at once: out[h][k] = q[h] . r[k]. Each row chunk is loaded (and widened)
+// once for all NH heads instead of once per head; every (head, row) sum runs as in dot4 (one
+// chain over the chunks, the same reduction), so the results are dot4's bit for bit. NH * 4
+// accumulators: NH = 4 needs the 32 vector registers of AVX-512 (its ymm16-31).
+template <int NH, typename K>
+inline void dot4_heads(const float* const* q, const K* const* r, int64_t n, float* const* out) {
+#if defined(DSV4_VEC_AVX2)
+  if (n % 8 == 0) {
+    __m256 s[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int k = 0; k < 4; ++k) s[h][k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 rv[4];
+      for (int k = 0; k < 4; ++k) rv[k] = dsv4::load8(r[k] + i);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 qv = _mm256_loadu_ps(q[h] + i);
+        for (int k = 0; k < 4; ++k) s[h][k] = _mm256_fmadd_ps(qv, rv[k], s[h][k]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s[h][0], s[h][1]),
+                                      _mm256_hadd_ps(s[h][2], s[h][3]));
+      _mm_storeu_ps(out[h], _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < NH; ++h) dot4(q[h], r, n, out[h]);
+}
+
 // Rotate the trailing 2 * half channels of x [D] in pairs by (c, sign * s), as
 // layers/rope.py:rotate_tail_interleaved: (x0 c - x1 s, x1 c + x0 s) (sign -1: the inverse).
 inline void rotate_tail(float* x, int64_t D, int64_t half, const float* c, const float* s,
@@ -126,6 +161,39 @@ inline void weighted_sum(float* out, const float* p, const K* const* rows, int64
   }
 }
 
+// weighted_sum for NH heads at once (out[h] = sum_j p[h][j] * rows[j]): each row chunk is
+// loaded and widened once for all of them. Per channel the sum runs over j in order with one
+// FMA each from zero, as in weighted_sum, at 16 lanes (AVX-512) or 8: bit for bit the same.
+template <int NH, typename K>
+inline void weighted_sum_heads(float* const* out, const float* const* p, const K* const* rows,
+                               int64_t n, int64_t D) {
+  int64_t c = 0;
+#if defined(DSV4_VEC_AVX512)
+  for (; c + 64 <= D; c += 64) {
+    __m512 a[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) a[h][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 rv[4];
+      for (int u = 0; u < 4; ++u) rv[u] = dsv4::load16(rows[j] + c + 16 * u);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 w = _mm512_set1_ps(p[h][j]);
+        for (int u = 0; u < 4; ++u) a[h][u] = _mm512_fmadd_ps(w, rv[u], a[h][u]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(out[h] + c + 16 * u, a[h][u]);
+  }
+#endif
+  if (c == 0) {  // no AVX-512 loop ran: head by head
+    for (int h = 0; h < NH; ++h) weighted_sum(out[h], p[h], rows, n, D);
+  } else if (c < D) {  // the channels left, head by head
+    std::vector<const K*> shifted(rows, rows + n);
+    for (auto& r : shifted) r += c;
+    for (int h = 0; h < NH; ++h) weighted_sum(out[h] + c, p[h], shifted.data(), n, D - c);
+  }
+}
+
 // dst [n] float32 <- src [n] (widened), and back (rounded once for bfloat16)
 template <typename S>
 inline void to_floats(const S* src, int64_t n, float* dst) {
@@ -143,6 +211,47 @@ inline void from_floats(const float* src, int64_t n, S* dst) {
   for (; i + 8 <= n; i += 8) dsv4::store8(dst + i, _mm256_loadu_ps(src + i));
 #endif
   for (; i < n; ++i) dsv4::put(dst + i, src[i]);
+}
+
+// heads per tile of the score and value loops (dot4_heads, weighted_sum_heads)
+#if defined(DSV4_VEC_AVX512)
+constexpr int HT = 4;
+#else
+constexpr int HT = 2;
+#endif
+
+// logits l[h][j] = scale * q[h] . rows[j] for NH heads from h0 (l: H x n, row-major)
+template <int NH, typename K>
+inline void head_logits(const float* qt, const K* const* rows, int64_t n, int64_t D, int64_t h0,
+                        float* logit, float scale) {
+  const float* qh[NH];
+  float* lh[NH];
+  for (int h = 0; h < NH; ++h) {
+    qh[h] = qt + (h0 + h) * D;
+    lh[h] = logit + (h0 + h) * n;
+  }
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float* o[NH];
+    for (int h = 0; h < NH; ++h) o[h] = lh[h] + j;
+    dot4_heads<NH>(qh, rows + j, D, o);
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int64_t k = j; k < n; ++k) lh[h][k] = dot(qh[h], rows[k], D);
+    for (int64_t k = 0; k < n; ++k) lh[h][k] *= scale;
+  }
+}
+
+template <int NH, typename K>
+inline void head_outputs(float* ot, const float* logit, const K* const* rows, int64_t n,
+                         int64_t D, int64_t h0) {
+  float* oh[NH];
+  const float* ph[NH];
+  for (int h = 0; h < NH; ++h) {
+    oh[h] = ot + (h0 + h) * D;
+    ph[h] = logit + (h0 + h) * n;
+  }
+  weighted_sum_heads<NH>(oh, ph, rows, n, D);
 }
 
 struct Rows {
@@ -182,13 +291,10 @@ void attend(const Rows& a, const Q* qp, const K* kp, const K* cp, Q* op) {
             rotate_tail(qbuf.data() + h * D, D, half, a.cos + t * half, a.sin + t * half, 1.f);
         qt = qbuf.data();
       }
-      for (int64_t h = 0; h < H; ++h) {
-        float* l = logit.data() + h * n;
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) dot4(qt + h * D, rows.data() + j, D, l + j);
-        for (; j < n; ++j) l[j] = dot(qt + h * D, rows[j], D);
-        for (j = 0; j < n; ++j) l[j] *= a.scale;
-      }
+      int64_t h0 = 0;
+      for (; h0 + HT <= H; h0 += HT)
+        head_logits<HT>(qt, rows.data(), n, D, h0, logit.data(), a.scale);
+      for (; h0 < H; ++h0) head_logits<1>(qt, rows.data(), n, D, h0, logit.data(), a.scale);
       float* ot;
       if constexpr (std::is_same<Q, float>::value)
         ot = op + t * H * D;
@@ -206,10 +312,13 @@ void attend(const Rows& a, const Q* qp, const K* kp, const K* cp, Q* op) {
         z += std::exp(a.sink[h] - m);
         const float inv = 1.f / z;
         for (int64_t j = 0; j < n; ++j) l[j] *= inv;
-        weighted_sum(ot + h * D, l, rows.data(), n, D);
-        if (a.cos != nullptr)
-          rotate_tail(ot + h * D, D, half, a.cos + t * half, a.sin + t * half, -1.f);
       }
+      for (h0 = 0; h0 + HT <= H; h0 += HT)
+        head_outputs<HT>(ot, logit.data(), rows.data(), n, D, h0);
+      for (; h0 < H; ++h0) head_outputs<1>(ot, logit.data(), rows.data(), n, D, h0);
+      if (a.cos != nullptr)
+        for (int64_t h = 0; h < H; ++h)
+          rotate_tail(ot + h * D, D, half, a.cos + t * half, a.sin + t * half, -1.f);
       if constexpr (!std::is_same<Q, float>::value) from_floats(ot, H * D, op + t * H * D);
     }
   });
