@@ -51,9 +51,48 @@ def _runner(k: int = 0) -> tuple[EmulatedRunner, list[float]]:
         inputs=lambda sched, prepared: None,
         prepare_s=0.0,
     )
-    # a clock that stands still: the sleep is the whole step time
-    runner = EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=slept.append, clock=lambda: 0.0)  # type: ignore[arg-type]
+    # a clock that moves only by the sleeps: the sleep is the whole step time
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    runner = EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=sleep, clock=lambda: now[0])  # type: ignore[arg-type]
     return runner, slept
+
+
+def test_a_step_ends_at_its_deadline_from_the_device_start() -> None:
+    """Host work after the inputs (handing the last step's results over, the tokens) is
+    inside the step's window; a sleep that returns early sleeps again, one that returns late
+    is not made up for (the device never ends early, nothing spins)."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:  # wakes early by 1 ms once, then 0.3 ms late
+        slept.append(s)
+        now[0] += s - 1e-3 if len(slept) == 1 else s + 3e-4
+
+    real = SimpleNamespace(
+        lm=SimpleNamespace(model_config=SimpleNamespace(vocab_size=1000, eos_token_id=2)),
+        cache=None,
+        dummy=None,
+        samples=True,
+        k=0,
+        inputs=lambda sched, prepared: now.__setitem__(0, now[0] + 2e-3),  # 2 ms of host
+        prepare_s=0.0,
+    )
+    r = EmulatedRunner(real, StepTime(10, 0, 0), sleep=sleep, clock=lambda: now[0])  # type: ignore[arg-type]
+    calls: list[float] = []
+
+    def started() -> None:
+        calls.append(now[0])
+        now[0] += 4e-3  # 4 ms of the core's work on this thread: inside the window
+
+    r.execute(SchedulerOutput([_req("a", [5], 3)], [], [], 1), started=started)
+    assert calls == [pytest.approx(2e-3)]  # once the inputs are in
+    assert slept == [pytest.approx(6e-3), pytest.approx(1e-3)]
+    assert now[0] == pytest.approx(12e-3 + 3e-4)  # 2 ms inputs + 10 ms step + 0.3 ms late
 
 
 def _req(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dsv4_serving.engine.emulated.step_time import StepTime
@@ -91,6 +92,7 @@ class EmulatedRunner:
         out: SchedulerOutput,
         mtp_chain: bool | None = None,
         prepared: PreparedStep | None = None,
+        started: Callable[[], None] | None = None,
     ) -> dict[str, RunnerResult]:
         del mtp_chain  # no MoE calls to keep in step with other DP ranks
         if not out.scheduled:
@@ -98,15 +100,29 @@ class EmulatedRunner:
         self.forwards += 1
         # the real preparation, or the fill of the one the core made ahead (async scheduling)
         self.real.inputs(out.scheduled, prepared)
-        device = self._clock()
+        # the device starts now and ends ``StepTime`` later, whatever the host does meanwhile:
+        # handing the previous step's results over (``started``) and computing this step's
+        # tokens (a real device samples, and the host copies the tokens back once) are inside
+        # the step's window, as they are beside a real device's step
+        deadline = self._clock() + self.step_time.seconds(
+            len(out.scheduled), out.num_batched_tokens
+        )
         self.prepare_s = self.real.prepare_s
+        if started is not None:
+            started()
         results = self._sample(out)
-        # the step's tokens are the device's work: the step ends ``StepTime`` after it began,
-        # so computing them here is not counted as host overhead (a real step samples on the
-        # device and copies the tokens back once)
-        step_s = self.step_time.seconds(len(out.scheduled), out.num_batched_tokens)
-        self._sleep(max(0.0, step_s - (self._clock() - device)))
+        self._sleep_until(deadline)
         return results
+
+    def _sleep_until(self, deadline: float) -> None:
+        """Sleep to the step's absolute end, never before it: the device is never early. A
+        sleep returns late by the timer's slack and the wait for the GIL; that lateness is
+        the host's share of the gap between two steps, as a late wake-up from a device sync
+        is, so nothing makes up for it (and nothing spins: the host's work needs the core)."""
+        left = deadline - self._clock()
+        while left > 0:
+            self._sleep(left)
+            left = deadline - self._clock()
 
     def _sample(self, out: SchedulerOutput) -> dict[str, RunnerResult]:
         from dsv4_serving.engine.core.sched.scheduler import RunnerResult

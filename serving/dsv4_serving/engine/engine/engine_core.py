@@ -358,12 +358,16 @@ class EngineCore:
         return outputs
 
     def _run_step(
-        self, out: SchedulerOutput, chain: bool | None, prepared: PreparedStep | None
+        self,
+        out: SchedulerOutput,
+        chain: bool | None,
+        prepared: PreparedStep | None,
+        started: Callable[[], None],
     ) -> dict[str, RunnerResult]:
         """One step on the step thread; the TP followers get it from there too (its
         placeholders filled), so every broadcast to them keeps the steps' order."""
         self._tell_followers(RunStep(out, chain))
-        return self.runner.execute(out, chain, prepared)
+        return self.runner.execute(out, chain, prepared, started)
 
     def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
         """What this rank runs and whether it chains MTP calls: under DP every rank runs a
