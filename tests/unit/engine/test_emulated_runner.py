@@ -132,6 +132,43 @@ def test_drafts_of_the_chain_are_accepted_and_a_wrong_one_stops_verification() -
     assert wrong.draft_ids[0] == t6
 
 
+def test_the_steps_chain_is_emulated_tokens_through_eos_and_rejections() -> None:
+    """The step's inlined arithmetic is ``emulated_token``'s: over many requests, drafts
+    right and wrong, and a vocabulary so small that the chain hits the eos id often."""
+    import random
+
+    rng = random.Random(7)
+    for k in (0, 1, 3):
+        r, _ = _runner(k=k)
+        r.vocab_size, r.eos = 110, 105  # a span of 10 ids: eos is hit every ~10 tokens
+
+        def tok(p: int, t: int) -> int:
+            return emulated_token(p, t, 110, 105)
+
+        sched, want = [], {}
+        for i in range(200):
+            ctx, spec = rng.randrange(50), rng.randrange(k + 1)
+            ids = [rng.randrange(100, 110)]
+            for j in range(spec):  # mostly the chain's next token, sometimes not
+                right = tok(ctx + j + 1, ids[-1])
+                ids.append(right if rng.random() < 0.8 else 100 + (right - 99) % 10)
+            sched.append(_req(f"r{i}", ids, ctx, spec=spec))
+            toks: list[int] = []
+            for j in range(len(ids)):  # the reference: verify, stop at the first wrong draft
+                toks.append(tok(ctx + j + 1, ids[j]))
+                if j + 1 >= len(ids) or ids[j + 1] != toks[-1]:
+                    break
+            drafts, pos = [toks[-1]], ctx + len(toks) + 1
+            for _ in range(k):
+                drafts.append(tok(pos, drafts[-1]))
+                pos += 1
+            want[f"r{i}"] = (toks, drafts[1:])
+        got = r.execute(SchedulerOutput(sched, [], [], 1))
+        assert {rid: (x.token_ids, x.draft_ids) for rid, x in got.items()} == want
+        # the chain's raw id hits eos (and moves past it) in this range
+        assert any(100 + (t * 1_000_003 + p * 7_919) % 10 == 105 for p in range(50) for t in ids)
+
+
 def test_an_emulated_core_runs_one_torch_thread_unless_told() -> None:
     from dsv4_serving.engine.engine.engine_core import core_threads
 
