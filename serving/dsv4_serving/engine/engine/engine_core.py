@@ -330,7 +330,7 @@ class EngineCore:
         nxt = None
         if batch.scheduled or batch.finished_ids or batch.state_copies:
             t0 = time.time_ns() if self.tracing is not None else 0
-            # N+1's inputs too, while N runs (without MTP: ``ModelRunner.prepare_ahead``)
+            # N+1's inputs too, while N runs (``ModelRunner.prepare_ahead``)
             prepared = self.runner.prepare_ahead(batch)
             nxt = (out, steps.submit(batch, chain, prepared), t0)
         prev, self._in_flight = self._in_flight, nxt
