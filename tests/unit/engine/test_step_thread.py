@@ -15,7 +15,7 @@ from dsv4_serving.engine.core.sched.scheduler import (
     SchedulerOutput,
 )
 from dsv4_serving.engine.sample.sampling_params import SamplingParams
-from dsv4_serving.engine.worker.step_thread import SWITCH_INTERVAL_S, StepThread
+from dsv4_serving.engine.worker.step_thread import StepThread
 
 pytestmark = pytest.mark.unit
 
@@ -82,15 +82,3 @@ def test_a_failed_step_publishes_the_one_before_and_its_error() -> None:
             bad.result(10)
     finally:
         steps.close()
-
-
-def test_switch_interval_is_cut_while_a_step_thread_lives() -> None:
-    import sys
-
-    before = sys.getswitchinterval()
-    steps = StepThread(Device().execute)
-    try:
-        assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
-    finally:
-        steps.close()
-    assert sys.getswitchinterval() == pytest.approx(before)

@@ -18,16 +18,15 @@ competes with it there: step N's results go to the core (its future completes) o
 N+1's inputs are in and its forward starts (the runner calls ``started``), or at once when no
 step is queued behind N. Completing N's future earlier woke the core into N's outputs (256
 requests of Python) while this thread still filled N+1's inputs: every GIL hand-over in
-between (each torch op releases it) cost the device time. For the same reason the core
-process's GIL switch interval is cut to ``SWITCH_INTERVAL_S`` while a step thread lives: the
-thread waking from a device step (a sleep, a device sync) waits for the core's Python to
-hand the GIL over, up to the interval (Python's default 5 ms, half an emulated step).
+between (each torch op releases it) cost the device time. (The GIL's switch interval stays
+Python's 5 ms: a step thread waking from its device step waits for the core's running Python
+up to that long, but cut to 0.2 ms it made the emulated step's overrun larger, not smaller,
+on a loaded 2-core host: every forced switch waits for the OS to run the other thread.)
 """
 
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -46,9 +45,6 @@ Execute = Callable[
     [SchedulerOutput, bool | None, "PreparedStep | None", Callable[[], None]],
     dict[str, RunnerResult],
 ]
-
-# the longest the step thread waits for the GIL after a device step (see the module's doc)
-SWITCH_INTERVAL_S = 0.0002
 
 
 def fill_placeholders(
@@ -97,8 +93,6 @@ class StepThread:
         # the last step's future and results, completed when the next step's forward starts
         self._pending: tuple[Future[dict[str, RunnerResult]], dict[str, RunnerResult]] | None
         self._pending = None
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._loop, name="dsv4-step", daemon=True)
         self._thread.start()
 
@@ -121,7 +115,6 @@ class StepThread:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
-        sys.setswitchinterval(self._interval)
 
     def _publish(self) -> None:
         """Step N's results to the core (once N+1's forward started, or nothing follows N)."""
