@@ -37,7 +37,7 @@ def add(sched: AsyncScheduler, rid: str, prompt: list[int], n: int, stop: int | 
 
 def drive(sched: AsyncScheduler, runner: FakeRunner, max_steps: int = 2000) -> dict[str, list[int]]:
     """The core's async loop: schedule and submit N+1, then take N's outputs."""
-    steps = StepThread(lambda out, chain, prepared: runner.execute(out))
+    steps = StepThread(lambda out, chain, prepared, started: runner.execute(out))
     got: dict[str, list[int]] = {}
     in_flight = None
     try:

@@ -51,9 +51,48 @@ def _runner(k: int = 0) -> tuple[EmulatedRunner, list[float]]:
         inputs=lambda sched, prepared: None,
         prepare_s=0.0,
     )
-    # a clock that stands still: the sleep is the whole step time
-    runner = EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=slept.append, clock=lambda: 0.0)  # type: ignore[arg-type]
+    # a clock that moves only by the sleeps: the sleep is the whole step time
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    runner = EmulatedRunner(real, StepTime(10, 1, 0.5), sleep=sleep, clock=lambda: now[0])  # type: ignore[arg-type]
     return runner, slept
+
+
+def test_a_step_ends_at_its_deadline_from_the_device_start() -> None:
+    """Host work after the inputs (handing the last step's results over, the tokens) is
+    inside the step's window; a sleep that returns early sleeps again, one that returns late
+    is not made up for (the device never ends early, nothing spins)."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:  # wakes early by 1 ms once, then 0.3 ms late
+        slept.append(s)
+        now[0] += s - 1e-3 if len(slept) == 1 else s + 3e-4
+
+    real = SimpleNamespace(
+        lm=SimpleNamespace(model_config=SimpleNamespace(vocab_size=1000, eos_token_id=2)),
+        cache=None,
+        dummy=None,
+        samples=True,
+        k=0,
+        inputs=lambda sched, prepared: now.__setitem__(0, now[0] + 2e-3),  # 2 ms of host
+        prepare_s=0.0,
+    )
+    r = EmulatedRunner(real, StepTime(10, 0, 0), sleep=sleep, clock=lambda: now[0])  # type: ignore[arg-type]
+    calls: list[float] = []
+
+    def started() -> None:
+        calls.append(now[0])
+        now[0] += 4e-3  # 4 ms of the core's work on this thread: inside the window
+
+    r.execute(SchedulerOutput([_req("a", [5], 3)], [], [], 1), started=started)
+    assert calls == [pytest.approx(2e-3)]  # once the inputs are in
+    assert slept == [pytest.approx(6e-3), pytest.approx(1e-3)]
+    assert now[0] == pytest.approx(12e-3 + 3e-4)  # 2 ms inputs + 10 ms step + 0.3 ms late
 
 
 def _req(
@@ -91,6 +130,43 @@ def test_drafts_of_the_chain_are_accepted_and_a_wrong_one_stops_verification() -
     wrong = r.execute(SchedulerOutput([_req("a", [40, t5 + 1, t6], 4, spec=2)], [], [], 3))["a"]
     assert wrong.token_ids == [t5]
     assert wrong.draft_ids[0] == t6
+
+
+def test_the_steps_chain_is_emulated_tokens_through_eos_and_rejections() -> None:
+    """The step's inlined arithmetic is ``emulated_token``'s: over many requests, drafts
+    right and wrong, and a vocabulary so small that the chain hits the eos id often."""
+    import random
+
+    rng = random.Random(7)
+    for k in (0, 1, 3):
+        r, _ = _runner(k=k)
+        r.vocab_size, r.eos = 110, 105  # a span of 10 ids: eos is hit every ~10 tokens
+
+        def tok(p: int, t: int) -> int:
+            return emulated_token(p, t, 110, 105)
+
+        sched, want = [], {}
+        for i in range(200):
+            ctx, spec = rng.randrange(50), rng.randrange(k + 1)
+            ids = [rng.randrange(100, 110)]
+            for j in range(spec):  # mostly the chain's next token, sometimes not
+                right = tok(ctx + j + 1, ids[-1])
+                ids.append(right if rng.random() < 0.8 else 100 + (right - 99) % 10)
+            sched.append(_req(f"r{i}", ids, ctx, spec=spec))
+            toks: list[int] = []
+            for j in range(len(ids)):  # the reference: verify, stop at the first wrong draft
+                toks.append(tok(ctx + j + 1, ids[j]))
+                if j + 1 >= len(ids) or ids[j + 1] != toks[-1]:
+                    break
+            drafts, pos = [toks[-1]], ctx + len(toks) + 1
+            for _ in range(k):
+                drafts.append(tok(pos, drafts[-1]))
+                pos += 1
+            want[f"r{i}"] = (toks, drafts[1:])
+        got = r.execute(SchedulerOutput(sched, [], [], 1))
+        assert {rid: (x.token_ids, x.draft_ids) for rid, x in got.items()} == want
+        # the chain's raw id hits eos (and moves past it) in this range
+        assert any(100 + (t * 1_000_003 + p * 7_919) % 10 == 105 for p in range(50) for t in ids)
 
 
 def test_an_emulated_core_runs_one_torch_thread_unless_told() -> None:

@@ -330,7 +330,7 @@ class EngineCore:
         nxt = None
         if batch.scheduled or batch.finished_ids or batch.state_copies:
             t0 = time.time_ns() if self.tracing is not None else 0
-            # N+1's inputs too, while N runs (without MTP: ``ModelRunner.prepare_ahead``)
+            # N+1's inputs too, while N runs (``ModelRunner.prepare_ahead``)
             prepared = self.runner.prepare_ahead(batch)
             nxt = (out, steps.submit(batch, chain, prepared), t0)
         prev, self._in_flight = self._in_flight, nxt
@@ -358,12 +358,16 @@ class EngineCore:
         return outputs
 
     def _run_step(
-        self, out: SchedulerOutput, chain: bool | None, prepared: PreparedStep | None
+        self,
+        out: SchedulerOutput,
+        chain: bool | None,
+        prepared: PreparedStep | None,
+        started: Callable[[], None],
     ) -> dict[str, RunnerResult]:
         """One step on the step thread; the TP followers get it from there too (its
         placeholders filled), so every broadcast to them keeps the steps' order."""
         self._tell_followers(RunStep(out, chain))
-        return self.runner.execute(out, chain, prepared)
+        return self.runner.execute(out, chain, prepared, started)
 
     def _agree(self, out: SchedulerOutput) -> tuple[SchedulerOutput, bool | None]:
         """What this rank runs and whether it chains MTP calls: under DP every rank runs a

@@ -46,13 +46,17 @@ DUMMY_REQUEST = "dsv4-dummy"  # an idle DP rank's batch: its tokens are not load
 class PreparedStep:
     """A step's inputs built ahead of its run (async scheduling: on the core's thread while
     the step before it runs). ``rows``: the input rows that hold ``PLACEHOLDER``, in the order
-    of the requests (``holders``: their indices in ``sched``) whose tokens fill them."""
+    of the requests (``holders``: their indices in ``sched``) whose tokens fill them;
+    ``contexts``: those requests' positions as prepared (with MTP the optimistic ones, all
+    drafts of the step before accepted), ``counts``: their rows each."""
 
     sched: list[ScheduledRequest]
     input_ids: torch.Tensor
     meta: AttentionMetadata
     rows: torch.Tensor
     holders: list[int]
+    contexts: list[int]
+    counts: torch.Tensor
     prepare_s: float
 
 
@@ -135,10 +139,13 @@ class ModelRunner:
         out: SchedulerOutput,
         mtp_chain: bool | None = None,
         prepared: PreparedStep | None = None,
+        started: Callable[[], None] | None = None,
     ) -> dict[str, RunnerResult]:
         """``mtp_chain``: run the k - 1 chained MTP calls (under DP every rank must, when any
         rank drafts); None = when this batch drafts. ``prepared``: this step's inputs from
-        ``prepare_ahead`` (its placeholders are filled here)."""
+        ``prepare_ahead`` (its placeholders are filled here). ``started``: called once the
+        inputs are in, as the forward starts (the step thread then hands the previous step's
+        results to the core)."""
         for rid in out.finished_ids:
             self._gens.pop(rid, None)
             self._hists.pop(rid, None)
@@ -153,6 +160,8 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.begin(real=sched[0].request_id != DUMMY_REQUEST)
         input_ids, meta = self.inputs(sched, prepared)
+        if started is not None:
+            started()
         results = self._run(sched, input_ids, meta, mtp_chain)
         if self.eplb is not None:
             self.eplb.end_step()  # may move one MoE layer's experts: between two forwards
@@ -162,42 +171,69 @@ class ModelRunner:
         self, sched: list[ScheduledRequest], prepared: PreparedStep | None
     ) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's inputs: ``prepared``'s with its placeholder rows filled from ``sched``
-        (one indexed write), or prepared now; ``prepare_s`` times either."""
+        (indexed writes), or prepared now; ``prepare_s`` times either."""
         started = time.perf_counter()
         if prepared is None:
             input_ids, meta = self.prepare(sched)
             self.prepare_s = time.perf_counter() - started
             return input_ids, meta
         assert prepared.sched is sched, "a step prepared for another batch"
-        input_ids = prepared.input_ids
         if prepared.holders:
-            # the step thread has put the previous step's tokens in place of the placeholders
-            vals = [t for i in prepared.holders for t in sched[i].token_ids]
-            assert len(vals) == prepared.rows.numel(), "placeholder rows changed length"
-            input_ids[prepared.rows] = torch.tensor(vals, dtype=torch.long, device=self.device)
+            self._fill(prepared)
         self.prepare_s = prepared.prepare_s + time.perf_counter() - started
-        return input_ids, prepared.meta
+        return prepared.input_ids, prepared.meta
+
+    def _fill(self, prepared: PreparedStep) -> None:
+        """The step thread has put the previous step's tokens (and drafts) in place of the
+        placeholders, and moved each such request back by the drafts it rejected: the same
+        into the prepared tensors, one indexed write each (positions only when a draft was
+        rejected; block tables and row offsets do not move)."""
+        sched, holders = prepared.sched, prepared.holders
+        vals = [t for i in holders for t in sched[i].token_ids]
+        assert len(vals) == prepared.rows.numel(), "placeholder rows changed length"
+        prepared.input_ids[prepared.rows] = torch.tensor(vals, dtype=torch.long, device=self.device)
+        if not self.k:
+            return  # without drafts a placeholder's position is exact
+        ctx = prepared.meta.context_lens
+        back = [c - sched[i].context_len for i, c in zip(holders, prepared.contexts, strict=True)]
+        if any(back):
+            for i, b in zip(holders, back, strict=True):
+                ctx[i] -= b
+            shift = torch.tensor(back, dtype=torch.long).repeat_interleave(prepared.counts)
+            prepared.meta.positions[prepared.rows] -= shift.to(self.device)
 
     def prepare_ahead(self, out: SchedulerOutput) -> PreparedStep | None:
         """Async scheduling: build ``out``'s inputs on the core's thread while the step before
-        it runs, all but its placeholder tokens. None with MTP (the step thread moves a
-        placeholder row's position back by the drafts the step before rejected, which the
-        positions and slots depend on; and the drafter writes the block table while its step
-        runs): those steps prepare on the step thread, as without async scheduling."""
-        if self.k or not out.scheduled:
+        it runs, all but its placeholder tokens (and with MTP, the positions the step before
+        moves back by its rejected drafts: ``_fill``). The persistent block table is the
+        core's alone then: the drafter reads its step's table, never the persistent one."""
+        if not out.scheduled:
             return None
         started = time.perf_counter()
         sched = out.scheduled
         input_ids, meta = self.prepare(sched)
         rows: list[int] = []
         holders: list[int] = []
+        contexts: list[int] = []
+        counts: list[int] = []
         for i, s in enumerate(sched):
             if s.token_ids and s.token_ids[0] == PLACEHOLDER:
-                a = meta.query_start_loc[i]
-                rows.extend(range(a, a + len(s.token_ids)))
+                a, n = meta.query_start_loc[i], len(s.token_ids)
+                rows.extend(range(a, a + n))
                 holders.append(i)
+                contexts.append(s.context_len)
+                counts.append(n)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return PreparedStep(sched, input_ids, meta, index, holders, time.perf_counter() - started)
+        return PreparedStep(
+            sched,
+            input_ids,
+            meta,
+            index,
+            holders,
+            contexts,
+            torch.tensor(counts, dtype=torch.long),
+            time.perf_counter() - started,
+        )
 
     def prepare(self, sched: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's inputs: token ids and attention metadata, block tables from the
@@ -317,7 +353,9 @@ class ModelRunner:
             next_ids.extend(s.token_ids[1:n])
             next_ids.append(last)
             rows.extend(range(a, a + n))
-        mmeta = self._metadata(chunks)
+        # the step's block table (same lists, same order): the persistent one may be the
+        # core's meanwhile (``prepare_ahead`` of the next step)
+        mmeta = AttentionMetadata.build(chunks, self.block_size, self.device, meta.block_tables)
         dev = self.device
         logits, mh = self.model.mtp_forward(
             torch.tensor(next_ids, device=dev),
@@ -335,6 +373,9 @@ class ModelRunner:
         draft = logits[last_rows[sel]].argmax(-1)
         h = mh[last_rows[sel]]
         drafts = [[int(t)] for t in draft.tolist()]
+        if self.k > 1:  # the drafting rows of the step's table, as wide as their lists
+            width = max(len(chunks[i].block_ids) for i in drafting)
+            table = mmeta.block_tables[sel, : max(1, width)]
         for step in range(1, self.k):
             dchunks = []
             for i in drafting:
@@ -342,7 +383,7 @@ class ModelRunner:
                 dchunks.append(
                     SeqChunk(c.context_len + c.num_new + step - 1, 1, c.block_ids, c.state_slot)
                 )
-            dmeta = self._metadata(dchunks)
+            dmeta = AttentionMetadata.build(dchunks, self.block_size, self.device, table)
             lg, h = self.model.mtp_forward(draft, h, dmeta, self.cache)
             draft = lg.argmax(-1)
             for d, t in zip(drafts, draft.tolist(), strict=True):

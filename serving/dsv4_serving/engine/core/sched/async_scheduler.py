@@ -141,14 +141,7 @@ class AsyncScheduler(Scheduler):
         running = req.status is RequestStatus.RUNNING
         if running:  # (a preempted request starts again from 0)
             req.num_computed_tokens -= s.num_spec - accepted
-        new: list[int] = []
-        status = None
-        for t in r.token_ids:
-            req.all_token_ids.append(t)
-            new.append(t)
-            status = self._check_stop(req, t)
-            if status is not None:
-                break
+        new, status = self._append_tokens(req, r.token_ids)
         lp = r.logprobs[: len(new)] if r.logprobs is not None else None
         o = EngineCoreOutput(
             req.request_id, new, lp, num_cached_tokens=max(req.num_cached_tokens, 0)

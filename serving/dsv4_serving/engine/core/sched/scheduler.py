@@ -538,14 +538,7 @@ class Scheduler:
                 self.stats.spec_accepted_tokens += accepted
             req.num_computed_tokens += len(s.token_ids) - (s.num_spec - accepted)
             req.spec_token_ids = []
-            new: list[int] = []
-            status = None
-            for t in r.token_ids:
-                req.all_token_ids.append(t)
-                new.append(t)
-                status = self._check_stop(req, t)
-                if status is not None:
-                    break
+            new, status = self._append_tokens(req, r.token_ids)
             logprobs = r.logprobs[: len(new)] if r.logprobs is not None else None
             self.kv.cache_blocks(req)
             out_ = EngineCoreOutput(
@@ -562,6 +555,30 @@ class Scheduler:
         outputs.extend(self.take_extra_outputs())
         self._refresh_stats()
         return outputs
+
+    def _append_tokens(
+        self, req: Request, tokens: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append a step's tokens to ``req`` up to the first that stops it: the tokens kept
+        and the stop. Tokens none of which can stop it (no length reached, no eos or stop
+        token among them: the common case, k + 1 tokens with MTP) go in at once."""
+        sp, m = req.sampling_params, len(tokens)
+        if (
+            req.num_tokens + m < self.config.max_model_len
+            and req.num_output_tokens + m < sp.max_tokens
+            and (sp.ignore_eos or req.eos_token_id not in tokens)
+            and not (sp.stop_token_ids and any(t in sp.stop_token_ids for t in tokens))
+        ):
+            req.all_token_ids.extend(tokens)
+            return list(tokens), None
+        new: list[int] = []
+        for t in tokens:
+            req.all_token_ids.append(t)
+            new.append(t)
+            status = self._check_stop(req, t)
+            if status is not None:
+                return new, status
+        return new, None
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
