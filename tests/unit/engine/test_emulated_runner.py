@@ -170,7 +170,7 @@ def test_the_steps_chain_is_emulated_tokens_through_eos_and_rejections() -> None
 
 
 def test_an_emulated_core_runs_one_torch_thread_unless_told() -> None:
-    from dsv4_serving.engine.engine.engine_core import core_threads
+    from dsv4_serving.engine.engine.core_process import core_threads
 
     emulated = EngineConfig(model="dsv4-tiny", emulate_step_time="10,0,0")
     assert core_threads(emulated, 16) == 1

@@ -23,7 +23,8 @@ from typing import Any
 from dsv4_serving.distributed.comm import broadcast_object, gather_object
 from dsv4_serving.distributed.groups import Group
 from dsv4_serving.engine.dp.router import Leader, RankReport, StepHeader
-from dsv4_serving.engine.engine.engine_core import EngineCore, apply_request_message
+from dsv4_serving.engine.engine.core_process import apply_request_message
+from dsv4_serving.engine.engine.engine_core import EngineCore
 from dsv4_serving.engine.engine.messages import (
     RankMessage,
     Rejected,

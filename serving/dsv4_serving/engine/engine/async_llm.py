@@ -33,7 +33,7 @@ from dsv4_serving.distributed.launcher import LocalRanks
 from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.core.sched.scheduler import SchedulerStats
-from dsv4_serving.engine.engine.engine_core import run_engine_core
+from dsv4_serving.engine.engine.core_process import run_engine_core
 from dsv4_serving.engine.engine.host_times import HostTimes, StepSpans
 from dsv4_serving.engine.engine.increments import Mailbox, RequestOutput
 from dsv4_serving.engine.engine.messages import (

@@ -30,7 +30,8 @@ from dsv4_serving.distributed.parallel_state import (
 from dsv4_serving.distributed.placement import Placement
 from dsv4_serving.engine.config import EngineConfig
 from dsv4_serving.engine.dp.lockstep import run_lockstep
-from dsv4_serving.engine.engine.engine_core import EngineCore, run_engine_core, set_threads
+from dsv4_serving.engine.engine.core_process import run_engine_core, set_threads
+from dsv4_serving.engine.engine.engine_core import EngineCore
 from dsv4_serving.engine.engine.messages import CoreFailed
 from dsv4_serving.engine.kv_connector.tp_replicate import replicate_kv
 from dsv4_serving.engine.worker.model_runner import ModelRunner

@@ -47,6 +47,7 @@ from dsv4_serving.engine.core.sched.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
+from dsv4_serving.engine.core.sched.stops import append_tokens
 from dsv4_serving.engine.request import EngineCoreOutput, Request, RequestStatus
 
 PLACEHOLDER = -1
@@ -141,7 +142,7 @@ class AsyncScheduler(Scheduler):
         running = req.status is RequestStatus.RUNNING
         if running:  # (a preempted request starts again from 0)
             req.num_computed_tokens -= s.num_spec - accepted
-        new, status = self._append_tokens(req, r.token_ids)
+        new, status = append_tokens(req, r.token_ids, self.config.max_model_len)
         lp = r.logprobs[: len(new)] if r.logprobs is not None else None
         o = EngineCoreOutput(
             req.request_id, new, lp, num_cached_tokens=max(req.num_cached_tokens, 0)

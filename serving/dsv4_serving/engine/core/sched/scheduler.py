@@ -38,6 +38,7 @@ from dsv4_serving.engine.core.sched.prefix_pull import (
     park_for_prefix,
     prefix_loaded,
 )
+from dsv4_serving.engine.core.sched.stops import append_tokens
 from dsv4_serving.engine.kv_connector.base import KVConnectorScheduler
 from dsv4_serving.engine.kv_connector.metadata import (
     KVConnectorOutput,
@@ -538,7 +539,7 @@ class Scheduler:
                 self.stats.spec_accepted_tokens += accepted
             req.num_computed_tokens += len(s.token_ids) - (s.num_spec - accepted)
             req.spec_token_ids = []
-            new, status = self._append_tokens(req, r.token_ids)
+            new, status = append_tokens(req, r.token_ids, self.config.max_model_len)
             logprobs = r.logprobs[: len(new)] if r.logprobs is not None else None
             self.kv.cache_blocks(req)
             out_ = EngineCoreOutput(
@@ -555,44 +556,6 @@ class Scheduler:
         outputs.extend(self.take_extra_outputs())
         self._refresh_stats()
         return outputs
-
-    def _append_tokens(
-        self, req: Request, tokens: list[int]
-    ) -> tuple[list[int], RequestStatus | None]:
-        """Append a step's tokens to ``req`` up to the first that stops it: the tokens kept
-        and the stop. Tokens none of which can stop it (no length reached, no eos or stop
-        token among them: the common case, k + 1 tokens with MTP) go in at once."""
-        sp, m = req.sampling_params, len(tokens)
-        if (
-            req.num_tokens + m < self.config.max_model_len
-            and req.num_output_tokens + m < sp.max_tokens
-            and (sp.ignore_eos or req.eos_token_id not in tokens)
-            and not (sp.stop_token_ids and any(t in sp.stop_token_ids for t in tokens))
-        ):
-            req.all_token_ids.extend(tokens)
-            return list(tokens), None
-        new: list[int] = []
-        for t in tokens:
-            req.all_token_ids.append(t)
-            new.append(t)
-            status = self._check_stop(req, t)
-            if status is not None:
-                return new, status
-        return new, None
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        n_out = req.num_output_tokens
-        if req.num_tokens >= self.config.max_model_len or n_out >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if n_out < sp.min_tokens:
-            return None
-        if not sp.ignore_eos and token == req.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token in sp.stop_token_ids:
-            req.stop_token_id = token
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def _refresh_stats(self) -> None:
         st = self.stats
