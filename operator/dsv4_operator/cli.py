@@ -33,7 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peering", default="dsv4-operator", help="kopf peering name (replicas elect one active)"
     )
-    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority of this replica (default: in a pod, one derived from its name, "
+        "so the chart's replicas differ: kopf pauses every replica that shares a priority; "
+        "else 0)",
+    )
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
     p.add_argument("--verbose", action="store_true", help="log at DEBUG level (kopf included)")
     p.add_argument(
@@ -105,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
             "dsv4 operator: error: --autoscaler-blocked-after must be a positive number of "
             f"seconds, got {args.autoscaler_blocked_after:g}"
         )
+    from dsv4_operator.peers import replica_priority
+
+    priority = replica_priority(args.priority, os.environ.get("POD_ID"))
     stop = threading.Event()
     memo = handlers.OperatorMemo(
         autoscaler_options=LoopOptions(
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             address_map=args.autoscaler_address_map,
             blocked_after_s=args.autoscaler_blocked_after,
             peering=None if args.standalone else args.peering,
-            priority=args.priority,
+            priority=priority,
             clusterwide=not args.namespace,
         ),
         kubeconfig=args.kubeconfig,
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=list(args.namespace),
         standalone=args.standalone,
-        **({} if args.standalone else {"peering_name": args.peering, "priority": args.priority}),
+        **({} if args.standalone else {"peering_name": args.peering, "priority": priority}),
         liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
         stop_flag=stop,
         memo=memo,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,17 @@ from dsv4_operator.kube import Kube
 log = logging.getLogger(__name__)
 
 _POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS-1123 subdomain
+
+
+def replica_priority(given: int | None, pod: str | None) -> int:
+    """The peering priority: the one given, else in a pod one derived from its name (stable
+    for the pod, different between the chart's replicas: kopf pauses every replica that
+    shares a priority, so two replicas of one Deployment would both stand still), else 0."""
+    if given is not None:
+        return given
+    if not pod:
+        return 0
+    return 1 + (zlib.crc32(pod.encode()) & 0x3FFFFFFF)
 
 
 def dead_peers(
