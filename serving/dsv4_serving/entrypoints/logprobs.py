@@ -43,6 +43,7 @@ class ChoiceLogprobs:
         # the decode window (``_offsets``): its context's first token, its first token, the
         # characters before its first token and those of its context
         self._ctx = self._base = self._chars = self._ctx_chars = 0
+        self._tail = ""  # the window's text after its context (the last token's ``after``)
 
     def _text(self, i: int) -> str | None:
         """The token's own text, or None when it has none (part of a character)."""
@@ -66,9 +67,8 @@ class ChoiceLogprobs:
         for i in new:
             self.ids.append(i)
             k = len(self.ids)
-            window = self.ids[self._ctx : k - 1]
-            before = self.tok.decode(window)[self._ctx_chars :]
-            after = self.tok.decode([*window, i])[self._ctx_chars :]
+            before = self._tail
+            after = self.tok.decode(self.ids[self._ctx : k])[self._ctx_chars :]
             offset = _common_prefix(before, after)
             if after == before and before.endswith(_PARTIAL) and self.tok.decode([i]):
                 offset -= 1  # it continues the character being written
@@ -77,6 +77,8 @@ class ChoiceLogprobs:
                 self._chars += len(after)
                 self._ctx, self._base = self._base, k
                 self._ctx_chars = len(self.tok.decode(self.ids[self._ctx : self._base]))
+                after = ""
+            self._tail = after
         return out
 
     def prime(self, ids: list[int]) -> None:
