@@ -19,6 +19,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 MAX_LEASE_S = 3600.0
 MIN_FRAME_BYTES = 4096
 MIN_DISK_BYTES = 1 << 20
+FAST_SUFFIX = ".ctl"  # the fast control socket: <shm-dir>/<shm-name>.ctl
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

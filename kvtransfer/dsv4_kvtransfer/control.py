@@ -50,6 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dsv4_common.errors import openai_error
 from dsv4_common.tracing import TRACEPARENT
+from dsv4_kvtransfer.config import FAST_SUFFIX
 from dsv4_kvtransfer.control_requests import (
     FAST_MAX_LINE,
     FAST_REPLY,
@@ -66,7 +67,6 @@ from dsv4_kvtransfer.sidecar import Sidecar
 
 MAX_BODY = 4 << 20
 JSON = "application/json"
-FAST_SUFFIX = ".ctl"
 # sockaddr_un's sun_path holds 108 bytes with the terminating NUL
 UNIX_PATH_MAX = 107
 # grants (fast socket only: one lives as long as the connection that holds it)

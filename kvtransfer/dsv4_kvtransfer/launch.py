@@ -4,15 +4,17 @@ start sidecars this one way)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
 from dsv4_common.config_cli import flag_name
 from dsv4_common.ports import sidecar_control_port, sidecar_metrics_port
 from dsv4_common.process import Service, dsv4_argv
-from dsv4_kvtransfer.config import SidecarConfig
+from dsv4_kvtransfer.config import FAST_SUFFIX, SidecarConfig
 
-_SETTINGS = frozenset(f.name for f in dataclasses.fields(SidecarConfig)) - {"token"}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SidecarConfig)}
+_SETTINGS = frozenset(_DEFAULTS) - {"token"}
 
 
 def sidecar_argv(auth_token_file: str | Path | None, **settings: object) -> list[str]:
@@ -56,7 +58,20 @@ class SidecarService(Service):
             **settings,
         }
         self.port = port
+        shm_dir = Path(str(merged.get("shm_dir") or _DEFAULTS["shm_dir"]))
+        # the name ``dsv4 kv-sidecar`` gives its region when none is set (``cli.py``)
+        self.region = shm_dir / str(merged.get("shm_name") or f"dsv4-kv-{port}")
         self.control_port = int(str(merged["control_port"]))
         self.metrics_port = int(str(merged["metrics_port"]))
         argv = sidecar_argv(auth_token_file, **merged)
         super().__init__(name, argv, log_path, f"http://127.0.0.1:{self.control_port}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop it, then remove its staging region and fast-control socket if it left them: a
+        sidecar killed (SIGKILL after the stop's timeout, or by a test) cannot unlink them, and
+        each holds its staging bytes of /dev/shm until the host reboots."""
+        super().stop(timeout_s)
+        if self.pid is not None and not self.running():
+            for path in (self.region, self.region.with_name(self.region.name + FAST_SUFFIX)):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()

@@ -100,9 +100,7 @@ class SidecarFactory:
     def close(self) -> None:
         for sc in self.procs:
             sc.client.close()
-            sc.kill()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, sc.shm_name))
+            sc.kill()  # its stop removes the region and socket it left
 
     def failure_report(self) -> str:
         return "\n".join(f"--- sidecar {sc.name} ---\n{sc.tail(60)}" for sc in self.procs)

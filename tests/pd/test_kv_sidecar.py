@@ -293,6 +293,21 @@ def test_decode_side_killed_mid_transfer_leaves_the_export_to_its_lease(
     assert src.alive()
 
 
+def test_a_killed_sidecar_s_region_and_socket_go_with_its_stop(sidecars: SidecarFactory) -> None:
+    # a SIGKILLed sidecar cannot unlink its /dev/shm files: whoever started it does (CI runs
+    # ran out of /dev/shm on the regions of sidecars killed by earlier runs)
+    sc = sidecars.start(staging="8M")
+    region = sc.region
+    ctl = region.with_name(region.name + ".ctl")
+    assert region.exists() and ctl.exists()
+    assert sc.pid is not None
+    os.killpg(sc.pid, signal.SIGKILL)
+    wait_for("the sidecar gone", lambda: not sc.running(), 10, 0.05)
+    assert region.exists() and ctl.exists()  # nothing of its own cleaned up
+    sc.stop()
+    assert not region.exists() and not ctl.exists()
+
+
 def test_leases_expire_on_both_sides(sidecars: SidecarFactory) -> None:
     src = sidecars.start(lease=1.0)
     dst = sidecars.start(lease=2.0)

@@ -232,8 +232,9 @@ async def merge_streams(
             out = merger.feed(i, item)
             if out:
                 yield out
-        yield merger.finish()
+        # set before the last bytes: the client may leave as soon as it has [DONE]
         ticket.outcome = "error" if merger.errored else "ok"
+        yield merger.finish()
     finally:
         for t in tasks:
             t.cancel()

@@ -358,18 +358,24 @@ class StreamRelay:
         """The client's stream; the ticket (not this generator, which may never run or never
         be closed) releases the connection and the load."""
         state, ticket = self.state, self.ticket
+        ended = False
         while True:
             try:
                 async for chunk in resp.iter_chunks(self.proxy.cfg.stream_idle_timeout_s):
                     out = state.feed(chunk)
                     if out:
                         ticket.chunk(out)
+                        if _ends(state, out):  # the client may leave as soon as it has [DONE]
+                            ended, ticket.outcome = True, "ok"
                         yield out
                     if state.engine_error is not None:
                         raise UpstreamError("the engine ended the stream with an error")
                 if state.tracked and not state.done:
                     raise UpstreamError("the stream ended without [DONE]")
             except (UpstreamError, TimeoutError) as e:
+                if ended:  # broke after [DONE]: the client has everything
+                    resp.close()
+                    return
                 failed = await self._failed(resp, inst, e)
                 if isinstance(failed, bytes):
                     yield failed
@@ -377,10 +383,10 @@ class StreamRelay:
                 resp, inst = failed
                 continue
             rest = state.flush()
+            ticket.outcome = "ok"
             if rest:
                 yield rest
             resp.close()  # read to its end: the connection goes back to the pool
-            ticket.outcome = "ok"
             return
 
     async def _failed(
@@ -457,6 +463,12 @@ class StreamRelay:
             return f"the continuation was answered {new.status}"
         self.tried |= tried
         return new, inst, attempt
+
+
+def _ends(state: StreamState, out: bytes) -> bool:
+    """Whether ``out`` hands the client the stream's end (an untracked stream is passed
+    through as it comes, so its [DONE] is looked for in the bytes)."""
+    return state.done or (not state.tracked and out.rstrip().endswith(b"data: [DONE]"))
 
 
 def _reason(e: Exception, state: StreamState) -> str:

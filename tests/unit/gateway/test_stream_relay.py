@@ -28,6 +28,7 @@ class StateEngine:
 
     def __init__(self, dies_after: int | None) -> None:
         self.dies_after = dies_after
+        self.pause = 0.0  # between tokens, so that each comes in its own read
         self.bodies: list[dict[str, Any]] = []
         self.url = ""
         self.runner: web.AppRunner | None = None
@@ -60,6 +61,7 @@ class StateEngine:
                 assert request.transport is not None
                 request.transport.close()
                 return resp
+            await asyncio.sleep(self.pause)
             text = f"t{k}"
             chars += len(text)
             chunk = {"id": cont.get("id", "cmpl-7"), "choices": [{"text": text}]}
@@ -72,10 +74,29 @@ class StateEngine:
         return resp
 
 
-async def _relay(*dies_after: int | None) -> tuple[str, Proxy, list[StateEngine]]:
+async def _read(resp: RelayResponse, leave_at: bytes | None) -> str:
+    """The client's read, closing the request's ticket as ``RelayResponse`` does;
+    ``leave_at``: the client hangs up once it has these bytes (its task cancelled there, as
+    Starlette's is on a disconnect), before the upstream's end."""
+    got: list[bytes] = []
+    chunks = resp.body_iterator
+    try:
+        with resp._closer:
+            async for chunk in chunks:
+                got.append(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
+                if leave_at is not None and leave_at in got[-1]:
+                    raise asyncio.CancelledError
+    except asyncio.CancelledError:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    return b"".join(got).decode()
+
+
+async def _relay(
+    *dies_after: int | None, leave_at: bytes | None = None, pause: float = 0.0
+) -> tuple[str, Proxy, list[StateEngine]]:
     fakes = sorted([await StateEngine(d).start() for d in dies_after], key=lambda f: f.url)
     for f, d in zip(fakes, dies_after, strict=True):  # the first by URL dies first
-        f.dies_after = d
+        f.dies_after, f.pause = d, pause
     pool = InstancePool()
     pool.set_members("both", [f.url for f in fakes])
     proxy = Proxy(
@@ -96,7 +117,8 @@ async def _relay(*dies_after: int | None) -> tuple[str, Proxy, list[StateEngine]
                 ticket,
             )
             assert isinstance(resp, RelayResponse)
-            text = b"".join([c async for c in resp.body_iterator]).decode()  # type: ignore[misc]
+            resp.take_over()  # as the app does: the stream ends the request
+        text = await _read(resp, leave_at)
         for inst in pool.all():
             assert inst.ranks[0].inflight_requests == 0, inst.url
         return text, proxy, fakes
@@ -145,3 +167,24 @@ def test_with_nobody_left_the_stream_ends_with_an_error_event() -> None:
     assert err["code"] == "upstream_error" and "continuing it failed" in err["message"]
     assert events[-1] == "data: [DONE]"
     assert _migrations(proxy, "continued") == 1 and _migrations(proxy, "failed") == 1
+
+
+def _requests(proxy: Proxy, status: str) -> float:
+    value = proxy.metrics.registry.get_sample_value(
+        "dsv4_gateway_requests_total", {"status": status}
+    )
+    return value or 0.0
+
+
+def test_a_client_that_leaves_once_it_has_done_counts_as_ok() -> None:
+    # clients close at [DONE], before the upstream's own end (a CI failure counted them
+    # cancelled)
+    text, proxy, _ = asyncio.run(_relay(None, leave_at=b"[DONE]"))
+    assert text == _uninterrupted()
+    assert _requests(proxy, "ok") == 1 and _requests(proxy, "cancelled") == 0
+
+
+def test_a_client_that_leaves_mid_stream_counts_as_cancelled() -> None:
+    text, proxy, _ = asyncio.run(_relay(None, leave_at=b'"t1"', pause=0.05))
+    assert text == "".join(e + "\n\n" for e in _uninterrupted().split("\n\n")[:2])
+    assert _requests(proxy, "cancelled") == 1 and _requests(proxy, "ok") == 0
