@@ -49,7 +49,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pd_pair("mig-d0", "decode", token),
         pd_pair("mig-d1", "decode", token),
     )
-    gw = gateway("gateway-mig", "--prefill", pe.url, "--decode", d0.url, "--decode", d1.url)
+    # each migration is logged at info: the log says what a failed drain did
+    gw = gateway(
+        "gateway-mig",
+        *("--log-level", "info", "--prefill", pe.url, "--decode", d0.url, "--decode", d1.url),
+    )
     with running(ps, pe, d0s, d0, d1s, d1, timeout_s=900), running(gw) as (g,):
         yield Stack(g, pe, (d0, d1), {d0.url: d0s, d1.url: d1s})
 
@@ -166,7 +170,9 @@ def test_a_drain_moves_every_stream_with_its_kv(
     sidecar = stack.sidecars[victim.url]
     while _active_exports(sidecar) and time.monotonic() - t0 < 5:
         time.sleep(0.05)
-    assert _active_exports(sidecar) == 0, f"{victim.name}'s sidecar still holds moved exports"
+    assert _active_exports(sidecar) == 0, (
+        f"{victim.name}'s sidecar still holds moved exports\n{g.tail(80)}\n{peer.tail(40)}"
+    )
     # each moved stream's KV went out of the victim and into the peer, and nothing was
     # recomputed after a failed pull
     assert _transfers(victim, "export") - before[victim.url][1] == moved
@@ -343,5 +349,5 @@ def test_sigterm_on_an_engine_with_a_kv_sidecar_moves_its_streams(
         time.sleep(0.1)
     assert victim.exit_code() == 0
     after = g.metric("dsv4_gateway_stream_migrations_total", reason="drain", outcome="continued")
-    assert after - moves >= STREAMS // 2
+    assert after - moves >= STREAMS // 2, f"{g.tail(80)}\n{victim.tail(40)}"
     assert g.metric("dsv4_gateway_stream_migrations_total", outcome="failed") == 0
