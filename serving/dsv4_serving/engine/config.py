@@ -97,6 +97,12 @@ class EngineConfig:
     """Schedule step N+1 (and take step N-1's outputs) while step N runs, the forward on its
     own thread; greedy tokens stay the synchronous engine's. auto = on where that is exact and
     done: everywhere but context parallelism; on = the same, an error there."""
+    step_graphs: Literal["off", "eager", "cuda", "npu"] = "off"
+    """The device-step seam for graphs (``engine/worker/step_graphs.py``): decode steps (every
+    request adds its token and all its drafts, none prefilling) padded to the batch sizes a
+    captured graph would have, each shape run by its own callable. off = unpadded, eager =
+    padded, the callables eager (CPU: the pads' compute is extra work); cuda / npu = CUDA / ACL
+    graphs, refused at start on an engine without that device (capture is not built yet)."""
     tensor_parallel_size: int = 1
     """Devices each layer is split across; one process per rank (CPU: ranks share the CPUs)."""
     data_parallel_size: int = 1
@@ -202,6 +208,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1")
         self._check_eplb()
         self._check_async()
+        self._check_step_graphs()
         self._check_cp()
         if self.threads_per_rank < 0 or self.distributed_timeout <= 0:
             raise ConfigError("threads_per_rank must be >= 0 and distributed_timeout > 0")
@@ -247,6 +254,17 @@ class EngineConfig:
             )
         if self.async_scheduling == "on" and self.async_unsupported():
             raise ConfigError(f"--async-scheduling on: {self.async_unsupported()}")
+
+    def _check_step_graphs(self) -> None:
+        if self.step_graphs not in ("off", "eager", "cuda", "npu"):
+            raise ConfigError(
+                f"step_graphs must be off, eager, cuda or npu, got {self.step_graphs!r}"
+            )
+        # the emulated runner runs no forward; CP's decode with pads is not checked exact
+        if self.step_graphs != "off" and self.emulate_step_time is not None:
+            raise ConfigError("--step-graphs and --emulate-step-time cannot be combined")
+        if self.step_graphs != "off" and self.context_parallel_size > 1:
+            raise ConfigError("--step-graphs with --context-parallel-size > 1 is not supported yet")
 
     def async_unsupported(self) -> str | None:
         """Why async scheduling is not exact here (None: it is)."""

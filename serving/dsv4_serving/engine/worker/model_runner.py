@@ -37,6 +37,7 @@ from dsv4_serving.structured.bitmask import apply_bitmask_
 from dsv4_serving.structured.request_grammars import RequestGrammars
 
 if TYPE_CHECKING:
+    from dsv4_serving.engine.worker.step_graphs import StepGraphs
     from dsv4_serving.eplb.balancer import Balancer
 
 DUMMY_REQUEST = "dsv4-dummy"  # an idle DP rank's batch: its tokens are not load
@@ -82,6 +83,7 @@ class ModelRunner:
         self.model = lm.model
         # the step's forward: the model, or a context-parallel rank's (``cp_runner``)
         self.forward: Callable[..., torch.Tensor] = lm.model
+        self.graphs: StepGraphs | None = None  # the decode steps' seam (``step_graphs.py``)
         self.device = lm.device
         self.block_size = lm.block_size
         self.k = num_speculative_tokens
@@ -259,7 +261,10 @@ class ModelRunner:
         meta: AttentionMetadata,
         mtp_chain: bool | None,
     ) -> dict[str, RunnerResult]:
-        hidden = self.forward(input_ids, meta, self.cache)
+        if self.graphs is not None:
+            hidden = self.graphs.step(sched, input_ids, meta, self.cache)
+        else:
+            hidden = self.forward(input_ids, meta, self.cache)
 
         # logits rows: the last num_spec + 1 rows of every request that samples
         rows: list[int] = []

@@ -16,6 +16,14 @@ from dsv4_serving.distributed.groups import SINGLE, SOLO, Group, ModelParallel
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.engine.worker.model_loader import LoadedModel, load_model, num_kv_blocks
 from dsv4_serving.engine.worker.model_runner import ModelRunner
+from dsv4_serving.engine.worker.step_graphs import (
+    Capture,
+    Lane,
+    StepGraphs,
+    capture_for,
+    num_lanes,
+    padding_buckets,
+)
 from dsv4_serving.kernels.build import available
 
 if TYPE_CHECKING:
@@ -41,6 +49,7 @@ def setup_runner(
 ) -> RunnerSetup:
     """``reserve_dummy``: one block and one state slot more than the scheduler gets, for the
     dummy batch an idle DP rank runs."""
+    capture = _step_capture(config)  # a graph platform without its device: fail before loading
     lm = load_model(config, parallel, device_index)
     if lm.device.type == "cpu" and any(isinstance(m, MLAttention) for m in lm.model.modules()):
         # build (or load) the paged attention kernel now, not inside the first request
@@ -73,10 +82,15 @@ def setup_runner(
         )
     extra = 1 if reserve_dummy else 0
     dummy = (n_blocks, num_slots) if reserve_dummy else None
+    buckets = padding_buckets(config.max_num_seqs)
+    # the pads' scratch blocks and slots, past the scheduler's and the dummy's
+    lanes = [Lane(n_blocks + extra + j, num_slots + extra + j) for j in range(num_lanes(buckets))]
+    if capture is None:
+        lanes = []
     runner = ModelRunner(
         lm,
-        n_blocks + extra,
-        num_slots + extra,
+        n_blocks + extra + len(lanes),
+        num_slots + extra + len(lanes),
         k,
         config.seed,
         parallel.step,  # the ranks of the step: its first samples
@@ -87,12 +101,24 @@ def setup_runner(
         from dsv4_serving.engine.worker.cp_runner import CPForward
 
         runner.forward = runner.model = CPForward(lm.model, parallel.cp, lm.block_size)
+    if capture is not None:
+        runner.graphs = StepGraphs(runner.forward, buckets, lanes, 1 + k, lm.block_size, capture)
     if config.emulate_step_time is not None:
         from dsv4_serving.engine.emulated.runner import EmulatedRunner
         from dsv4_serving.engine.emulated.step_time import StepTime
 
         runner = EmulatedRunner(runner, StepTime.parse(config.emulate_step_time))  # type: ignore[assignment]
     return RunnerSetup(lm, runner, k, n_blocks, has_state, snaps)
+
+
+def _step_capture(config: EngineConfig) -> Capture | None:
+    """The seam's capture (``--step-graphs``), checked against this engine's device."""
+    if config.step_graphs == "off":
+        return None
+    from dsv4_serving.platform.device import detect_platform
+
+    device = detect_platform(None if config.device == "auto" else config.device)
+    return capture_for(config.step_graphs, device.name)
 
 
 def _eplb(config: EngineConfig, parallel: ModelParallel, lm: LoadedModel) -> Balancer | None:
