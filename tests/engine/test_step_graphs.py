@@ -2,7 +2,8 @@
 bucket give every request exactly the greedy tokens of the unpadded engine (no tolerance), for
 batches that are not bucket sizes (3, 5, 13 requests: buckets 4, 8, 16), with MTP on and off,
 synchronous and async; the pads' scratch blocks and slots are never a real request's (the pad
-plan checks it every step) and every block and slot is free again afterwards."""
+plan checks it every step) and every block and slot is free again afterwards; DP 2 and TP 2
+give the single-process tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from dsv4_serving.engine.config import ConfigError, EngineConfig
 from dsv4_serving.engine.engine.engine_core import EngineCore
 from dsv4_serving.engine.worker.step_graphs import DecodeShape, StepGraphs
+from tests.dist.engine_cases import near_ties, reference, serve_through_front_end
 
 from .common import run, workload
 
@@ -73,3 +75,33 @@ def test_padded_decode_gives_the_unpadded_tokens(model: str, k: int, async_sched
 def test_a_graph_platform_without_its_device_fails_at_start() -> None:
     with pytest.raises(ConfigError, match="needs a CUDA device, and this engine runs on cpu"):
         EngineCore(replace(BASE, step_graphs="cuda", device="cpu"))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"data_parallel_size": 2, "expert_parallel_size": 2},
+        {"tensor_parallel_size": 2},
+    ],
+    ids=["dp2-ep2", "tp2"],
+)
+def test_parallel_padded_decode_gives_single_process_tokens(sizes: dict[str, int]) -> None:
+    """The ranks as processes: under DP each rank pads its own decode batch and the MoE
+    all-gathers its pads with its real rows; under TP every rank pads the same step on its
+    own lanes. Greedy tokens are the single-process engine's (where the parallel sums' other
+    order meets a near tie, the dist tier's rule applies, as for every parallel test)."""
+    base = EngineConfig(
+        model="dsv4-tiny",
+        max_model_len=384,
+        num_kv_blocks=200,
+        max_num_seqs=8,
+        num_speculative_tokens=1,
+        threads_per_rank=1,
+        enable_prefix_caching=False,
+    )
+    work = workload(11, 7)
+    ref = reference(base, work)
+    cfg = replace(base, async_scheduling="on", step_graphs="eager", **sizes)  # type: ignore[arg-type]
+    got = serve_through_front_end(cfg, work, [None])
+    print(f"{sizes} padded: near-tie differences {near_ties(got.tokens, ref)}")
+    assert got.stats.spec_draft_tokens > 0
