@@ -70,6 +70,9 @@ def test_padded_decode_gives_the_unpadded_tokens(model: str, k: int, async_sched
     # the lanes lie past every block and slot the KV cache manager hands out
     assert min(lane.block for lane in graphs.lanes) >= core.info.num_kv_blocks
     assert min(lane.slot for lane in graphs.lanes) >= BASE.max_num_seqs
+    assert len(graphs.lanes) == 7  # 9 running decode as 16
+    paged = core.runner.cache.paged_tensors()[0]
+    assert paged.shape[0] == core.info.num_kv_blocks + 7  # the lanes' blocks, reserved
 
 
 def test_a_graph_platform_without_its_device_fails_at_start() -> None:

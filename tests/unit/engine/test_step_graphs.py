@@ -177,3 +177,5 @@ def test_graph_platforms_fail_fast_naming_their_hardware() -> None:
         EngineConfig(step_graphs="always")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="--emulate-step-time"):
         EngineConfig(step_graphs="eager", emulate_step_time="10,0,0")
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
+        EngineConfig(step_graphs="eager", context_parallel_size=2)

@@ -72,7 +72,10 @@ def setup_runner(
     if config.enable_prefix_caching:
         snaps = config.num_prefix_state_snapshots or 2 * config.max_num_seqs
     num_slots = config.max_num_seqs + (snaps if has_state else 0)
-    n_blocks = num_kv_blocks(config, lm, num_slots, k)
+    buckets = padding_buckets(config.max_num_seqs)
+    n_lanes = num_lanes(buckets) if capture is not None else 0
+    # the pads' state slots come out of the KV budget as the scheduler's do
+    n_blocks = num_kv_blocks(config, lm, num_slots + n_lanes, k)
     n_blocks = min(all_gather_object(n_blocks, world))
     per_req = -(-(lm.max_model_len + k) // lm.block_size)
     if n_blocks < per_req:
@@ -82,11 +85,8 @@ def setup_runner(
         )
     extra = 1 if reserve_dummy else 0
     dummy = (n_blocks, num_slots) if reserve_dummy else None
-    buckets = padding_buckets(config.max_num_seqs)
     # the pads' scratch blocks and slots, past the scheduler's and the dummy's
-    lanes = [Lane(n_blocks + extra + j, num_slots + extra + j) for j in range(num_lanes(buckets))]
-    if capture is None:
-        lanes = []
+    lanes = [Lane(n_blocks + extra + j, num_slots + extra + j) for j in range(n_lanes)]
     runner = ModelRunner(
         lm,
         n_blocks + extra + len(lanes),
