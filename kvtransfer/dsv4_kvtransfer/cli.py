@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from dsv4_common.config_cli import add_config_arguments, config_from_args, given
 from dsv4_common.ports import sidecar_control_port
-from dsv4_kvtransfer.config import SidecarConfig, parse_size
+from dsv4_kvtransfer.config import SidecarConfig, default_shm_name, parse_size
 
 if TYPE_CHECKING:  # the sidecar's own modules load inside ``run`` (see above)
     import logging
@@ -56,7 +56,7 @@ def derived_defaults(flags: dict[str, Any], env: dict[str, str]) -> dict[str, An
         advertise = "127.0.0.1"
     return {
         "control_port": sidecar_control_port(port) if port else 0,
-        "shm_name": f"dsv4-kv-{port or os.getpid()}",
+        "shm_name": default_shm_name(port or os.getpid()),
         "advertise_host": advertise,
         "sidecar_id": name,
         "engine_id": name,

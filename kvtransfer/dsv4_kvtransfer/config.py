@@ -21,6 +21,13 @@ MIN_FRAME_BYTES = 4096
 MIN_DISK_BYTES = 1 << 20
 FAST_SUFFIX = ".ctl"  # the fast control socket: <shm-dir>/<shm-name>.ctl
 
+
+def default_shm_name(port: int) -> str:
+    """The staging region's name when none is set: per peer port (or pid), so that sidecars
+    on one host never share one."""
+    return f"dsv4-kv-{port}"
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

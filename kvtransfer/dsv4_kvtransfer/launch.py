@@ -11,7 +11,7 @@ from pathlib import Path
 from dsv4_common.config_cli import flag_name
 from dsv4_common.ports import sidecar_control_port, sidecar_metrics_port
 from dsv4_common.process import Service, dsv4_argv
-from dsv4_kvtransfer.config import FAST_SUFFIX, SidecarConfig
+from dsv4_kvtransfer.config import FAST_SUFFIX, SidecarConfig, default_shm_name
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SidecarConfig)}
 _SETTINGS = frozenset(_DEFAULTS) - {"token"}
@@ -59,8 +59,7 @@ class SidecarService(Service):
         }
         self.port = port
         shm_dir = Path(str(merged.get("shm_dir") or _DEFAULTS["shm_dir"]))
-        # the name ``dsv4 kv-sidecar`` gives its region when none is set (``cli.py``)
-        self.region = shm_dir / str(merged.get("shm_name") or f"dsv4-kv-{port}")
+        self.region = shm_dir / str(merged.get("shm_name") or default_shm_name(port))
         self.control_port = int(str(merged["control_port"]))
         self.metrics_port = int(str(merged["metrics_port"]))
         argv = sidecar_argv(auth_token_file, **merged)

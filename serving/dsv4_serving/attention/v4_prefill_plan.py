@@ -142,6 +142,8 @@ class PrefillChunks:
         self.sel = self.valid.flatten().nonzero().flatten()  # valid cells of [S * N]
         self.rows = self.index.flatten()[self.sel]  # their rows in the flat batch
         self.seq_of_row = self.sel // self.index.shape[1]  # [R] each row's sequence
+        # each cell's row among the valid cells (row-major), the same for every slice
+        self._r_of_cell = self.valid.flatten().cumsum(0).view_as(self.valid) - 1
         self.table = meta.block_tables[torch.tensor(seqs, device=dev)]
         self._j = j
         self._plans: dict[tuple[object, ...], object] = {}
@@ -166,14 +168,13 @@ class PrefillChunks:
     def _part(self, cols: torch.Tensor, keep: torch.Tensor) -> RowSlice:
         sel = keep.flatten().nonzero().flatten()
         index = self.index.gather(1, cols)
-        r_of_cell = self.valid.flatten().cumsum(0).view_as(self.valid) - 1
         return RowSlice(
             cols,
             index,
             self.pos.gather(1, cols),
             sel,
             index.flatten()[sel],
-            r_of_cell.gather(1, cols).flatten()[sel],
+            self._r_of_cell.gather(1, cols).flatten()[sel],
             sel // cols.shape[1],
         )
 

@@ -138,30 +138,26 @@ class EmulatedRunner:
             if not s.sample:
                 continue
             # verify the drafts against the chain, as the sampler does against the logits
-            ids, ctx = s.token_ids, s.context_len + 1
-            n = len(ids)
+            ids, n = s.token_ids, len(s.token_ids)
             j = n - s.num_spec - 1
-            t = first + (ids[j] * 1_000_003 + (ctx + j) * 7_919) % span
-            if t == eos:
-                t = first + (t - first + 1) % span
-            toks = [t]
-            while j + 1 < n and ids[j + 1] == t:
-                j += 1
-                t = first + (t * 1_000_003 + (ctx + j) * 7_919) % span
+            prev, pos = ids[j], s.context_len + 1 + j
+            toks: list[int] = []
+            drafts: list[int] = []
+            verifying = True  # then the k next drafts, from the last verified token on
+            while verifying or len(drafts) < k:
+                t = first + (prev * 1_000_003 + pos * 7_919) % span
                 if t == eos:
                     t = first + (t - first + 1) % span
-                toks.append(t)
+                if verifying:
+                    toks.append(t)
+                    j += 1
+                    verifying = j < n and ids[j] == t
+                else:
+                    drafts.append(t)
+                prev, pos = t, pos + 1
             lp = None
             if s.sampling_params.logprobs is not None:
                 lp = [Logprob(x, 0.0, [(x, 0.0)]) for x in toks]
-            drafts: list[int] = []
-            pos = ctx + j + 1  # the first draft's position (after the last verified token)
-            for _ in range(k):
-                t = first + (t * 1_000_003 + pos * 7_919) % span
-                if t == eos:
-                    t = first + (t - first + 1) % span
-                drafts.append(t)
-                pos += 1
             results[s.request_id] = RunnerResult(toks, lp, drafts)
         return results
 
