@@ -186,19 +186,24 @@ def test_without_another_engine_the_stream_ends_with_an_error_event() -> None:
         assert _settled(g, "error", 1) == 1, g.metrics_text()
 
 
+PENALTIES = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.5}
+NO_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 @pytest.mark.parametrize(
-    ("stop", "seed"),
-    [(None, None), (["zzzzzz"], None), (None, 7)],
-    ids=["greedy-logprobs", "stop-held-back", "seeded"],
+    ("stop", "seed", "extra"),
+    [(None, None, {}), (["zzzzzz"], None, {}), (None, 7, {}), (None, 7, PENALTIES)],
+    ids=["greedy-logprobs", "stop-held-back", "seeded", "seeded-penalties"],
 )
 def test_the_engine_continues_an_answer_exactly(
-    solo: Service, stop: list[str] | None, seed: int | None
+    solo: Service, stop: list[str] | None, seed: int | None, extra: dict[str, float]
 ) -> None:
     """The engine half alone: a stream continued from any cut of an answer (a character split
-    across tokens, a stop string's held-back tail; greedy or seeded sampling) gives the rest of
-    the uninterrupted one."""
+    across tokens, a stop string's held-back tail; greedy or seeded sampling; penalties, which
+    count the tokens already sent as output) gives the rest of the uninterrupted one."""
     e = solo
     body: dict[str, Any] = {
+        **extra,
         "stop": stop,
         "seed": seed,
         "logprobs": 1 if stop is None and seed is None else None,
@@ -223,9 +228,11 @@ def test_the_engine_continues_an_answer_exactly(
         assert full.text[: full.chars[cut - 1]] + rest.text == full.text
         assert rest.chunk_ids == {full.head["id"]}
         assert full.offsets[cut:] == rest.offsets  # logprobs' text_offset goes on
+    if extra:  # the penalties change the answer: the cuts above prove they were carried on
+        assert _raw(e.url, {**body, **NO_PENALTIES}).token_ids != full.token_ids
     refused = httpx.post(
         f"{e.url}/v1/completions",
-        json={**body, "presence_penalty": 0.5, "continuation": {"token_ids": [1]}},
+        json={**body, "continuation": {"token_ids": full.token_ids}},
         timeout=60,
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continuation"

@@ -114,13 +114,10 @@ def apply(
 
 
 def remaining(params: SamplingParams, cont: Continuation) -> SamplingParams:
-    """The budget left after the tokens already generated. Presence and frequency penalties
-    count output tokens the core would see as prompt: refused rather than changed."""
+    """The budget left after the tokens already generated; ``resumed_tokens`` tells the core
+    which of the prompt's tokens are output (the penalties count them, a grammar's matcher
+    is advanced over them)."""
     done = len(cont.token_ids)
-    if params.presence_penalty or params.frequency_penalty:
-        raise BadRequest(
-            f"{FIELD} does not support presence_penalty or frequency_penalty", param=FIELD
-        )
     if done >= params.max_tokens:
         raise BadRequest(
             f"{FIELD}: {done} tokens already generated, max_tokens is {params.max_tokens}",
@@ -132,7 +129,7 @@ def remaining(params: SamplingParams, cont: Continuation) -> SamplingParams:
         max_tokens=params.max_tokens - done,
         min_tokens=max(0, params.min_tokens - done),
         seed=seed,  # the draws go on where the first engine's stopped (sample/seeding.py)
-        resumed_tokens=done,  # a grammar's matcher is advanced over them first
+        resumed_tokens=done,
     )
 
 

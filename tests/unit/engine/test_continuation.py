@@ -50,8 +50,9 @@ def test_the_budget_left() -> None:
     assert (got.max_tokens, got.min_tokens) == (4, 0)
     with pytest.raises(BadRequest, match="10 tokens already generated"):
         remaining(p, Continuation((1,) * 10))
-    with pytest.raises(BadRequest, match="presence_penalty"):
-        remaining(SamplingParams(presence_penalty=0.5), Continuation((1,)))
+    penalized = SamplingParams(max_tokens=10, presence_penalty=0.5, frequency_penalty=-1.0)
+    got = remaining(penalized, Continuation((1, 2)))
+    assert (got.presence_penalty, got.frequency_penalty, got.resumed_tokens) == (0.5, -1.0, 2)
 
 
 def test_apply_per_leg() -> None:

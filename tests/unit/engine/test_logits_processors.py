@@ -4,6 +4,7 @@ and the validation of its parameters."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -56,6 +57,17 @@ def test_the_chain_gives_the_reference_values_exactly() -> None:
     assert got[0].tolist() == pytest.approx(want, abs=0)
     # 0: 2/2 - 0.25*2 - 0.5 = 0; 1: -1+3 = 2 (not seen); 3: in the prompt, -0.5*2 = -1
     assert want[:4] == [0.0, 2.0, 0.25 - 0.25 - 0.5, -1.0]
+
+
+def test_a_continued_stream_s_history_counts_the_resumed_tokens_as_output() -> None:
+    """Prompt [3] + [0, 0, 2] another engine generated gives the first engine's logits."""
+    out = [0, 0, 2]
+    sp = dataclasses.replace(SP, resumed_tokens=len(out))
+    h = TokenHistory(PROMPT + out, V, torch.device("cpu"), sp)
+    got = process_logits(torch.tensor([RAW]), sp, h)
+    assert got[0].tolist() == pytest.approx(reference(RAW, SP, PROMPT, out), abs=0)
+    assert h.counts.tolist() == [2.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert h.prompt is not None and h.prompt.tolist() == [False, False, False, True, False, False]
 
 
 def test_each_draft_row_counts_the_drafts_before_it() -> None:

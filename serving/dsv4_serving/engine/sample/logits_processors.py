@@ -26,18 +26,24 @@ from dsv4_serving.engine.sample.sampling_params import SamplingParams
 
 class TokenHistory:
     """One request's output token counts and the set of its prompt tokens (for the
-    repetition penalty only), as ``[V]`` tensors."""
+    repetition penalty only), as ``[V]`` tensors. A continued stream's prompt ends with the
+    ``sp.resumed_tokens`` tokens another engine generated: they count as output, so the
+    penalties go on as on the first engine."""
 
     __slots__ = ("counts", "prompt")
 
     def __init__(
         self, prompt_ids: Sequence[int], vocab: int, device: torch.device, sp: SamplingParams
     ) -> None:
+        cut = len(prompt_ids) - sp.resumed_tokens
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         self.prompt: torch.Tensor | None = None
         if sp.repetition_penalty != 1.0:
             self.prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.prompt[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+            prompt = torch.tensor(list(prompt_ids[:cut]), dtype=torch.long, device=device)
+            self.prompt[prompt] = True
+        if sp.resumed_tokens:
+            self.add(prompt_ids[cut:])
 
     def add(self, ids: Sequence[int]) -> None:
         """Count accepted output tokens."""

@@ -54,7 +54,7 @@ class SamplingParams:
     resumed_tokens: int = 0
     """The prompt's last ``resumed_tokens`` ids are output another engine generated (a
     continued stream, ``entrypoints/continuation.py``): the grammar's matcher is advanced over
-    them before the first sample."""
+    them before the first sample, and the penalties count them as output."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
