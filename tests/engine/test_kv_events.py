@@ -26,7 +26,7 @@ from dsv4_common.kv_events import (
     seq_of,
     snapshot_hash,
 )
-from dsv4_common.process import Service, free_port
+from dsv4_common.process import Service, free_ports
 from dsv4_serving.engine.core.prefix_hash import block_hashes
 from tests.engine.common import start_engine
 
@@ -35,7 +35,7 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, str]]:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_ports(2, set())}"  # PUB on PORT, replay on PORT + 1
     args = ("--model", "dsv4-tiny", "--served-model-name", "tiny", "--block-size", str(BS))
     args += ("--max-model-len", "128", "--num-kv-blocks", "16", "--num-speculative-tokens", "0")
     args += ("--max-num-seqs", "2", "--kv-events-endpoint", endpoint)
@@ -140,7 +140,7 @@ def test_a_fresh_subscriber_rebuilds_the_cache_exactly_after_evictions() -> None
     from dsv4_serving.gateway.kv_index import RankCache
     from tests.engine.common import run, workload
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_ports(2, set())}"
     config = EngineConfig(
         model="dsv4-tiny",
         max_model_len=256,
@@ -175,7 +175,7 @@ def test_a_fresh_subscriber_rebuilds_the_cache_exactly_after_evictions() -> None
 def test_each_dp_rank_publishes_its_own_cache(tmp_path: Path) -> None:
     """Two DP ranks: each publishes on its own ports, tagged with its rank; a request the
     front end sends to rank 1 is announced by rank 1 alone."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_ports(4, set())}"  # rank r: PORT + 2r and PORT + 2r + 1
     args = ("--model", "dsv4-tiny", "--served-model-name", "tiny", "--block-size", str(BS))
     args += ("--max-model-len", "128", "--num-kv-blocks", "32", "--data-parallel-size", "2")
     server = start_engine("events-dp", tmp_path, *args, "--kv-events-endpoint", endpoint)

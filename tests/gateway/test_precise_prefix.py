@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsv4_common.process import Service, free_port
+from dsv4_common.process import Service, free_ports
 from tests.gateway.conftest import engine, gateway, routed_counts, running
 
 BS = 32  # not the gateway's default (16): it learns the engines' from their events
@@ -22,7 +22,8 @@ SMALL = ("--block-size", str(BS), "--num-kv-blocks", "12", "--max-model-len", "1
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Service, Service, Service]]:
-    ep = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    taken: set[int] = set()  # PUB on PORT, replay on PORT + 1: both free, no overlap
+    ep = [f"tcp://127.0.0.1:{free_ports(2, taken)}" for _ in range(2)]
     a = engine("pp-a", *SMALL, "--kv-events-endpoint", ep[0])
     b = engine("pp-b", *SMALL, "--kv-events-endpoint", ep[1])
     # engines may wait minutes for a kernel build other processes hold the lock of

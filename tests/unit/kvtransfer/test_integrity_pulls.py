@@ -83,6 +83,12 @@ def test_an_export_of_another_layout_is_refused_before_a_byte_moves(
     data = payload(200_000, 3)
     params, _ = export(src, data, "r0")
     pull_as(dst, params, FP)  # (a grant for the next ones, over shm)
+    registry = dst.sidecar.metrics.registry
+    # a landed pull is counted after its answer: wait for it, the failed ones must add nothing
+    until(
+        "the pull counted",
+        lambda: registry.get_sample_value("dsv4_kv_pulls_total", {"outcome": "done"}) == 1,
+    )
     other_rev = Fingerprint(FP.model, FP.dtype, FP.block_size, FP.cache_groups, revision="r2")
     tp2 = Fingerprint(FP.model, FP.dtype, FP.block_size, FP.cache_groups, ParallelLayout(1, 2))
     for i, (theirs, mine) in enumerate([(FP, other_rev), (FP, tp2), (None, FP)]):
