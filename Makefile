@@ -81,8 +81,12 @@ early-images:
 	echo "[make] building the node images in the background: $(IMAGES_LOG)" >&2
 
 # Every tier; pytest exits non-zero (5) when it collects no test, so an empty run fails.
+# The whole suite runs as two pytest runs side by side (scripts/test-side-by-side: the cluster
+# tiers beside the rest); with PYTEST_ARGS, one run of what they select.
+TEST_RUNNER = $(if $(strip $(PYTEST_ARGS)),,scripts/test-side-by-side)
+
 test: $(EARLY_IMAGES) install lint
-	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" DSV4_JAEGER_BIN="$$(scripts/trace-backend | tail -n 1)" $(BIN)/pytest --durations=30 $(PYTEST_ARGS)
+	DSV4_K8S_BIN_DIR="$(K8S_BIN_DIR)" DSV4_JAEGER_BIN="$$(scripts/trace-backend | tail -n 1)" $(TEST_RUNNER) $(BIN)/pytest --durations=30 $(PYTEST_ARGS)
 
 # What a tier needs beside the venv: the Kubernetes binaries (k8s, node) and the Jaeger binary
 # (the gateway tier's tracing tests; built on first use otherwise).

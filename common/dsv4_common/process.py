@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Self
 
@@ -28,12 +29,68 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+PORT_RANGE_ENV = "DSV4_PORT_RANGE"
+"""``LO-HI``: the ports this process and its children pick from (``free_port`` the lower two
+thirds, ``free_port_below_ephemeral`` the rest), so that test runs side by side
+(``scripts/test-side-by-side``) never pick the same port; unset, the OS picks."""
+
+_handed_out: list[int] = []  # this process's last picks, not handed out again soon
+_REMEMBERED = 256
+
+
+def port_range(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """``DSV4_PORT_RANGE`` as (lo, hi), both included; None when unset. A malformed value is an
+    error naming the variable (silently ignoring it would bring back the collisions)."""
+    raw = env.get(PORT_RANGE_ENV, "").strip()
+    if not raw:
+        return None
+    lo_s, sep, hi_s = raw.partition("-")
+    if not sep or not lo_s.isdigit() or not hi_s.isdigit():
+        raise ValueError(f"{PORT_RANGE_ENV} must be LO-HI, got {raw!r}")
+    lo, hi = int(lo_s), int(hi_s)
+    if lo < 1024 or not lo + 30 <= hi <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV} must be 30+ ports within 1024-65535, got {raw!r}")
+    return lo, hi
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick(lo: int, hi: int) -> int | None:
+    """A free port of [lo, hi) not handed out lately by this process."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lo, hi)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.append(port)
+            del _handed_out[:-_REMEMBERED]
+            return port
+    return None
+
+
+def _split(span: tuple[int, int]) -> int:
+    lo, hi = span
+    return lo + 2 * (hi + 1 - lo) // 3
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    span = port_range()
+    if span is not None:
+        port = _pick(span[0], _split(span))
+        if port is None:
+            raise RuntimeError(f"no free port in the lower part of {PORT_RANGE_ENV} {span}")
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        port_: int = s.getsockname()[1]
+        return port_
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -50,37 +107,30 @@ def ephemeral_range() -> tuple[int, int]:
 def free_port_below_ephemeral() -> int:
     """A free port below the ephemeral range, for a process that picks a port for itself while
     others (tests, ``dsv4 up``) pick theirs with ``free_port`` and bind them only later: ports
-    from the two pickers can never be the same."""
-    lo, _ = ephemeral_range()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, lo - 12000), lo)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
+    from the two pickers can never be the same (under ``DSV4_PORT_RANGE``: its upper third)."""
+    span = port_range()
+    if span is not None:
+        lo, hi = _split(span), span[1] + 1
+    else:
+        top = ephemeral_range()[0]
+        lo, hi = max(1024, top - 12000), top
+    port = _pick(lo, hi)
+    return port if port is not None else free_port()
 
 
 def free_ports(n: int, taken: set[int]) -> int:
     """A base port with ``n`` consecutive free ports on 127.0.0.1, none of them in ``taken``
     (which it extends: nothing listens on them yet, so the OS alone would hand out overlaps)."""
+    span = port_range()
+    top = 65536 if span is None else _split(span)  # within free_port's part of the range
     for _ in range(200):
         base = free_port()
-        if base + n > 65535 or taken & set(range(base, base + n)):
+        ports = range(base, base + n)
+        if base + n > top or taken & set(ports) or set(ports[1:]) & set(_handed_out):
             continue
-        ok = True
-        for k in range(n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + k))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            taken.update(range(base, base + n))
+        if all(_bindable(p) for p in ports[1:]):
+            taken.update(ports)
+            _handed_out.extend(ports[1:])
             return base
     raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 

@@ -154,3 +154,25 @@ def test_a_self_chosen_port_never_comes_from_the_ephemeral_range() -> None:
     assert 1024 <= lo < hi
     ports = {free_port_below_ephemeral() for _ in range(20)}
     assert all(max(1024, lo - 12000) <= p < lo for p in ports)
+
+
+def test_a_port_range_splits_between_the_two_pickers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DSV4_PORT_RANGE (runs side by side), ``free_port`` and ``free_ports`` pick from
+    its lower two thirds, ``free_port_below_ephemeral`` from the rest; none twice lately."""
+    from dsv4_common.process import free_port_below_ephemeral, port_range
+
+    monkeypatch.setenv("DSV4_PORT_RANGE", "41000-41299")
+    assert port_range() == (41000, 41299)
+    low = [free_port() for _ in range(60)]
+    assert all(41000 <= p < 41200 for p in low) and len(set(low)) == 60
+    base = free_ports(4, set())
+    assert base >= 41000 and base + 4 <= 41200 and not set(range(base, base + 4)) & set(low)
+    assert all(41200 <= free_port_below_ephemeral() <= 41299 for _ in range(20))
+
+
+@pytest.mark.parametrize("raw", ["41000", "a-b", "41000-41010", "80-1000", "60000-70000"])
+def test_a_malformed_port_range_is_an_error_naming_it(raw: str) -> None:
+    from dsv4_common.process import port_range
+
+    with pytest.raises(ValueError, match="DSV4_PORT_RANGE"):
+        port_range({"DSV4_PORT_RANGE": raw})
