@@ -279,10 +279,13 @@ def test_streams_under_a_grammar_move_and_stay_identical(stack: Stack) -> None:
             future = pool.submit(_structured, g.url, kind, _once_at(8, reached.set))
             assert reached.wait(timeout=600)
             victim = _busiest(g, decodes)
-            answer = httpx.post(f"{victim.url}/drain", timeout=10)
-            assert answer.status_code == 200 and answer.json()["migrating"] == 1, answer.text
-            ids, seen = future.result()
-        assert httpx.delete(f"{victim.url}/drain", timeout=5).status_code == 200
+            try:
+                answer = httpx.post(f"{victim.url}/drain", timeout=10)
+                assert answer.status_code == 200 and answer.json()["migrating"] == 1, answer.text
+                ids, seen = future.result()
+            finally:  # re-admitted even after a failure: the next tests share these engines
+                readmitted = httpx.delete(f"{victim.url}/drain", timeout=5).status_code
+        assert readmitted == 200
         _routable(g, decodes)
         assert ids == want_ids, kind
         assert _same_answer(seen) == _same_answer(want_seen), kind
