@@ -9,10 +9,13 @@ Each rank carries its name in the kernel (``ps`` shows ``dsv4-rank-1``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
+import os
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +39,14 @@ def _rank_entry(target: Callable[..., object], name: str, args: tuple[Any, ...])
     die_with_parent()
     _name_process(name)
     target(*args)
+    # The rank has cleaned up (its process groups destroyed): run Python's exit handlers (queue
+    # feeders, span exporters, logging), then skip the native teardown, whose static
+    # destructors abort ("terminate called without an active exception", exit -6) when a thread
+    # of the collective library outlives its peers' stop, as a rank on another node saw.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class LocalRanks:
