@@ -82,15 +82,15 @@ def _split(span: tuple[int, int]) -> int:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     span = port_range()
-    if span is not None:
-        port = _pick(span[0], _split(span))
-        if port is None:
-            raise RuntimeError(f"no free port in the lower part of {PORT_RANGE_ENV} {span}")
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port_: int = s.getsockname()[1]
-        return port_
+    if span is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            chosen: int = s.getsockname()[1]
+            return chosen
+    port = _pick(span[0], _split(span))
+    if port is None:
+        raise RuntimeError(f"no free port in the lower part of {PORT_RANGE_ENV} {span}")
+    return port
 
 
 def ephemeral_range() -> tuple[int, int]:
